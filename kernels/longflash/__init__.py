@@ -1,0 +1,20 @@
+"""LongFlash: exact, IO-aware attention.
+
+    import longflash
+    o = longflash.attention(q, k, v, causal=True)        # q: (batch, seqlen, nheads, headdim)
+    o = longflash.scaled_dot_product_attention(q, k, v)  # PyTorch's (batch, nheads, seqlen, headdim)
+
+Three implementations of one function: `reference` (materializes the N x N matrix;
+ground truth and naive baseline), `blockwise` (the tiled algorithm in PyTorch ops:
+exact attention in linear memory on any device) and `flash_triton` (the Triton
+kernels, for CUDA tensors). `attention(..., backend="auto" | "triton" | "torch")`
+chooses among them.
+"""
+
+from .interface import BACKENDS, attention, scaled_dot_product_attention
+from .reference import attention_ref
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "scaled_dot_product_attention", "attention_ref", "BACKENDS",
+           "__version__"]
