@@ -13,13 +13,23 @@ def accumulator_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Tests set this to True: every output is then allocated full of NaN, so an element that
+# a kernel forgets to write shows up as NaN instead of as stale memory.
+POISON_OUTPUTS = False
+
+
+def empty_like(x):
+    out = torch.empty_like(x)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
 def empty_outputs(q):
     """o like q, lse (batch, nheads, seqlen_q). Shared by every implementation and by the
     fake (meta) implementation of the custom op, so that strides always agree."""
     batch, seqlen_q, nheads, _ = q.shape
-    o = torch.empty_like(q)
+    o = empty_like(q)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=accumulator_dtype(q.dtype))
-    return o, lse
+    return o, lse.fill_(float("nan")) if POISON_OUTPUTS else lse
 
 
 def key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, causal):

@@ -23,7 +23,8 @@ functions take and return plain tensors.
 
 import torch
 
-from ._common import LN2, LOG2E, accumulator_dtype, empty_outputs, key_range, query_range
+from ._common import (LN2, LOG2E, accumulator_dtype, empty_like, empty_outputs, key_range,
+                      query_range)
 from .reference import causal_mask
 
 # Larger tiles than on a GPU: on a CPU each tile is a batched matmul and the
@@ -61,8 +62,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k, v, start_m, lo, hi, qk_scale, masked, s
 
 
 @torch.no_grad()
-def forward(q, k, v, causal, softmax_scale, block_m=BLOCK_M, block_n=BLOCK_N):
+def forward(q, k, v, causal, softmax_scale, block_m=None, block_n=None):
     """o: (batch, seqlen_q, nheads, headdim), lse: (batch, nheads, seqlen_q) natural log."""
+    block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
     _, seqlen_q, _, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     dtype = accumulator_dtype(q.dtype)
@@ -94,18 +96,18 @@ def forward(q, k, v, causal, softmax_scale, block_m=BLOCK_M, block_n=BLOCK_N):
 
 def _probs(q_i, k_j, lse2_i, qk_scale, masked, start_m, start_n, seqlen_q, seqlen_k):
     """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
-    qk = q_i @ k_j.transpose(-1, -2)  # (B, Hkv, G, BM, BN)
-    p = torch.exp2(qk * qk_scale - lse2_i[..., None])
+    qk = q_i @ k_j.transpose(-1, -2) * qk_scale  # (B, Hkv, G, BM, BN)
     if masked:
         mask = causal_mask(seqlen_q, seqlen_k, range(start_m, start_m + q_i.shape[-2]),
                            range(start_n, start_n + k_j.shape[-2]), q_i.device)
-        p = p.masked_fill(~mask, 0.0)
-    return p
+        qk = qk.masked_fill(~mask, float("-inf"))
+    return torch.exp2(qk - lse2_i[..., None])
 
 
 @torch.no_grad()
-def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale, block_m=BLOCK_M, block_n=BLOCK_N):
+def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale, block_m=None, block_n=None):
     """Gradients (dq, dk, dv) of sum(o * do) + sum(lse * dlse); dlse may be None."""
+    block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
     seqlen_q, seqlen_k, nheads_kv = q.shape[1], k.shape[1], k.shape[2]
     dtype = accumulator_dtype(q.dtype)
     qk_scale = softmax_scale * LOG2E
@@ -118,7 +120,7 @@ def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale, block_m=BLOCK_M, 
     q5, do5 = _grouped(q, nheads_kv), _grouped(do, nheads_kv)
     k5, v5 = _grouped(k, nheads_kv), _grouped(v, nheads_kv)
     lse2, delta = lse2.unflatten(1, (nheads_kv, -1)), delta.unflatten(1, (nheads_kv, -1))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     dq5 = _grouped(dq, nheads_kv)
     dk4, dv4 = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)  # (B, Hkv, Nk, D)
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, empty_outputs
+from ._common import LOG2E, empty_like, empty_outputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -230,11 +230,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
         lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         # -- recompute p^T from the saved lse --
-        qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        pT = tl.math.exp2(qkT * qk_scale - lse[None, :] * 1.4426950408889634)
+        qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # (BN, BM)
         if MASKED:
-            pT = tl.where(_visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, CAUSAL),
-                          pT, 0.0)
+            qkT = tl.where(_visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, CAUSAL),
+                           qkT, float("-inf"))
+        pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
         # -- dV += p^T dO --
         do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
@@ -307,11 +307,11 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
         k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         # -- recompute p from the saved lse --
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if MASKED:
-            p = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, CAUSAL),
-                         p, 0.0)
+            qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, CAUSAL),
+                          qk, float("-inf"))
+        p = tl.math.exp2(qk - lse[:, None])
         # -- dS = p * (dP - delta); dQ += dS k --
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -403,7 +403,7 @@ def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale):
     do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     meta = _meta(q, k, causal)

@@ -1,0 +1,157 @@
+"""The public API: bad input, the SDPA drop-in, backend choice, torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import longflash
+from longflash import interface
+from conftest import INTERPRET
+
+
+def qkv(b=2, nq=9, nk=11, h=4, hkv=2, d=16, dtype=torch.float32):
+    return (torch.randn(b, nq, h, d, dtype=dtype), torch.randn(b, nk, hkv, d, dtype=dtype),
+            torch.randn(b, nk, hkv, d, dtype=dtype))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+q0, k0, v0 = qkv()
+BAD_INPUTS = [
+    # (id, args, kwargs, exception, words the message must contain)
+    ("q-3d", (q0[0], k0, v0), {}, ValueError, ["q", "4 dimensions"]),
+    ("k-not-tensor", (q0, k0.tolist(), v0), {}, TypeError, ["k", "torch.Tensor"]),
+    ("batch", (q0, k0[:1], v0[:1]), {}, ValueError, ["batch"]),
+    ("headdim", (q0, k0[..., :8], v0[..., :8]), {}, ValueError, ["headdim"]),
+    ("k-v-shape", (q0, k0, v0[:, :5]), {}, ValueError, ["k and v"]),
+    ("headdim-too-big", qkv(d=320), {}, ValueError, ["headdim", "256"]),
+    ("gqa", qkv(h=4, hkv=3), {}, ValueError, ["nheads", "nheads_kv"]),
+    ("int-dtype", (q0.long(), k0.long(), v0.long()), {}, TypeError, ["q", "dtype", "float16"]),
+    ("mixed-dtype", (q0, k0.half(), v0.half()), {}, TypeError, ["same dtype"]),
+    ("device", (q0, k0.to("meta"), v0.to("meta")), {}, ValueError, ["same device"]),
+    ("scale-zero", (q0, k0, v0), {"softmax_scale": 0.0}, ValueError, ["softmax_scale"]),
+    ("scale-negative", (q0, k0, v0), {"softmax_scale": -1.0}, ValueError, ["softmax_scale"]),
+    ("scale-nan", (q0, k0, v0), {"softmax_scale": float("nan")}, ValueError, ["softmax_scale"]),
+    ("scale-str", (q0, k0, v0), {"softmax_scale": "0.1"}, TypeError, ["softmax_scale"]),
+    ("causal-int", (q0, k0, v0), {"causal": 1}, TypeError, ["causal", "bool"]),
+    ("backend", (q0, k0, v0), {"backend": "cuda"}, ValueError, ["backend", "triton", "torch"]),
+    ("triton-fp64", (q0.double(), k0.double(), v0.double()), {"backend": "triton"}, TypeError,
+     ["float64", "backend='torch'"]),
+]
+
+
+@pytest.mark.parametrize("args, kwargs, exc, words", [b[1:] for b in BAD_INPUTS],
+                         ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(args, kwargs, exc, words, monkeypatch):
+    # Nothing may run before the error: make both implementations explode if called.
+    def boom(*a, **k):
+        raise AssertionError("work started before validation")
+    monkeypatch.setattr(interface, "_implementation", boom)
+    with pytest.raises(exc) as info:
+        longflash.attention(*args, **kwargs)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+def test_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setattr(interface, "_TRITON_INTERPRET", False)
+    with pytest.raises(ValueError, match="CUDA"):
+        longflash.attention(*qkv(), backend="triton")
+
+
+def test_bf16_under_interpreter(monkeypatch):
+    monkeypatch.setattr(interface, "_TRITON_INTERPRET", True)
+    with pytest.raises(NotImplementedError, match="bfloat16"):
+        longflash.attention(*qkv(dtype=torch.bfloat16), backend="triton")
+
+
+@pytest.mark.parametrize("dtype, interpret, expected", [
+    (torch.float32, False, "torch"),
+    (torch.float32, True, "triton"),
+    (torch.float16, True, "triton"),
+    (torch.bfloat16, True, "torch"),   # the interpreter has no bf16 dot
+    (torch.float64, True, "torch"),
+])
+def test_auto_backend_on_cpu(dtype, interpret, expected, monkeypatch):
+    monkeypatch.setattr(interface, "_TRITON_INTERPRET", interpret)
+    assert interface._resolve_backend("auto", torch.empty(1, dtype=dtype)) == expected
+
+
+# ----------------------------------------------------------------------------- SDPA drop-in
+
+@pytest.mark.parametrize("nq, nk", [(13, 13), (7, 19), (19, 7)], ids=["square", "Nq<Nk", "Nq>Nk"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_sdpa_matches_pytorch(nq, nk, is_causal, gqa):
+    """PyTorch semantics, including top-left causal alignment when seqlen_q != seqlen_k."""
+    gen = torch.Generator().manual_seed(0)
+    hkv = 2 if gqa else 4
+    query = torch.randn(2, 4, nq, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    key = torch.randn(2, hkv, nk, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    value = torch.randn(2, hkv, nk, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    kwargs = dict(is_causal=is_causal, scale=0.3, enable_gqa=gqa)
+    out = longflash.scaled_dot_product_attention(query, key, value, **kwargs)
+    ref = F.scaled_dot_product_attention(query, key, value, **kwargs)
+    torch.testing.assert_close(out, ref)
+    do = torch.randn_like(ref)
+    for g, g_ref in zip(torch.autograd.grad(out, (query, key, value), do),
+                        torch.autograd.grad(ref, (query, key, value), do)):
+        torch.testing.assert_close(g, g_ref)
+
+
+def test_sdpa_default_scale_and_layout():
+    query, key, value = (x.transpose(1, 2) for x in qkv(h=2, hkv=2))
+    torch.testing.assert_close(longflash.scaled_dot_product_attention(query, key, value),
+                               F.scaled_dot_product_attention(query, key, value),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    ({"attn_mask": torch.ones(9, 11, dtype=torch.bool)}, NotImplementedError,
+     ["attn_mask", "scaled_dot_product_attention"]),
+    ({"dropout_p": 0.1}, NotImplementedError, ["dropout_p"]),
+    ({"enable_gqa": False}, ValueError, ["enable_gqa"]),
+], ids=["attn_mask", "dropout", "gqa-not-enabled"])
+def test_sdpa_refuses_what_it_cannot_honour(kwargs, exc, words):
+    query, key, value = (x.transpose(1, 2) for x in qkv(h=4, hkv=2))
+    with pytest.raises(exc) as info:
+        longflash.scaled_dot_product_attention(query, key, value, **kwargs)
+    assert all(w in str(info.value) for w in words)
+
+
+def test_sdpa_refuses_3d_and_value_headdim():
+    query, key, value = (x.transpose(1, 2) for x in qkv(h=2, hkv=2))
+    with pytest.raises(NotImplementedError, match="4-D"):
+        longflash.scaled_dot_product_attention(query[0], key[0], value[0])
+    with pytest.raises(NotImplementedError, match="value headdim"):
+        longflash.scaled_dot_product_attention(query, key, value[..., :8])
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if INTERPRET else []))
+def test_compile_fullgraph_forward_backward(backend):
+    """The custom ops are captured whole (fullgraph=True fails on any graph break)."""
+    torch._dynamo.reset()
+
+    def block(x, wq, wk, wv):
+        q, k, v = (x @ w for w in (wq, wk, wv))  # (B, N, H * D)
+        q, k, v = (t.unflatten(-1, (2, 16)) for t in (q, k, v))  # (B, N, H, D)
+        o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+        return o.flatten(-2).sum() + lse.sum()
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 21, 32, generator=gen)
+    ws = [torch.randn(32, 32, generator=gen, requires_grad=True) for _ in range(3)]
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    loss, loss_c = block(x, *ws), compiled(x, *ws)
+    torch.testing.assert_close(loss_c, loss)
+    for g, g_c in zip(torch.autograd.grad(loss, ws), torch.autograd.grad(loss_c, ws)):
+        torch.testing.assert_close(g_c, g)
+
+
+def test_opcheck():
+    """torch.library's own consistency checks of the op registration (fake vs real, autograd)."""
+    q, k, v = (x.requires_grad_() for x in qkv())
+    torch.library.opcheck(torch.ops.longflash.attention_forward.default,
+                          (q, k, v, True, 0.25, "torch"))

@@ -1,0 +1,183 @@
+"""Every implementation against the float64 reference: output, lse, dq, dk, dv.
+
+The tolerance rule (ARCHITECTURE.md): the error against float64 is at most twice the
+error of the same computation done by PyTorch in the input's precision, plus a floor.
+Shapes are odd on purpose: lengths that are not multiples of any block, seqlen_q !=
+seqlen_k both ways, GQA ratios 1, 2, 4, 8, head dims that are not powers of two.
+"""
+
+import pytest
+import torch
+
+import longflash
+from longflash import attention_ref, blockwise
+from conftest import INTERPRET, check_close
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 17, 17, 4, 2, 40),
+    (1, 97, 113, 4, 1, 59),
+    (1, 113, 97, 8, 1, 80),   # seqlen_q > seqlen_k: causal rows that see no key
+    (1, 33, 203, 2, 2, 96),
+    (1, 21, 37, 2, 2, 256),
+    (1, 19, 23, 2, 1, 8),     # below the kernel's minimum tile width of 16
+]
+
+
+def shape_id(shape):
+    b, nq, nk, h, hkv, d = shape
+    return f"B{b}-Nq{nq}-Nk{nk}-H{h}/{hkv}-D{d}"
+
+
+def make_inputs(shape, dtype, seed=0, device="cpu"):
+    b, nq, nk, h, hkv, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nq, h, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, nk, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, nk, hkv, d, generator=gen, dtype=torch.float64)
+    do = torch.randn(b, nq, h, d, generator=gen, dtype=torch.float64)
+    return [x.to(device=device, dtype=dtype).requires_grad_(x is not do) for x in (q, k, v, do)]
+
+
+def run(fn, q, k, v, do):
+    """Output, lse and the gradients of sum(o * do) with respect to q, k, v."""
+    o, lse = fn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    return o, lse, dq, dk, dv
+
+
+def check_against_reference(shape, dtype, causal, backend):
+    q, k, v, do = make_inputs(shape, dtype)
+    got = run(lambda q, k, v: longflash.attention(q, k, v, causal=causal, return_lse=True,
+                                                  backend=backend), q, k, v, do)
+    lowp = run(lambda q, k, v: attention_ref(q, k, v, causal=causal, upcast=False), q, k, v, do)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = run(lambda q, k, v: attention_ref(q, k, v, causal=causal), *x64, do.double())
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        assert a.dtype == (torch.float32 if name == "lse" else dtype)
+        check_close(name, a, b, r)
+
+
+@pytest.fixture(params=[(16, 32), (32, 16), (None, None)], ids=["tile16x32", "tile32x16", "tile-default"])
+def small_tiles(request, monkeypatch):
+    """Small blockwise tiles, so that short sequences span many blocks."""
+    block_m, block_n = request.param
+    if block_m:
+        monkeypatch.setattr(blockwise, "BLOCK_M", block_m)
+        monkeypatch.setattr(blockwise, "BLOCK_N", block_n)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_torch_path(small_tiles, dtype, shape, causal):
+    check_against_reference(shape, dtype, causal, backend="torch")
+
+
+TRITON_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4], SHAPES[6]]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", TRITON_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_interpreter(dtype, shape, causal):
+    check_against_reference(shape, dtype, causal, backend="triton")
+
+
+BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lse_gradient(backend):
+    """Gradients flow through the returned lse as well as through the output."""
+    q, k, v, do = make_inputs((1, 37, 29, 2, 1, 32), torch.float32)
+    dlse = torch.randn(1, 2, 37, dtype=torch.float64)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    o_ref, lse_ref = attention_ref(*x64, causal=True)
+    finite = torch.isfinite(lse_ref)
+    loss = (o * do).sum() + (lse[finite] * dlse[finite].float()).sum()
+    loss_ref = (o_ref * do.double()).sum() + (lse_ref[finite] * dlse[finite]).sum()
+    for g, g_ref in zip(torch.autograd.grad(loss, (q, k, v)), torch.autograd.grad(loss_ref, x64)):
+        torch.testing.assert_close(g.double(), g_ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_without_keys(backend):
+    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see nothing."""
+    q, k, v, do = make_inputs((1, 40, 9, 2, 2, 16), torch.float32)
+    o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    assert torch.equal(o[:, :31], torch.zeros_like(o[:, :31]))
+    assert torch.isneginf(lse[:, :, :31]).all() and torch.isfinite(lse[:, :, 31:]).all()
+    assert torch.equal(dq[:, :31], torch.zeros_like(dq[:, :31]))
+    assert all(torch.isfinite(g).all() for g in (o, dq, dk, dv))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_key_sequence(backend):
+    """seqlen_k = 0: no row sees a key, so o = 0, lse = -inf and dq = 0."""
+    q = torch.randn(2, 5, 2, 16, requires_grad=True)
+    k = torch.randn(2, 0, 1, 16, requires_grad=True)
+    v = torch.randn(2, 0, 1, 16, requires_grad=True)
+    o, lse = longflash.attention(q, k, v, return_lse=True, backend=backend)
+    (dq,) = torch.autograd.grad(o.sum(), (q,))
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    assert torch.equal(dq, torch.zeros_like(dq))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 0, 7, 2, 1, 16), (0, 7, 7, 2, 1, 16)], ids=["Nq0", "B0"])
+def test_empty_queries(backend, shape):
+    q, k, v, do = make_inputs(shape, torch.float32)
+    o, lse = longflash.attention(q, k, v, return_lse=True, backend=backend)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    assert o.shape == q.shape and lse.shape == (shape[0], shape[3], shape[1])
+    assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(backend):
+    """(batch, nheads, seqlen, headdim) tensors transposed to the API layout, and a
+    non-contiguous last dim, give the same result as contiguous copies."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 19, 32, generator=gen).transpose(1, 2)
+    k = torch.randn(2, 3, 23, 32, generator=gen).transpose(1, 2)
+    v = torch.randn(2, 3, 64, 23, generator=gen).permute(0, 3, 1, 2)[..., ::2]
+    assert not q.is_contiguous() and v.stride(-1) != 1
+    o = longflash.attention(q, k, v, causal=True, backend=backend)
+    o_ref = longflash.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
+                                backend=backend)
+    torch.testing.assert_close(o, o_ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_is_deterministic(backend):
+    q, k, v, do = make_inputs((1, 45, 51, 4, 1, 32), torch.float16)
+    grads = [torch.autograd.grad(longflash.attention(q, k, v, causal=True, backend=backend),
+                                 (q, k, v), do) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_gradcheck_float64():
+    """Finite differences on the blockwise path (float64, several blocks)."""
+    q, k, v, _ = make_inputs((1, 7, 9, 2, 1, 4), torch.float64)
+
+    def fn(q, k, v):
+        o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend="torch")
+        return o, lse[torch.isfinite(lse)]
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compares the two CPU paths")
+def test_backends_agree():
+    q, k, v, do = make_inputs((2, 29, 31, 4, 2, 24), torch.float32)
+    a = run(lambda *x: longflash.attention(*x, causal=True, return_lse=True, backend="torch"),
+            q, k, v, do)
+    b = run(lambda *x: longflash.attention(*x, causal=True, return_lse=True, backend="triton"),
+            q, k, v, do)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=1e-5)
