@@ -47,8 +47,8 @@ def run(fn, q, k, v, do):
     return o, lse, dq, dk, dv
 
 
-def check_against_reference(shape, dtype, causal, backend):
-    q, k, v, do = make_inputs(shape, dtype)
+def check_against_reference(shape, dtype, causal, backend, device="cpu"):
+    q, k, v, do = make_inputs(shape, dtype, device=device)
     got = run(lambda q, k, v: longflash.attention(q, k, v, causal=causal, return_lse=True,
                                                   backend=backend), q, k, v, do)
     lowp = run(lambda q, k, v: attention_ref(q, k, v, causal=causal, upcast=False), q, k, v, do)

@@ -1,0 +1,1 @@
+"""LongFlash experiments: one script per research question, plus their shared helpers."""

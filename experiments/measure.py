@@ -1,0 +1,154 @@
+"""The one timing function and the one memory function that every experiment uses.
+
+    t, p20, p80 = time_ms(lambda: attention(q, k, v), q.device)    # milliseconds
+    mem = peak_memory_mb(lambda: attention(q, k, v), q.device)      # MiB above the start
+    try: ... except Exception as e: status = "oom" if is_oom(e) else "error"
+
+Build the inputs outside fn: only the call itself is timed (and, on CPU, only what fn
+allocates counts as its memory).
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+import torch
+
+MB = 2**20  # peak_mem_mb is in MiB, like torch.cuda.max_memory_allocated() / 2**20
+
+
+def time_ms(fn, device, warmup=25, rep=100, quantiles=(0.5, 0.2, 0.8)):
+    """Time fn() in milliseconds: one value per quantile, by default (median, p20, p80).
+
+    CUDA: `triton.testing.do_bench` (CUDA events, L2 flushed between runs) with warmup / rep
+    in ms; keyword arguments only, since the positional order changed across Triton 3.x.
+    Other devices: wall clock (time.perf_counter) per call, after warm-up calls for at least
+    `warmup` ms (at least one), over at least `rep` ms and at least 5 calls.
+    """
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+        out = do_bench(fn, warmup=warmup, rep=rep, quantiles=list(quantiles))
+        return tuple(float(x) for x in (out if isinstance(out, (list, tuple)) else [out]))
+
+    start = time.perf_counter()
+    fn()
+    while (time.perf_counter() - start) * 1e3 < warmup:
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start) * 1e3 < rep:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return tuple(float(x) for x in np.quantile(times, quantiles))
+
+
+def _proc_status_kb(field):
+    """A 'VmRSS' / 'VmHWM' line of /proc/self/status, in kB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _child_peak_kb(fn):
+    """In the forked child: how far fn raises the resident set above where it started (kB)."""
+    # libgomp's thread pool does not survive fork(): an OpenMP region in the child can hang
+    # forever if the parent used one. Single-threaded ops never enter one.
+    torch.set_num_threads(1)
+    try:
+        # Linux >= 4.0: "5" resets this process's high-water mark (VmHWM) to its current RSS.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the baseline is the inherited high-water mark (see peak_memory_mb)
+    before = max(_proc_status_kb("VmHWM"), _proc_status_kb("VmRSS"))
+    fn()
+    return _proc_status_kb("VmHWM") - before
+
+
+def peak_memory_mb(fn, device):
+    """Peak extra memory (MiB) while fn() runs, above what was in use when it was called.
+
+    CUDA: max_memory_allocated() - memory_allocated() around fn, from the caching allocator
+    (tensors only; the allocator's reserve and the CUDA context are not counted).
+
+    CPU (Linux): fn runs in a forked child (so the parent's own high-water mark is untouched),
+    which reports the growth of its resident set: VmHWM after fn minus RSS before, with the
+    high-water mark first reset through /proc/self/clear_refs. Notes:
+    - getrusage's ru_maxrss is not used: it carries the high-water mark of the parent across
+      fork and exec, so a child of a big process (pytest, a notebook) would under-report.
+    - if the reset is not permitted (kernel < 4.0, some sandboxes) the child's high-water mark
+      starts at what it inherited, and the result is the growth above that: exact only when
+      fn's peak exceeds it. Then measure in a fresh subprocess.
+    - the child runs single-threaded (see _child_peak_kb), so per-thread buffers are missing,
+      and code pages first touched by fn count as its memory (a few MiB at most).
+    - if the child raises, RuntimeError with its traceback (is_oom() sees "can't allocate
+      memory" in it); if it is killed (SIGKILL: the kernel's OOM killer), RuntimeError saying
+      "out of memory".
+    Other operating systems: NaN.
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / MB
+    if not sys.platform.startswith("linux"):
+        return float("nan")
+
+    sys.stdout.flush()
+    sys.stderr.flush()  # or buffered text would be written twice, once by each process
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns that fork() of a multi-threaded process may deadlock: the
+        # OpenMP case is handled in the child, and the child runs nothing else.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # child: never returns into the caller's code
+        try:
+            os.close(read_fd)
+            try:
+                msg = ["ok", _child_peak_kb(fn)]
+            except BaseException:
+                msg = ["error", traceback.format_exc()]
+            with os.fdopen(write_fd, "w") as f:
+                f.write(json.dumps(msg))
+        finally:
+            os._exit(0)
+
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        data = f.read()  # until the child closes its end, so a large message cannot block it
+    _, wait_status = os.waitpid(pid, 0)
+    if not data:
+        if os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == 9:
+            raise RuntimeError("peak_memory_mb: the child was killed by SIGKILL, which on Linux "
+                               "means out of memory (the kernel's OOM killer)")
+        raise RuntimeError(f"peak_memory_mb: the child died without a result ({wait_status=})")
+    kind, payload = json.loads(data)
+    if kind == "error":
+        raise RuntimeError(f"peak_memory_mb: fn raised in the measuring child:\n{payload}")
+    return payload * 1024 / MB
+
+
+def is_oom(exc):
+    """True if exc means out of memory (record status "oom"), False for any other failure.
+
+    torch.OutOfMemoryError / torch.cuda.OutOfMemoryError, any MemoryError (Python raises it
+    with an empty message), and RuntimeErrors saying "out of memory" (CUDA) or "can't
+    allocate memory" (PyTorch's CPU allocator).
+    """
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t)
+    if isinstance(exc, oom_types + (MemoryError,)):
+        return True
+    message = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in message
+                                              or "can't allocate memory" in message)

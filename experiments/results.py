@@ -1,0 +1,271 @@
+"""Results in the one long-format schema of ARCHITECTURE.md, with provenance, plus FLOP counts.
+
+One row per measurement:
+
+    experiment, provider, mode, dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim,
+    causal, metric, value, unit, p20, p80, status          (COLUMNS)
+    device, torch, triton, python, git_commit, git_dirty,
+    timestamp, command                                      (PROVENANCE_COLUMNS)
+
+    rows = [dict(experiment="speedup", provider="longflash", mode="fwd", dtype="float16",
+                 batch=2, seqlen_q=1024, seqlen_k=1024, nheads=8, nheads_kv=8, headdim=64,
+                 causal=True, metric="time_ms", value=0.41, unit="ms", p20=0.40, p80=0.42,
+                 status="ok")]
+    write_results(rows, "results/speedup/h100.csv")   # validate, merge by key, write atomically
+    df = read_results("results/speedup/*.csv")
+
+A row is identified by KEY_COLUMNS; writing a row whose key is already in the file replaces it,
+so re-running a configuration never duplicates it. A failed configuration is a row with status
+"oom" / "error" / "unsupported" and value NaN, not a missing row.
+"""
+
+import datetime
+import glob
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pandas as pd
+import torch
+
+COLUMNS = ["experiment", "provider", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "nheads",
+           "nheads_kv", "headdim", "causal", "metric", "value", "unit", "p20", "p80", "status"]
+PROVENANCE_COLUMNS = ["device", "torch", "triton", "python", "git_commit", "git_dirty",
+                      "timestamp", "command"]
+# Rows with equal keys are the same measurement (on the same device); the rest is its outcome.
+KEY_COLUMNS = [c for c in COLUMNS
+               if c not in ("value", "unit", "p20", "p80", "status")] + ["device"]
+
+PROVIDERS = ["longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
+             "flex", "sdpa_cpu"]
+MODES = ["fwd", "bwd", "fwd_bwd"]
+STATUSES = ["ok", "oom", "error", "unsupported"]
+# Metrics are open: experiments document their own names in their docstring.
+STANDARD_METRICS = ["time_ms", "tflops", "peak_mem_mb"]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- provenance --------------------------------------------------------------------------------
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git(*args):
+    """stdout of `git <args>` in the repository holding this file; None if git fails."""
+    try:
+        out = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def provenance(command=None):
+    """Where and how a result was produced: a dict with one entry per PROVENANCE_COLUMNS.
+
+    device: the CUDA device name if CUDA is available, else the CPU model. An experiment that
+    measures on the CPU of a GPU machine puts its own `device` in the rows (it is kept).
+    git_dirty: True if `git status --porcelain` lists anything (untracked files included),
+    "unknown" if git fails. command: default the command line of this process.
+    """
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # not installed, or broken on this platform
+        triton_version = "none"
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain")
+    if command is None:
+        # orig_argv keeps "python3 -m experiments.speedup ..."; argv would show the file path.
+        command = shlex.join(getattr(sys, "orig_argv", sys.argv))
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git_commit": commit.strip() if commit else "unknown",
+        "git_dirty": bool(status.strip()) if status is not None else "unknown",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+
+
+# -- writing and reading -----------------------------------------------------------------------
+
+def _key_str(x):
+    """One cell of a key as a string that survives a CSV round trip (64, 64.0 and "64" agree)."""
+    if x is None or (isinstance(x, (float, np.floating)) and math.isnan(x)):
+        return ""
+    if isinstance(x, (bool, np.bool_)):
+        return str(bool(x))
+    if isinstance(x, (float, np.floating)) and float(x).is_integer():
+        return str(int(x))
+    return str(x)
+
+
+def _keys(df):
+    """(rows,) Series of strings, one per row, joining its KEY_COLUMNS."""
+    cols = [df[c].map(_key_str) for c in KEY_COLUMNS]
+    return cols[0].str.cat(cols[1:], sep="\x1f")
+
+
+def _validate(df):
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"rows are missing measurement columns {missing}; expected {COLUMNS}")
+    for col, accepted in (("provider", PROVIDERS), ("mode", MODES), ("status", STATUSES)):
+        bad = sorted(set(df[col].astype(str)) - set(accepted))
+        if bad:
+            raise ValueError(f"{col} {bad[0]!r} is not one of {accepted}")
+    value = pd.to_numeric(df["value"], errors="coerce").to_numpy(dtype=float)
+    bad = (df["status"] == "ok").to_numpy() & ~np.isfinite(value)
+    if bad.any():
+        row = df[bad].iloc[0]
+        raise ValueError(f"a row with status 'ok' needs a finite value, got {row['value']!r} "
+                         f"for {row[[c for c in KEY_COLUMNS if c in df.columns]].to_dict()}")
+
+
+def write_results(rows, path, command=None):
+    """Validate rows, merge them into the CSV at path by key, and write it atomically.
+
+    rows: a list of dicts or a DataFrame with at least COLUMNS. Provenance columns missing
+    from the rows (or empty in some) are filled with `provenance(command)`.
+    Rows whose KEY_COLUMNS match a row already in the file replace it; the others are kept.
+    Raises ValueError, before the file is touched, for missing columns, a provider / mode /
+    status outside the vocabulary, a non-finite value with status "ok", or duplicate keys.
+    Returns the whole merged table, columns ordered COLUMNS + PROVENANCE_COLUMNS + extras.
+    """
+    df = pd.DataFrame(rows, copy=True).reset_index(drop=True)  # never modify the caller's frame
+    if df.empty:
+        raise ValueError(f"no rows to write to {path}")
+    _validate(df)
+    # torch.float16 -> "float16", so a dtype object and its name make the same key.
+    df["dtype"] = df["dtype"].map(lambda d: str(d).removeprefix("torch.")
+                                  if isinstance(d, torch.dtype) else d)
+    if any(c not in df.columns or df[c].isna().any() for c in PROVENANCE_COLUMNS):
+        prov = provenance(command)
+        for c in PROVENANCE_COLUMNS:
+            if c not in df.columns:
+                df[c] = prov[c]
+            else:
+                df[c] = df[c].astype(object).where(df[c].notna(), prov[c])
+
+    keys = _keys(df)
+    dup = keys[keys.duplicated()]
+    if len(dup):
+        first = df.loc[dup.index[0], KEY_COLUMNS].to_dict()
+        raise ValueError(f"duplicate key in the new rows: {first}")
+    merged = df
+    if os.path.exists(path):
+        old = pd.read_csv(path)
+        missing = [c for c in KEY_COLUMNS if c not in old.columns]
+        if missing:
+            raise ValueError(f"{path} lacks key columns {missing}; not a results file?")
+        kept = old[~_keys(old).isin(set(keys))]
+        if len(kept):
+            merged = pd.concat([kept, df], ignore_index=True)
+    extras = sorted(set(merged.columns) - set(COLUMNS) - set(PROVENANCE_COLUMNS))
+    merged = merged[COLUMNS + PROVENANCE_COLUMNS + extras]
+
+    # Temp file in the same directory, so os.replace is an atomic rename: a reader (or a
+    # crash) sees the old file or the new one, never half of one.
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = tempfile.NamedTemporaryFile("w", delete=False, dir=directory, newline="",
+                                      prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with tmp:
+            merged.to_csv(tmp, index=False)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates 0600; results are shared files
+        os.replace(tmp.name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp.name)
+        except FileNotFoundError:
+            pass
+        raise
+    return merged
+
+
+def read_results(paths):
+    """Concatenate results CSVs: one path, a glob pattern, or a list of either.
+
+    Adds a `source` column with each row's file name (for example "h100.csv").
+    Raises FileNotFoundError if a pattern matches nothing.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = []
+    for p in map(os.fspath, paths):
+        if any(ch in p for ch in "*?["):
+            matched = sorted(glob.glob(p))
+            if not matched:
+                raise FileNotFoundError(f"no results file matches {p!r}")
+            files += matched
+        else:
+            files.append(p)
+    return pd.concat([pd.read_csv(f).assign(source=os.path.basename(f)) for f in files],
+                     ignore_index=True)
+
+
+# -- FLOPs -------------------------------------------------------------------------------------
+
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 2.5x forward
+
+
+def causal_pairs(seqlen_q, seqlen_k):
+    """Number of (query, key) pairs visible under the bottom-right-aligned causal mask.
+
+    Query i sees key j iff j <= i + seqlen_k - seqlen_q (1 = visible):
+
+        seqlen_q=2, seqlen_k=5:   seqlen_q=5, seqlen_k=2:
+            1 1 1 1 0                 0 0
+            1 1 1 1 1                 0 0
+                                      0 0
+                                      1 0
+                                      1 1
+
+    Row counts are consecutive integers ending at seqlen_k (the last row sees every key), so
+    the total is 1 + ... + seqlen_k minus the rows cut off above: 1 + ... + (seqlen_k - seqlen_q).
+    """
+    cut = max(seqlen_k - seqlen_q, 0)
+    return seqlen_k * (seqlen_k + 1) // 2 - cut * (cut + 1) // 2
+
+
+def flops(batch, seqlen_q, seqlen_k, nheads, headdim, causal, mode):
+    """FLOPs of attention, FlashAttention convention: forward 4 * B * H * Nq * Nk * D (QK^T and
+    PV, 2 FLOPs per multiply-add), backward 2.5x forward, fwd_bwd 3.5x forward.
+
+    causal: halved when seqlen_q == seqlen_k (the papers' convention, so TFLOPs compare with
+    theirs); otherwise the visible pairs are counted exactly (`causal_pairs`). nheads counts
+    query heads (with GQA the work scales with them, not with nheads_kv).
+    """
+    if mode not in MODE_FLOP_FACTOR:
+        raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    if not causal:
+        pairs = seqlen_q * seqlen_k
+    elif seqlen_q == seqlen_k:
+        pairs = seqlen_q * seqlen_k / 2
+    else:
+        pairs = causal_pairs(seqlen_q, seqlen_k)
+    return 4.0 * batch * nheads * headdim * pairs * MODE_FLOP_FACTOR[mode]
+
+
+def tflops(flop_count, time_ms):
+    """Throughput in TFLOP/s (1e12 FLOP per second) of flop_count FLOPs done in time_ms ms."""
+    return flop_count / (time_ms * 1e-3) / 1e12

@@ -1,0 +1,199 @@
+"""The helpers every experiment uses: results schema and writing, FLOP counts, timing, memory."""
+
+import datetime
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from experiments.measure import is_oom, time_ms
+from experiments.results import (COLUMNS, KEY_COLUMNS, PROVENANCE_COLUMNS, causal_pairs, flops,
+                                 provenance, read_results, tflops, write_results)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_row(seqlen=128, value=1.0, status="ok", **overrides):
+    row = dict(experiment="speedup", provider="longflash", mode="fwd", dtype="float16", batch=2,
+               seqlen_q=seqlen, seqlen_k=seqlen, nheads=4, nheads_kv=2, headdim=64, causal=True,
+               metric="time_ms", value=value, unit="ms", p20=value, p80=value, status=status)
+    row.update(overrides)
+    return row
+
+
+def files_under(path):
+    return sorted(os.path.relpath(os.path.join(d, f), path)
+                  for d, _, names in os.walk(path) for f in names)
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+def test_write_replaces_by_key_and_leaves_no_temp_files(tmp_path):
+    path = tmp_path / "speedup" / "cpu.csv"  # the folder does not exist yet
+    write_results([make_row(128, 1.0), make_row(256, 2.0),
+                   make_row(512, float("nan"), status="oom")], path, command="first")
+    # Second batch: seqlen 256 measured again (and dtype given as a torch.dtype, which must
+    # match "float16" after the CSV round trip), seqlen 1024 new.
+    merged = write_results([make_row(256, 20.0, dtype=torch.float16), make_row(1024, 4.0)],
+                           path, command="second")
+
+    assert files_under(tmp_path) == [os.path.join("speedup", "cpu.csv")]
+    df = pd.read_csv(path)
+    assert list(df.columns) == COLUMNS + PROVENANCE_COLUMNS == list(merged.columns)
+    assert len(df) == len(merged) == 4
+    assert not df.duplicated(KEY_COLUMNS).any()
+    by_seqlen = df.set_index("seqlen_q")
+    assert sorted(by_seqlen.index) == [128, 256, 512, 1024]
+    assert by_seqlen.loc[256, "value"] == 20.0 and by_seqlen.loc[256, "command"] == "second"
+    assert by_seqlen.loc[128, "value"] == 1.0 and by_seqlen.loc[128, "command"] == "first"
+    assert by_seqlen.loc[512, "status"] == "oom" and math.isnan(by_seqlen.loc[512, "value"])
+    assert by_seqlen.loc[1024, "value"] == 4.0
+
+
+def test_write_keeps_given_provenance_and_extra_columns(tmp_path):
+    path = tmp_path / "r.csv"
+    df = write_results([make_row(device="my CPU", block_m=64)], path)
+    assert df.loc[0, "device"] == "my CPU"
+    assert list(df.columns) == COLUMNS + PROVENANCE_COLUMNS + ["block_m"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(provider="flash3"), r"provider 'flash3' is not one of \['longflash'"),
+    (dict(mode="forward"), r"mode 'forward' is not one of \['fwd', 'bwd', 'fwd_bwd'\]"),
+    (dict(status="crashed"), r"status 'crashed' is not one of \['ok', 'oom'"),
+    (dict(value=float("nan")), r"status 'ok' needs a finite value"),
+    (dict(value=float("inf")), r"status 'ok' needs a finite value"),
+    (dict(headdim=None), None),  # removed below: a missing column
+    ("duplicate", r"duplicate key"),
+], ids=["provider", "mode", "status", "ok-nan", "ok-inf", "missing-column", "duplicate"])
+def test_invalid_rows_raise_and_leave_file_untouched(tmp_path, bad, message):
+    path = tmp_path / "r.csv"
+    write_results([make_row(128)], path)
+    before = path.read_bytes()
+    if bad == "duplicate":
+        rows = [make_row(256, 1.0), make_row(256, 2.0)]
+    elif message is None:
+        rows = [make_row(256)]
+        del rows[0]["headdim"]
+        message = r"missing measurement columns \['headdim'\]"
+    else:
+        rows = [make_row(256, **bad)]
+    with pytest.raises(ValueError, match=message):
+        write_results(rows, path)
+    assert path.read_bytes() == before
+    assert files_under(tmp_path) == ["r.csv"]
+
+
+def test_provenance_columns():
+    prov = provenance()
+    assert list(prov) == PROVENANCE_COLUMNS
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["git_commit"]) or prov["git_commit"] == "unknown"
+    assert prov["git_dirty"] in (True, False, "unknown")
+    assert prov["torch"] == torch.__version__ and prov["device"]
+    stamp = datetime.datetime.fromisoformat(prov["timestamp"])
+    assert stamp.utcoffset() == datetime.timedelta(0)
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - stamp).total_seconds()) < 60
+    assert provenance("python -m experiments.speedup")["command"] == "python -m experiments.speedup"
+
+
+def test_read_results_concatenates_with_source(tmp_path):
+    write_results([make_row(128)], tmp_path / "cpu.csv")
+    write_results([make_row(128, device="NVIDIA H100 80GB HBM3"), make_row(256)],
+                  tmp_path / "h100.csv")
+    df = read_results(str(tmp_path / "*.csv"))
+    assert len(df) == 3 and sorted(df["source"]) == ["cpu.csv", "h100.csv", "h100.csv"]
+    assert len(read_results([tmp_path / "cpu.csv"])) == 1
+    with pytest.raises(FileNotFoundError):
+        read_results(str(tmp_path / "nothing*.csv"))
+
+
+# -- FLOPs -------------------------------------------------------------------------------------
+
+def test_flops_non_causal_and_modes():
+    fwd = flops(2, 1024, 512, 8, 64, causal=False, mode="fwd")
+    assert fwd == 4 * 2 * 8 * 1024 * 512 * 64
+    assert flops(2, 1024, 512, 8, 64, False, "bwd") == 2.5 * fwd
+    assert flops(2, 1024, 512, 8, 64, False, "fwd_bwd") == 3.5 * fwd
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="mode 'backward'"):
+        flops(1, 1, 1, 1, 1, False, "backward")
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 7), (7, 1), (17, 5), (5, 17),
+                                                (13, 13), (97, 113), (113, 97), (203, 1025)])
+def test_causal_pairs_match_the_mask(seqlen_q, seqlen_k):
+    # Bottom-right alignment: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.int64).tril(diagonal=seqlen_k - seqlen_q)
+    visible = int(mask.sum())
+    assert causal_pairs(seqlen_q, seqlen_k) == visible
+    causal = flops(3, seqlen_q, seqlen_k, 2, 40, causal=True, mode="fwd")
+    if seqlen_q == seqlen_k:
+        # The papers' convention: exactly half; the mask has the diagonal on top of that.
+        assert causal == flops(3, seqlen_q, seqlen_k, 2, 40, causal=False, mode="fwd") / 2
+        assert visible == seqlen_q * seqlen_q / 2 + seqlen_q / 2
+    else:
+        assert causal == 4 * 3 * 2 * 40 * visible
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+def test_time_ms_cpu_sleep():
+    calls = []
+
+    def fn():
+        calls.append(None)
+        time.sleep(0.002)
+
+    median, p20, p80 = time_ms(fn, "cpu", warmup=5, rep=30)
+    assert 2.0 <= median < 50.0
+    assert p20 <= median <= p80
+    assert len(calls) >= 1 + 5
+
+
+def test_is_oom():
+    assert is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("CUDA error: out of memory"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to ..."))
+    assert is_oom(MemoryError())
+    assert not is_oom(RuntimeError("shape mismatch"))
+    assert not is_oom(ValueError("causal must be a bool"))
+
+
+PEAK_SCRIPT = """
+import json, torch
+from experiments.measure import is_oom, peak_memory_mb
+out = {}
+out["big"] = peak_memory_mb(lambda: torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1), "cpu")
+out["noop"] = peak_memory_mb(lambda: None, "cpu")
+for name, fn in [("error", lambda: 1 / 0), ("oom", lambda: torch.empty(2**62, dtype=torch.uint8))]:
+    try:
+        peak_memory_mb(fn, "cpu")
+    except RuntimeError as e:
+        out[name] = [str(e), is_oom(e)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork + /proc: Linux only")
+def test_peak_memory_mb_cpu_in_fresh_process():
+    # A fresh interpreter, so that what this test process has allocated before cannot matter.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [REPO, os.path.join(REPO, "kernels"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(out)
+    assert 180 <= out["big"] <= 260  # 200 MiB, touched
+    assert 0 <= out["noop"] < 20
+    message, oom = out["error"]
+    assert "ZeroDivisionError" in message and not oom
+    message, oom = out["oom"]
+    assert oom, message

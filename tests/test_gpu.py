@@ -1,0 +1,46 @@
+"""GPU tests (marker `gpu`; skipped without CUDA): the Triton kernels in fp16 and bf16 at
+lengths up to 16K, head dims 64, 128, 256, causal and not, against the float64 reference.
+
+The float64 reference runs on the GPU here (IEEE float64, as on the CPU) because at
+16K tokens the CPU would take minutes per case.
+"""
+
+import pytest
+import torch
+
+import longflash
+from test_correctness import check_against_reference, shape_id
+
+pytestmark = pytest.mark.gpu
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
+GPU_SHAPES = [
+    (1, 16384, 16384, 2, 1, 128),
+    (2, 4096, 4096, 4, 4, 64),
+    (1, 4096, 4096, 2, 2, 256),
+    (2, 1025, 2049, 6, 2, 80),
+    (3, 977, 513, 4, 1, 96),
+    (1, 113, 203, 8, 8, 40),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_gpu(dtype, shape, causal):
+    check_against_reference(shape, dtype, causal, backend="triton", device="cuda")
+
+
+def test_auto_uses_triton_on_cuda():
+    from longflash import interface
+    assert interface._resolve_backend("auto", torch.empty(1, device="cuda")) == "triton"
+
+
+def test_compile_inductor_gpu():
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 1000, 4, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    fn = torch.compile(lambda q, k, v: longflash.attention(q, k, v, causal=True).float().sum(),
+                       fullgraph=True)
+    eager = longflash.attention(q, k, v, causal=True).float().sum()
+    torch.testing.assert_close(fn(q, k, v), eager)
