@@ -58,18 +58,24 @@ def _configs():
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles that cannot fit the head dim in shared memory or registers."""
+    """Drop tiles whose Q tile plus pipelined K/V tiles cannot fit in this GPU's shared
+    memory (about 164 KiB on A100, 227 KiB on H100), so one space serves Ampere and Hopper."""
     block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    kept = [
-        c for c in configs
-        if block_d <= 64
-        or (block_d <= 128 and c.kwargs["BLOCK_N"] <= 64 and c.num_stages <= 3)
-        or (c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 32 and c.num_stages <= 2)
-    ]
-    return kept or configs[:1]
+    q = named_args["Q"]
+    try:
+        limit = triton.runtime.driver.active.utils.get_device_properties(
+            q.device.index)["max_shared_mem"]
+    except (AttributeError, KeyError, TypeError):  # another driver API: the autotuner itself
+        return configs                              # skips configs that run out of resources
+    kept = [c for c in configs
+            if (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"] * c.num_stages) * block_d
+            * q.element_size() <= limit]
+    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages))]
 
 
 def _autotune(fn):
+    if _INTERPRET:  # one config: nothing to prune or benchmark
+        return triton.autotune(configs=_configs(), key=[])(fn)
     # Keyed on the head dim, causality and the sequence lengths rounded to a power of
     # two, so variable-length workloads do not re-tune for every length.
     return triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "seqlen_bucket"],
@@ -83,6 +89,37 @@ def _visible(offs_m, offs_n, seqlen_q, seqlen_k, CAUSAL: tl.constexpr):
     if CAUSAL:
         mask = mask & (offs_n <= offs_m + (seqlen_k - seqlen_q))
     return mask
+
+
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Keys of query block start_m, as _common.key_range: [0, full_hi) unmasked,
+    [full_hi, hi) masked, the rest never visible."""
+    if CAUSAL:
+        offset = seqlen_k - seqlen_q
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), seqlen_k)
+        full_hi = tl.minimum(tl.maximum(start_m + offset + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
+    else:
+        hi = seqlen_k
+        full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Queries of key block start_n, as _common.query_range: [lo, full_lo) masked,
+    [full_lo, seqlen_q) unmasked, below lo never visible."""
+    if CAUSAL:
+        offset = seqlen_k - seqlen_q
+        lo = tl.minimum(tl.maximum(start_n - offset, 0), seqlen_q) // BLOCK_M * BLOCK_M
+        full_lo = tl.maximum(start_n + BLOCK_N - 1 - offset, lo)
+        full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo
 
 
 @triton.jit
@@ -175,14 +212,7 @@ def _attn_fwd(Q, K, V, O, LSE, qk_scale,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # -- key range (same as _common.key_range): [0, full_hi) unmasked, [full_hi, hi) masked --
-    if CAUSAL:
-        offset = seqlen_k - seqlen_q
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), seqlen_k)
-        full_hi = tl.minimum(tl.maximum(start_m + offset + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = seqlen_k
-        full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, 0,
                                     full_hi, qk_scale, seqlen_q, seqlen_k, CAUSAL, False, HEAD_DIM,
                                     BLOCK_D, BLOCK_M, BLOCK_N, INPUT_PRECISION)
@@ -266,15 +296,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, qk_scale, softmax_scale,
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # -- query range (same as _common.query_range): [lo, full_lo) masked, then unmasked --
-    if CAUSAL:
-        offset = seqlen_k - seqlen_q
-        lo = tl.minimum(tl.maximum(start_n - offset, 0), seqlen_q) // BLOCK_M * BLOCK_M
-        full_lo = tl.maximum(start_n + BLOCK_N - 1 - offset, lo)
-        full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    else:
-        lo = 0
-        full_lo = 0
+    lo, full_lo = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     # GQA: the query heads of this key head take turns; no atomics, so dK, dV are deterministic.
     for g in range(group_size):
         off_h = off_hk * group_size + g
@@ -343,14 +365,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, qk_scale, softmax_scale,
     delta = _load_rows(Delta + off_bh * seqlen_q, start_m, seqlen_q, BLOCK_M, 0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # -- key range (same as the forward) --
-    if CAUSAL:
-        offset = seqlen_k - seqlen_q
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), seqlen_k)
-        full_hi = tl.minimum(tl.maximum(start_m + offset + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = seqlen_k
-        full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, 0, full_hi,
                             qk_scale, seqlen_q, seqlen_k, CAUSAL, False, HEAD_DIM, BLOCK_D,
                             BLOCK_M, BLOCK_N, INPUT_PRECISION)
