@@ -1,0 +1,52 @@
+"""Compile (not run) every LongFlash Triton kernel for NVIDIA GPU targets, on any machine.
+
+    python tests/compile_for_gpu.py 90:bfloat16:causal:80 80:float16:full:256
+
+Triton's interpreter (the CPU tests) executes kernels as NumPy and never runs the
+compiler, so type and layout errors that only the real compiler sees would first
+show up on a GPU. This script lowers each kernel to machine code for the given
+compute capability with the ptxas that ships with Triton. Must run without
+TRITON_INTERPRET=1. Used by tests/test_compile.py.
+"""
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from longflash import flash_triton
+
+TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def compile_kernel(kernel, pointers, constexprs, target):
+    fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # unwrap autotune
+    signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+                 for name in fn.arg_names}
+    signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale") if name in signature})
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=target)
+
+
+def compile_all(capability, dtype, causal, headdim):
+    target = GPUTarget("cuda", capability, 32)
+    p = "*" + TYPES[dtype]
+    block_d = max(16, triton.next_power_of_2(headdim))
+    meta = dict(CAUSAL=causal, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
+                INPUT_PRECISION="ieee" if dtype == "float32" else "tf32")
+    stats = {"LSE": "*fp32", "Delta": "*fp32"}
+    compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
+    compile_kernel(flash_triton._attn_bwd_preprocess, dict(O=p, DO=p, **stats),
+                   dict(HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=128), target)
+    grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
+    compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
+    compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:]:
+        capability, dtype, mask, headdim = spec.split(":")
+        compile_all(int(capability), dtype, mask == "causal", int(headdim))
+        print(f"compiled for sm_{capability}: {spec}", flush=True)
