@@ -1,6 +1,8 @@
 """Compile (not run) every LongFlash Triton kernel for NVIDIA GPU targets, on any machine.
 
-    python tests/compile_for_gpu.py 90:bfloat16:causal:80 80:float16:full:256
+    python tests/compile_for_gpu.py 90:bfloat16:plain:80 80:float16:all:256
+
+"all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences).
 
 Triton's interpreter (the CPU tests) executes kernels as NumPy and never runs the
 compiler, so type and layout errors that only the real compiler sees would first
@@ -24,22 +26,25 @@ def compile_kernel(kernel, pointers, constexprs, target):
     fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # unwrap autotune
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                  for name in fn.arg_names}
-    signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale") if name in signature})
+    signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale", "softcap", "dropout_p")
+                      if name in signature})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     triton.compile(src, target=target)
 
 
-def compile_all(capability, dtype, causal, headdim):
+def compile_all(capability, dtype, features, headdim):
     target = GPUTarget("cuda", capability, 32)
     p = "*" + TYPES[dtype]
     block_d = max(16, triton.next_power_of_2(headdim))
-    meta = dict(CAUSAL=causal, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
+    on = features == "all"
+    meta = dict(HAS_SOFTCAP=on, HAS_ALIBI=on, HAS_DROPOUT=on, IS_VARLEN=on, HEAD_DIM=headdim,
+                BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
                 INPUT_PRECISION="ieee" if dtype == "float32" else "tf32")
-    stats = {"LSE": "*fp32", "Delta": "*fp32"}
+    stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
     compile_kernel(flash_triton._attn_bwd_preprocess, dict(O=p, DO=p, **stats),
-                   dict(HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=128), target)
+                   dict(IS_VARLEN=on, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=128), target)
     grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
     compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
@@ -47,6 +52,6 @@ def compile_all(capability, dtype, causal, headdim):
 
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
-        capability, dtype, mask, headdim = spec.split(":")
-        compile_all(int(capability), dtype, mask == "causal", int(headdim))
+        capability, dtype, features, headdim = spec.split(":")
+        compile_all(int(capability), dtype, features, int(headdim))
         print(f"compiled for sm_{capability}: {spec}", flush=True)

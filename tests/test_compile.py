@@ -8,7 +8,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPECS = ["90:bfloat16:causal:80", "90:float16:full:256", "80:bfloat16:causal:128"]
+SPECS = ["90:bfloat16:plain:80", "90:float16:all:256", "80:bfloat16:all:128"]
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ kernels, for CUDA tensors). `attention(..., backend="auto" | "triton" | "torch")
 chooses among them.
 """
 
-from .interface import BACKENDS, attention, scaled_dot_product_attention
-from .reference import attention_ref
+from .interface import BACKENDS, attention, attention_varlen, scaled_dot_product_attention
+from .reference import attention_ref, attention_varlen_ref
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "scaled_dot_product_attention", "attention_ref", "BACKENDS",
-           "__version__"]
+__all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "attention_ref",
+           "attention_varlen_ref", "BACKENDS", "__version__"]

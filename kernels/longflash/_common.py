@@ -1,11 +1,17 @@
-"""What the three implementations share: constants, block ranges, output allocation."""
+"""What the three implementations share: constants, the visibility rule, block ranges,
+the dropout random numbers, output allocation."""
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
 LOG2E = math.log2(math.e)  # the kernels work in base 2: exp(x) = exp2(x * LOG2E)
 LN2 = math.log(2.0)
+
+# Tests set this to True: every output is then allocated full of NaN, so an element that
+# a kernel forgets to write shows up as NaN instead of as stale memory.
+POISON_OUTPUTS = False
 
 
 def accumulator_dtype(dtype):
@@ -13,52 +19,139 @@ def accumulator_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# Tests set this to True: every output is then allocated full of NaN, so an element that
-# a kernel forgets to write shows up as NaN instead of as stale memory.
-POISON_OUTPUTS = False
-
-
-def empty_like(x):
-    out = torch.empty_like(x)
+def empty_like(x, dtype=None):
+    out = torch.empty_like(x, dtype=dtype)
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
-def empty_outputs(q):
-    """o like q, lse (batch, nheads, seqlen_q). Shared by every implementation and by the
-    fake (meta) implementation of the custom op, so that strides always agree."""
-    batch, seqlen_q, nheads, _ = q.shape
+def empty_outputs(q, varlen=False):
+    """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences.
+    Shared by every implementation and by the fake (meta) implementation of the custom
+    op, so that shapes and strides always agree."""
     o = empty_like(q)
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=accumulator_dtype(q.dtype))
+    shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    lse = q.new_empty(shape, dtype=accumulator_dtype(q.dtype))
     return o, lse.fill_(float("nan")) if POISON_OUTPUTS else lse
 
 
-def key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, causal):
+# ----------------------------------------------------------------------------- visibility
+
+def visible(i, j, seqlen_q, seqlen_k, window_left, window_right):
+    """True where query i may see key j. Windows are aligned bottom-right, like causal:
+    i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right,
+    a negative side meaning unbounded. causal is window_right = 0. Works on ints and on
+    broadcastable tensors."""
+    diag = i + (seqlen_k - seqlen_q)
+    ok = (j <= diag + window_right) if window_right >= 0 else (j == j)
+    if window_left >= 0:
+        ok = ok & (j >= diag - window_left)
+    return ok
+
+
+def _floor(x, block):
+    return x // block * block
+
+
+def _ceil(x, block):
+    return (x + block - 1) // block * block
+
+
+def key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, window_left, window_right):
     """Keys visited by the query block [start_m, start_m + block_m).
 
-    Returns (full_hi, hi): keys [0, full_hi) are visible to every row of the block and
-    need no mask; keys [full_hi, hi) need the causal / length mask; keys >= hi are never
-    visible and are skipped. full_hi is a multiple of block_n. Causal is bottom-right
-    aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    Returns (lo, mid_lo, mid_hi, hi): keys [lo, mid_lo) and [mid_hi, hi) need the mask,
+    keys [mid_lo, mid_hi) are visible to every row of the block and need none, keys
+    outside [lo, hi) are visible to no row and are skipped. lo, mid_lo and mid_hi are
+    multiples of block_n.
     """
-    if not causal:
-        return seqlen_k // block_n * block_n, seqlen_k
     offset = seqlen_k - seqlen_q
-    hi = min(max(start_m + block_m + offset, 0), seqlen_k)
-    full_hi = min(max(start_m + offset + 1, 0), seqlen_k) // block_n * block_n
-    return full_hi, hi
+    first, last = start_m + offset, start_m + block_m - 1 + offset  # diagonals of the rows
+    clamp = lambda x: min(max(x, 0), seqlen_k)  # noqa: E731
+    hi = seqlen_k if window_right < 0 else clamp(last + window_right + 1)
+    lo = 0 if window_left < 0 else _floor(clamp(first - window_left), block_n)
+    mid_lo = lo if window_left < 0 else min(_ceil(max(last - window_left, lo), block_n),
+                                            _ceil(hi, block_n))
+    every_row_hi = seqlen_k if window_right < 0 else clamp(first + window_right + 1)
+    mid_hi = max(_floor(every_row_hi, block_n), mid_lo)
+    return lo, mid_lo, mid_hi, hi
 
 
-def query_range(start_n, block_m, block_n, seqlen_q, seqlen_k, causal):
+def query_range(start_n, block_m, block_n, seqlen_q, seqlen_k, window_left, window_right):
     """Queries visited by the key block [start_n, start_n + block_n), for dK and dV.
 
-    Returns (lo, full_lo): queries [lo, full_lo) need the causal mask, queries
-    [full_lo, seqlen_q) see the whole key block; queries < lo see none of it.
-    lo and full_lo are multiples of block_m.
+    Returns (lo, mid_lo, mid_hi, hi) as key_range does, with the roles of queries and keys
+    swapped: query i sees key j iff j - offset - window_right <= i <= j - offset + window_left.
     """
-    if not causal:
-        return 0, 0
     offset = seqlen_k - seqlen_q
-    lo = min(max(start_n - offset, 0), seqlen_q) // block_m * block_m
-    full_lo = max(start_n + block_n - 1 - offset, lo)
-    full_lo = (full_lo + block_m - 1) // block_m * block_m
-    return lo, full_lo
+    first, last = start_n - offset, start_n + block_n - 1 - offset
+    clamp = lambda x: min(max(x, 0), seqlen_q)  # noqa: E731
+    hi = seqlen_q if window_left < 0 else clamp(last + window_left + 1)
+    lo = 0 if window_right < 0 else _floor(clamp(first - window_right), block_m)
+    mid_lo = lo if window_right < 0 else min(_ceil(max(last - window_right, lo), block_m),
+                                             _ceil(hi, block_m))
+    every_key_hi = seqlen_q if window_left < 0 else clamp(first + window_left + 1)
+    mid_hi = max(_floor(every_key_hi, block_m), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+# ----------------------------------------------------------------------------- dropout
+
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def _mul_hi_lo(a, b):
+    """High and low 32 bits of a * b for uint32 values held in int64, without overflow."""
+    a_hi, a_lo, b_hi, b_lo = a >> 16, a & 0xFFFF, b >> 16, b & 0xFFFF
+    lo_lo, hi_hi = a_lo * b_lo, a_hi * b_hi
+    mid = a_hi * b_lo + a_lo * b_hi
+    return hi_hi + ((mid + (lo_lo >> 16)) >> 16), ((mid << 16) + lo_lo) & _U32
+
+
+def dropout_uniform(seed, bh, i, j):
+    """Uniform [0, 1) numbers for dropout, one per (batch * nheads + head, query, key).
+
+    Philox-4x32-10 (Salmon et al. 2011) with counter (j, i, bh, 0) and key (seed low and
+    high 32 bits), the first output word's top 24 bits scaled to [0, 1): exact in float32.
+    The Triton kernels compute the same function (flash_triton._dropout_uniform), so every
+    implementation drops the same elements for the same seed, and the backward pass
+    regenerates the forward's mask instead of storing it.
+    """
+    c0, c1, c2 = (torch.as_tensor(x, dtype=torch.int64) for x in (j, i, bh))
+    c0, c1, c2 = torch.broadcast_tensors(c0, c1, c2)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    for _ in range(10):
+        hi_b, lo_b = _mul_hi_lo(torch.full_like(c2, _PHILOX_ROUND_B), c2)
+        hi_a, lo_a = _mul_hi_lo(torch.full_like(c0, _PHILOX_ROUND_A), c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
+    return (c0 >> 8).to(torch.float32) * (1.0 / 2**24)
+
+
+# ----------------------------------------------------------------------------- options
+
+class Options(NamedTuple):
+    """Everything but the tensors q, k, v: checked and normalized by interface.py.
+
+    window_left, window_right: -1 is unbounded; causal arrives as window_right = 0.
+    alibi_slopes: (batch, nheads) float32 or None (a (nheads,) input is broadcast).
+    softcap: 0 for none. dropout_p: 0 for none; seed: the dropout stream (an int).
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 for packed sequences, else None.
+    """
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    alibi_slopes: Optional[torch.Tensor] = None
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    seed: int = 0
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+    @property
+    def varlen(self):
+        return self.cu_seqlens_q is not None

@@ -1,21 +1,29 @@
 """Blockwise exact attention in PyTorch: the Triton kernel's algorithm in PyTorch ops.
 
 This is the CPU path of LongFlash (and a readable statement of the kernel). It
-computes exactly softmax(q k^T * softmax_scale) v without forming the
-(seqlen_q, seqlen_k) matrix: a query block of BLOCK_M rows walks over the key
-blocks of BLOCK_N columns, keeping a running row maximum m_i, a running sum l_i
-and an unnormalized accumulator acc (online softmax, Milakov & Gimelshein 2018;
-Dao et al. 2022, Algorithm 1). The log-sum-exp of each row is saved, so the
-backward pass recomputes each block of probabilities instead of storing them
-(Dao 2023, Algorithm 2). Extra memory is O(BLOCK_M * BLOCK_N) per batch and head
-on top of the O(seqlen) inputs, outputs and gradients.
+computes exactly softmax(scores) v without forming the (seqlen_q, seqlen_k)
+matrix: a query block of BLOCK_M rows walks over the key blocks of BLOCK_N
+columns, keeping a running row maximum m_i, a running sum l_i and an
+unnormalized accumulator acc (online softmax, Milakov & Gimelshein 2018; Dao et
+al. 2022, Algorithm 1). The log-sum-exp of each row is saved, so the backward
+pass recomputes each block of probabilities instead of storing them (Dao 2023,
+Algorithm 2). Extra memory is O(BLOCK_M * BLOCK_N) per batch and head on top of
+the O(seqlen) inputs, outputs and gradients.
+
+Scores, in FlashAttention-2's order: s = q k^T * softmax_scale; with softcap,
+s = softcap * tanh(s / softcap); with ALiBi, s -= slope * |i + seqlen_k - seqlen_q - j|;
+then the window / causal mask. Dropout multiplies the probabilities by keep / (1 - p)
+after the softmax (the lse is of the undropped row), with the keep mask drawn from
+a counter-based generator (`_common.dropout_uniform`), so the backward pass
+regenerates it tile by tile.
 
 Variable names, block ranges and the order of operations follow
 `flash_triton.py`; the kernel runs one (query block, batch * head) program per
 grid cell, here batch and heads are batched tensor dimensions and the block
 loops run in Python. GQA: query head h reads key/value head h // (nheads //
 nheads_kv); tensors are viewed as (batch, nheads_kv, group, seqlen, headdim) so
-that keys and values broadcast over the group without being copied.
+that keys and values broadcast over the group without being copied. Packed
+variable-length batches run sequence by sequence, so no padding is computed.
 
 Autograd is registered once for all implementations in `interface.py`; these
 functions take and return plain tensors.
@@ -23,9 +31,8 @@ functions take and return plain tensors.
 
 import torch
 
-from ._common import (LN2, LOG2E, accumulator_dtype, empty_like, empty_outputs, key_range,
-                      query_range)
-from .reference import causal_mask
+from ._common import (LN2, LOG2E, accumulator_dtype, dropout_uniform, empty_like, empty_outputs,
+                      key_range, query_range, visible)
 
 # Larger tiles than on a GPU: on a CPU each tile is a batched matmul and the
 # Python loop overhead is paid per tile.
@@ -38,79 +45,149 @@ def _grouped(x, nheads_kv):
     return x.unflatten(2, (nheads_kv, -1)).permute(0, 2, 3, 1, 4)
 
 
-def _attn_fwd_inner(acc, l_i, m_i, q, k, v, start_m, lo, hi, qk_scale, masked, seqlen_q, seqlen_k,
-                    block_n):
+class _Tile:
+    """Index vectors and per-head constants of one (query block, key block) tile."""
+
+    def __init__(self, start_m, size_m, start_n, size_n, seqlen_q, seqlen_k, batch_start, slopes,
+                 device):
+        self.i = torch.arange(start_m, start_m + size_m, device=device)[:, None]
+        self.j = torch.arange(start_n, start_n + size_n, device=device)[None, :]
+        self.seqlen_q, self.seqlen_k, self.batch_start, self.slopes = (
+            seqlen_q, seqlen_k, batch_start, slopes)
+
+
+def _scores(q_i, k_j, tile, opts, masked):
+    """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
+    softcap gradient (None without softcap)."""
+    s = q_i @ k_j.transpose(-1, -2) * opts.softmax_scale
+    t = None
+    if opts.softcap > 0:
+        t = torch.tanh(s / opts.softcap)
+        s = opts.softcap * t
+    if tile.slopes is not None:  # (B, Hkv, G)
+        distance = (tile.i + (tile.seqlen_k - tile.seqlen_q) - tile.j).abs()
+        s = s - tile.slopes[..., None, None] * distance
+    if masked:
+        mask = visible(tile.i, tile.j, tile.seqlen_q, tile.seqlen_k, opts.window_left,
+                       opts.window_right)
+        s = s.masked_fill(~mask, float("-inf"))
+    return s * LOG2E, t
+
+
+def _dropout_scale(p, tile, opts):
+    """keep / (1 - dropout_p) for the tile, broadcast like p (B, Hkv, G, BM, BN)."""
+    batch, nheads_kv, group = p.shape[:3]
+    nheads = nheads_kv * group
+    b = torch.arange(tile.batch_start, tile.batch_start + batch, device=p.device)
+    h = torch.arange(nheads, device=p.device).view(nheads_kv, group)
+    bh = (b[:, None, None] * nheads + h)[..., None, None]  # (B, Hkv, G, 1, 1)
+    keep = dropout_uniform(opts.seed, bh, tile.i, tile.j) >= opts.dropout_p
+    return keep.to(p.dtype) / (1.0 - opts.dropout_p)
+
+
+def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, opts, ctx):
     dtype = acc.dtype
-    for start_n in range(lo, hi, block_n):
-        k_j = k[..., start_n:start_n + block_n, :].to(dtype)  # (B, Hkv, 1, BN, D)
-        v_j = v[..., start_n:start_n + block_n, :].to(dtype)
-        # -- compute qk --
-        qk = q @ k_j.transpose(-1, -2) * qk_scale  # (B, Hkv, G, BM, BN)
-        if masked:
-            mask = causal_mask(seqlen_q, seqlen_k, range(start_m, start_m + q.shape[-2]),
-                               range(start_n, start_n + k_j.shape[-2]), q.device)
-            qk = qk.masked_fill(~mask, float("-inf"))
+    for start_n in range(lo, hi, ctx["block_n"]):
+        k_j = k[..., start_n:start_n + ctx["block_n"], :].to(dtype)  # (B, Hkv, 1, BN, D)
+        v_j = v[..., start_n:start_n + ctx["block_n"], :].to(dtype)
+        tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
+        # -- compute scores --
+        qk, _ = _scores(q_i, k_j, tile, opts, masked)
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = torch.maximum(m_i, qk.amax(-1))
         m_safe = torch.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
         p = torch.exp2(qk - m_safe[..., None])
         alpha = torch.exp2(m_i - m_safe)
         l_i = l_i * alpha + p.sum(-1)
+        if opts.dropout_p > 0:
+            p = p * _dropout_scale(p, tile, opts)
         acc = acc * alpha[..., None] + p @ v_j
         m_i = m_ij
     return acc, l_i, m_i
 
 
-@torch.no_grad()
-def forward(q, k, v, causal, softmax_scale, block_m=None, block_n=None):
-    """o: (batch, seqlen_q, nheads, headdim), lse: (batch, nheads, seqlen_q) natural log."""
-    block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
-    _, seqlen_q, _, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+def _context(q, k, opts, batch_start, block_m, block_n):
+    seqlen_q, seqlen_k, nheads_kv = q.shape[1], k.shape[1], k.shape[2]
+    slopes = None
+    if opts.alibi_slopes is not None:  # (batch, nheads) -> (B, Hkv, G) for this slice
+        slopes = opts.alibi_slopes[batch_start:batch_start + q.shape[0]]
+        slopes = slopes.unflatten(1, (nheads_kv, -1)).to(accumulator_dtype(q.dtype))
+    return dict(block_m=block_m or BLOCK_M, block_n=block_n or BLOCK_N,
+                tile_args=(seqlen_q, seqlen_k, batch_start, slopes, q.device))
+
+
+def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=None):
+    """Writes o (B, Nq, H, D) and lse (B, H, Nq) for one padded-free batch."""
+    seqlen_q, seqlen_k, nheads_kv = q.shape[1], k.shape[1], k.shape[2]
     dtype = accumulator_dtype(q.dtype)
-    qk_scale = softmax_scale * LOG2E
-    o, lse = empty_outputs(q)
+    ctx = _context(q, k, opts, batch_start, block_m, block_n)
+    block_m, block_n = ctx["block_m"], ctx["block_n"]
     q5, o5 = _grouped(q, nheads_kv), _grouped(o, nheads_kv)  # (B, Hkv, G, Nq, D)
     k5, v5 = _grouped(k, nheads_kv), _grouped(v, nheads_kv)  # (B, Hkv, 1, Nk, D)
     lse4 = lse.unflatten(1, (nheads_kv, -1))  # (B, Hkv, G, Nq)
+    window = (opts.window_left, opts.window_right)
     for start_m in range(0, seqlen_q, block_m):
         q_i = q5[..., start_m:start_m + block_m, :].to(dtype)
         m_i = q_i.new_full(q_i.shape[:-1], float("-inf"))
         l_i = q_i.new_zeros(q_i.shape[:-1])
         acc = torch.zeros_like(q_i)
-        full_hi, hi = key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, causal)
-        args = (q_i, k5, v5, start_m)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, 0, full_hi, qk_scale, False,
-                                        seqlen_q, seqlen_k, block_n)
-        # Tiles here are cut at the sequence ends, so only causal needs a mask (the
-        # kernel's masked blocks also mask the columns past seqlen_k).
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, *args, full_hi, hi, qk_scale, causal,
-                                        seqlen_q, seqlen_k, block_n)
+        lo, mid_lo, mid_hi, hi = key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, *window)
+        for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k5, v5, start_m, a, b, masked,
+                                            opts, ctx)
         # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
         l_safe = torch.where(l_i == 0, 1.0, l_i)
         o5[..., start_m:start_m + block_m, :] = acc / l_safe[..., None]
         lse4[..., start_m:start_m + block_m] = torch.where(
             l_i == 0, float("-inf"), (m_i + torch.log2(l_safe)) * LN2)
-    return o, lse
 
 
-def _probs(q_i, k_j, lse2_i, qk_scale, masked, start_m, start_n, seqlen_q, seqlen_k):
-    """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
-    qk = q_i @ k_j.transpose(-1, -2) * qk_scale  # (B, Hkv, G, BM, BN)
-    if masked:
-        mask = causal_mask(seqlen_q, seqlen_k, range(start_m, start_m + q_i.shape[-2]),
-                           range(start_n, start_n + k_j.shape[-2]), q_i.device)
-        qk = qk.masked_fill(~mask, float("-inf"))
-    return torch.exp2(qk - lse2_i[..., None])
+def _sequences(opts):
+    """(b, q rows, k rows) of each packed sequence."""
+    cu_q, cu_k = opts.cu_seqlens_q.tolist(), opts.cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
 
 
 @torch.no_grad()
-def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale, block_m=None, block_n=None):
-    """Gradients (dq, dk, dv) of sum(o * do) + sum(lse * dlse); dlse may be None."""
-    block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
+def forward(q, k, v, opts, block_m=None, block_n=None):
+    """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences,
+    natural log."""
+    o, lse = empty_outputs(q, opts.varlen)
+    if not opts.varlen:
+        _forward_dense(q, k, v, opts, o, lse, 0, block_m, block_n)
+        return o, lse
+    for b, rows, cols in _sequences(opts):  # (total, H, D) slices -> (1, n, H, D)
+        lse_b = lse.new_empty((1, q.shape[1], rows.stop - rows.start))
+        _forward_dense(q[None, rows], k[None, cols], v[None, cols], opts, o[None, rows], lse_b, b,
+                       block_m, block_n)
+        lse[:, rows] = lse_b[0]
+    return o, lse
+
+
+def _probs(q_i, k_j, lse2_i, tile, opts, masked):
+    """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
+    qk, t = _scores(q_i, k_j, tile, opts, masked)
+    return torch.exp2(qk - lse2_i[..., None]), t
+
+
+def _grad_scores(p, dp, delta_i, t, tile, opts):
+    """dL/d(q k^T): dS = p * (dP - delta) through dropout, softcap and the scale."""
+    if opts.dropout_p > 0:
+        dp = dp * _dropout_scale(p, tile, opts)
+    ds = p * (dp - delta_i[..., None])
+    if t is not None:  # d softcap * tanh(s / softcap) / ds = 1 - tanh^2
+        ds = ds * (1 - t * t)
+    return ds * opts.softmax_scale
+
+
+def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, block_m=None,
+                    block_n=None):
     seqlen_q, seqlen_k, nheads_kv = q.shape[1], k.shape[1], k.shape[2]
     dtype = accumulator_dtype(q.dtype)
-    qk_scale = softmax_scale * LOG2E
+    ctx = _context(q, k, opts, batch_start, block_m, block_n)
+    block_m, block_n = ctx["block_m"], ctx["block_n"]
+    window = (opts.window_left, opts.window_right)
     # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
     delta = (do.to(dtype) * o.to(dtype)).sum(-1).transpose(1, 2)  # (B, H, Nq)
     if dlse is not None:
@@ -120,7 +197,6 @@ def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale, block_m=None, blo
     q5, do5 = _grouped(q, nheads_kv), _grouped(do, nheads_kv)
     k5, v5 = _grouped(k, nheads_kv), _grouped(v, nheads_kv)
     lse2, delta = lse2.unflatten(1, (nheads_kv, -1)), delta.unflatten(1, (nheads_kv, -1))
-    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     dq5 = _grouped(dq, nheads_kv)
     dk4, dv4 = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)  # (B, Hkv, Nk, D)
 
@@ -130,33 +206,49 @@ def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale, block_m=None, blo
         v_j = v5[..., start_n:start_n + block_n, :].to(dtype)
         dk_j = k_j.new_zeros(k_j.shape[:2] + k_j.shape[3:])  # (B, Hkv, BN, D)
         dv_j = torch.zeros_like(dk_j)
-        lo, full_lo = query_range(start_n, block_m, block_n, seqlen_q, seqlen_k, causal)
-        for start_m in range(lo, seqlen_q, block_m):
-            q_i = q5[..., start_m:start_m + block_m, :].to(dtype)
-            do_i = do5[..., start_m:start_m + block_m, :].to(dtype)
-            p = _probs(q_i, k_j, lse2[..., start_m:start_m + block_m], qk_scale,
-                       start_m < full_lo, start_m, start_n, seqlen_q, seqlen_k)
-            dv_j += (p.transpose(-1, -2) @ do_i).sum(2)  # sum over the query heads of the group
-            dp = do_i @ v_j.transpose(-1, -2)
-            ds = p * (dp - delta[..., start_m:start_m + block_m, None])
+        lo, mid_lo, mid_hi, hi = query_range(start_n, block_m, block_n, seqlen_q, seqlen_k,
+                                             *window)
+        for start_m in range(lo, hi, block_m):
+            rows = slice(start_m, start_m + block_m)
+            q_i, do_i = q5[..., rows, :].to(dtype), do5[..., rows, :].to(dtype)
+            tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
+            masked = not mid_lo <= start_m < mid_hi
+            p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
+            p_kept = p * _dropout_scale(p, tile, opts) if opts.dropout_p > 0 else p
+            dv_j += (p_kept.transpose(-1, -2) @ do_i).sum(2)  # sum over the group's heads
+            ds = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t, tile, opts)
             dk_j += (ds.transpose(-1, -2) @ q_i).sum(2)
-        dk4[:, :, start_n:start_n + block_n] = dk_j * softmax_scale
+        dk4[:, :, start_n:start_n + block_n] = dk_j
         dv4[:, :, start_n:start_n + block_n] = dv_j
 
     # -- dQ: one query block at a time, over the key blocks it sees --
     for start_m in range(0, seqlen_q, block_m):
-        q_i = q5[..., start_m:start_m + block_m, :].to(dtype)
-        do_i = do5[..., start_m:start_m + block_m, :].to(dtype)
-        lse2_i, delta_i = lse2[..., start_m:start_m + block_m], delta[..., start_m:start_m + block_m]
+        rows = slice(start_m, start_m + block_m)
+        q_i, do_i = q5[..., rows, :].to(dtype), do5[..., rows, :].to(dtype)
         dq_i = torch.zeros_like(q_i)
-        full_hi, hi = key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, causal)
-        for start_n in range(0, hi, block_n):
+        lo, mid_lo, mid_hi, hi = key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, *window)
+        for start_n in range(lo, hi, block_n):
             k_j = k5[..., start_n:start_n + block_n, :].to(dtype)
             v_j = v5[..., start_n:start_n + block_n, :].to(dtype)
-            p = _probs(q_i, k_j, lse2_i, qk_scale, causal and start_n >= full_hi, start_m, start_n,
-                       seqlen_q, seqlen_k)
-            dp = do_i @ v_j.transpose(-1, -2)
-            ds = p * (dp - delta_i[..., None])
+            tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
+            masked = not mid_lo <= start_n < mid_hi
+            p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
+            ds = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t, tile, opts)
             dq_i += ds @ k_j
-        dq5[..., start_m:start_m + block_m, :] = dq_i * softmax_scale
+        dq5[..., rows, :] = dq_i
+
+
+@torch.no_grad()
+def backward(do, q, k, v, o, lse, dlse, opts, block_m=None, block_n=None):
+    """Gradients (dq, dk, dv) of sum(o * do) + sum(lse * dlse); dlse may be None."""
+    dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+    if not opts.varlen:
+        _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, 0, block_m, block_n)
+        return dq, dk, dv
+    for b, rows, cols in _sequences(opts):
+        lse_b = lse[None, :, rows]
+        dlse_b = None if dlse is None else dlse[None, :, rows]
+        _backward_dense(do[None, rows], q[None, rows], k[None, cols], v[None, cols], o[None, rows],
+                        lse_b, dlse_b, opts, dq[None, rows], dk[None, cols], dv[None, cols], b,
+                        block_m, block_n)
     return dq, dk, dv

@@ -6,8 +6,11 @@ over the key/value blocks of BLOCK_N columns in on-chip memory, keeping the
 running row max m_i, running sum l_i and unnormalized output acc in fp32
 (online softmax). Scores are scaled by softmax_scale * log2(e) once, so every
 exponential is an exp2. Causal attention (bottom-right aligned: query i sees key
-j iff j <= i + seqlen_k - seqlen_q) visits only key blocks that some row can
-see, and masks only the blocks that straddle the diagonal or the sequence end.
+j iff j <= i + seqlen_k - seqlen_q) and sliding windows visit only the key blocks
+that some row can see, and mask only the blocks that straddle a window edge or
+the sequence end. Softcap, ALiBi and dropout (Philox, regenerated in backward)
+are compile-time flags; packed variable-length batches read each sequence's
+offsets from cu_seqlens, so no padding is computed.
 The forward saves the log-sum-exp per row; the backward recomputes the
 probabilities from it: a preprocessing step delta = rowsum(dO * O), one kernel
 for dK/dV (a program per key block, looping over query blocks and, for GQA,
@@ -28,8 +31,9 @@ Where it was tested and where it breaks:
   at the time of writing: see the closing notes of the issues.
 - The autotune space below has not been tuned on a GPU yet; it is the usual
   FlashAttention-2 Triton space (Triton tutorial 06), pruned for large head dims.
-- Unlike CUDA FlashAttention: no dropout, no sliding window, no ALiBi, no varlen
-  (see the open issues); fp32 inputs use IEEE fp32 dot products (no TF32), which
+- Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
+  counter-based stream of `_common.dropout_uniform`, the same on every backend);
+  no paged KV cache; fp32 inputs use IEEE fp32 dot products (no TF32), which
   matches PyTorch's default for matmul.
 """
 
@@ -76,50 +80,131 @@ def _prune(configs, named_args, **kwargs):
 def _autotune(fn):
     if _INTERPRET:  # one config: nothing to prune or benchmark
         return triton.autotune(configs=_configs(), key=[])(fn)
-    # Keyed on the head dim, causality and the sequence lengths rounded to a power of
-    # two, so variable-length workloads do not re-tune for every length.
-    return triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "seqlen_bucket"],
+    # Keyed on the head dim, the window (causal is window_right = 0) and the sequence
+    # length rounded to a power of two, so varying lengths do not re-tune every time.
+    return triton.autotune(configs=_configs(),
+                           key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right"],
                            prune_configs_by={"early_config_prune": _prune})(fn)
 
 
+# ----------------------------------------------------------------------------- helpers
+
 @triton.jit
-def _visible(offs_m, offs_n, seqlen_q, seqlen_k, CAUSAL: tl.constexpr):
-    """True where query offs_m may see key offs_n (broadcast shapes; bottom-right causal)."""
-    mask = (offs_m < seqlen_q) & (offs_n < seqlen_k)
-    if CAUSAL:
-        mask = mask & (offs_n <= offs_m + (seqlen_k - seqlen_q))
-    return mask
+def _visible(i, j, seqlen_q, seqlen_k, window_left, window_right):
+    """True where query i may see key j (broadcast shapes), as _common.visible:
+    i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right."""
+    diag = i + (seqlen_k - seqlen_q)
+    mask = (i < seqlen_q) & (j < seqlen_k)
+    mask = mask & ((window_right < 0) | (j <= diag + window_right))
+    return mask & ((window_left < 0) | (j >= diag - window_left))
 
 
 @triton.jit
-def _key_range(start_m, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+def _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    """Keys of query block start_m, as _common.key_range: [0, full_hi) unmasked,
-    [full_hi, hi) masked, the rest never visible."""
-    if CAUSAL:
-        offset = seqlen_k - seqlen_q
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), seqlen_k)
-        full_hi = tl.minimum(tl.maximum(start_m + offset + 1, 0), seqlen_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = seqlen_k
-        full_hi = seqlen_k // BLOCK_N * BLOCK_N
-    return full_hi, hi
+    """Keys of query block start_m, as _common.key_range: [lo, mid_lo) and [mid_hi, hi)
+    masked, [mid_lo, mid_hi) unmasked. A block past the end of its sequence (packed
+    batches) visits nothing."""
+    first = start_m + (seqlen_k - seqlen_q)
+    last = first + BLOCK_M - 1
+    hi = tl.where(window_right >= 0, tl.minimum(tl.maximum(last + window_right + 1, 0), seqlen_k),
+                  seqlen_k)
+    lo = tl.where(window_left >= 0,
+                  tl.minimum(tl.maximum(first - window_left, 0), seqlen_k) // BLOCK_N * BLOCK_N, 0)
+    ceil_hi = (hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    mid_lo = tl.where(window_left >= 0, tl.minimum(
+        (tl.maximum(last - window_left, lo) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, ceil_hi), lo)
+    every_row_hi = tl.where(window_right >= 0,
+                            tl.minimum(tl.maximum(first + window_right + 1, 0), seqlen_k), seqlen_k)
+    mid_hi = tl.maximum(every_row_hi // BLOCK_N * BLOCK_N, mid_lo)
+    valid = start_m < seqlen_q
+    return (tl.where(valid, lo, 0), tl.where(valid, mid_lo, 0), tl.where(valid, mid_hi, 0),
+            tl.where(valid, hi, 0))
 
 
 @triton.jit
-def _query_range(start_n, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """Queries of key block start_n, as _common.query_range: [lo, full_lo) masked,
-    [full_lo, seqlen_q) unmasked, below lo never visible."""
-    if CAUSAL:
-        offset = seqlen_k - seqlen_q
-        lo = tl.minimum(tl.maximum(start_n - offset, 0), seqlen_q) // BLOCK_M * BLOCK_M
-        full_lo = tl.maximum(start_n + BLOCK_N - 1 - offset, lo)
-        full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    """Queries of key block start_n, as _common.query_range (queries and keys swapped)."""
+    first = start_n - (seqlen_k - seqlen_q)
+    last = first + BLOCK_N - 1
+    hi = tl.where(window_left >= 0, tl.minimum(tl.maximum(last + window_left + 1, 0), seqlen_q),
+                  seqlen_q)
+    lo = tl.where(window_right >= 0,
+                  tl.minimum(tl.maximum(first - window_right, 0), seqlen_q) // BLOCK_M * BLOCK_M, 0)
+    ceil_hi = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    mid_lo = tl.where(window_right >= 0, tl.minimum(
+        (tl.maximum(last - window_right, lo) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, ceil_hi), lo)
+    every_key_hi = tl.where(window_left >= 0,
+                            tl.minimum(tl.maximum(first + window_left + 1, 0), seqlen_q), seqlen_q)
+    mid_hi = tl.maximum(every_key_hi // BLOCK_M * BLOCK_M, mid_lo)
+    valid = start_n < seqlen_k
+    return (tl.where(valid, lo, 0), tl.where(valid, mid_lo, 0), tl.where(valid, mid_hi, 0),
+            tl.where(valid, hi, 0))
+
+
+@triton.jit
+def _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, k_start, seqlen_q, seqlen_k) of batch entry off_b: packed sequences read
+    their offsets from cu_seqlens, padded batches start at 0."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + off_b)
+        k_start = tl.load(CU_K + off_b)
+        seqlen_q = tl.load(CU_Q + off_b + 1) - q_start
+        seqlen_k = tl.load(CU_K + off_b + 1) - k_start
     else:
-        lo = 0
-        full_lo = 0
-    return lo, full_lo
+        q_start = 0
+        k_start = 0
+    return tl.cast(q_start, tl.int64), tl.cast(k_start, tl.int64), seqlen_q, seqlen_k
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): saturates to +-1 without overflow trouble (exp2(inf) -> 2/inf = 0).
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _scores(qk, i, j, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+            softmax_scale, slope, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            HAS_ALIBI: tl.constexpr):
+    """Scores in log2 units from q.k, in FlashAttention-2's order (scale, softcap, ALiBi, mask),
+    as blockwise._scores; also t = tanh(s / softcap) for the softcap gradient."""
+    if HAS_SOFTCAP:
+        t = _tanh(qk * (softmax_scale / softcap))
+        s = t * (softcap * 1.4426950408889634)
+    else:
+        t = qk  # unused
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        distance = tl.abs(i + (seqlen_k - seqlen_q) - j).to(tl.float32)
+        s = s - (slope * 1.4426950408889634) * distance
+    if MASKED:
+        s = tl.where(_visible(i, j, seqlen_q, seqlen_k, window_left, window_right), s,
+                     float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _dropout_scale(seed_lo, seed_hi, bh, i, j, dropout_p):
+    """keep / (1 - dropout_p) per (i, j), keep drawn as _common.dropout_uniform (Philox-4x32-10
+    with counter (j, i, bh, 0) and key (seed_lo, seed_hi))."""
+    c0 = (j + i * 0).to(tl.uint32)
+    c1 = (i + j * 0).to(tl.uint32)
+    c2 = c0 * 0 + tl.cast(bh, tl.uint32)
+    c3 = c0 * 0
+    k0 = tl.cast(seed_lo, tl.uint32)
+    k1 = tl.cast(seed_hi, tl.uint32)
+    for _ in tl.static_range(10):
+        old_c0, old_c2 = c0, c2
+        c0 = tl.math.umulhi(old_c2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.math.umulhi(old_c0, 0xD2511F53) ^ c3 ^ k1
+        c1 = old_c2 * 0xCD9E8D57
+        c3 = old_c0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    uniform = (c0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    return tl.where(uniform >= dropout_p, 1.0 / (1.0 - dropout_p), 0.0)
 
 
 @triton.jit
@@ -163,25 +248,30 @@ def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other):
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, hi, qk_scale,
-                    seqlen_q, seqlen_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, hi, bh, seed_lo,
+                    seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                    softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        # -- compute qk --
+        # -- compute scores --
         k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if MASKED:
-            qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, CAUSAL),
-                          qk, float("-inf"))
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                        window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
+                        HAS_SOFTCAP, HAS_ALIBI)
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
+                                   dropout_p)
         # -- update output accumulator --
         v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         acc = acc * alpha[:, None]
@@ -192,33 +282,50 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
 
 @_autotune
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, qk_scale,
+def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-              nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket,
-              CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              stride_lb, stride_lh, stride_ab, stride_ah,
+              nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, window_left, window_right,
+              qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
     off_hk = off_h // group_size
-    Q += off_b * stride_qb + off_h * stride_qh
-    K += off_b * stride_kb + off_hk * stride_kh
-    V += off_b * stride_vb + off_hk * stride_vh
-    O += off_b * stride_ob + off_h * stride_oh
+    q_start, k_start, seqlen_q, seqlen_k = _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k,
+                                                     IS_VARLEN)
+    Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
+    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    O += off_b * stride_ob + off_h * stride_oh + q_start * stride_on
+    LSE += off_b * stride_lb + off_h * stride_lh + q_start
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
 
     q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, 0,
-                                    full_hi, qk_scale, seqlen_q, seqlen_k, CAUSAL, False, HEAD_DIM,
-                                    BLOCK_D, BLOCK_M, BLOCK_N, INPUT_PRECISION)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m,
-                                    full_hi, hi, qk_scale, seqlen_q, seqlen_k, CAUSAL, True,
-                                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, INPUT_PRECISION)
+    # -- keys: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked --
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                        BLOCK_M, BLOCK_N)
+    args = (K, V, stride_kn, stride_vn, start_m)
+    rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+            softcap, softmax_scale, slope, dropout_p)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
+                                    HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                                    INPUT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
+                                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                    BLOCK_M, BLOCK_N, INPUT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
+                                    HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                                    INPUT_PRECISION)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -226,32 +333,38 @@ def _attn_fwd(Q, K, V, O, LSE, qk_scale,
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
     _store_block(O, acc, start_m, stride_on, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(LSE + off_bh * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    tl.store(LSE + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 # ----------------------------------------------------------------------------- backward
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, Delta, stride_ob, stride_on, stride_oh,
-                         stride_dob, stride_don, stride_doh, nheads, seqlen_q,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_preprocess(O, DO, Delta, CU_Q, stride_ob, stride_on, stride_oh,
+                         stride_dob, stride_don, stride_doh, stride_lb, stride_lh, nheads,
+                         seqlen_q, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
-    o = _load_block(O + off_b * stride_ob + off_h * stride_oh, start_m, stride_on, seqlen_q,
-                    HEAD_DIM, BLOCK_M, BLOCK_D)
-    do = _load_block(DO + off_b * stride_dob + off_h * stride_doh, start_m, stride_don, seqlen_q,
-                     HEAD_DIM, BLOCK_M, BLOCK_D)
+    q_start, _, seqlen_q, _ = _sequence(CU_Q, CU_Q, off_b, seqlen_q, seqlen_q, IS_VARLEN)
+    o = _load_block(O + off_b * stride_ob + off_h * stride_oh + q_start * stride_on, start_m,
+                    stride_on, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    do = _load_block(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don, start_m,
+                     stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Delta + off_bh * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    tl.store(Delta + off_b * stride_lb + off_h * stride_lh + q_start + offs_m, delta,
+             mask=offs_m < seqlen_q)
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, start_n, lo, hi,
-                         qk_scale, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                         bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
+                         qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                         HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -260,120 +373,166 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
         lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         # -- recompute p^T from the saved lse --
-        qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # (BN, BM)
-        if MASKED:
-            qkT = tl.where(_visible(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, CAUSAL),
-                           qkT, float("-inf"))
-        pT = tl.math.exp2(qkT - lse[None, :] * 1.4426950408889634)
-        # -- dV += p^T dO --
+        qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
+                         HAS_SOFTCAP, HAS_ALIBI)
+        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
+        # -- dV += p_dropped^T dO --
         do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        # -- dS = p * (dP - delta); dK += dS^T q --
-        delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        if HAS_DROPOUT:
+            scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None],
+                                    dropout_p)
+            dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+            dpT = dpT * scaleT
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        # -- dS = p * (dP - delta), through softcap; dK += dS^T q --
+        delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0)
         dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
 @_autotune
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, qk_scale, softmax_scale,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                   nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket,
-                   CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   stride_lb, stride_lh, stride_ab, stride_ah,
+                   nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, window_left,
+                   window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
     off_b, off_hk = off_bhk // nheads_kv, off_bhk % nheads_kv
-    K += off_b * stride_kb + off_hk * stride_kh
-    V += off_b * stride_vb + off_hk * stride_vh
+    q_start, k_start, seqlen_q, seqlen_k = _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k,
+                                                     IS_VARLEN)
+    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo = _query_range(start_n, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked --
+    lo, mid_lo, mid_hi, hi = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                          BLOCK_M, BLOCK_N)
     # GQA: the query heads of this key head take turns; no atomics, so dK, dV are deterministic.
     for g in range(group_size):
         off_h = off_hk * group_size + g
-        Q_h = Q + off_b * stride_qb + off_h * stride_qh
-        DO_h = DO + off_b * stride_dob + off_h * stride_doh
-        LSE_h = LSE + (off_b * nheads + off_h) * seqlen_q
-        Delta_h = Delta + (off_b * nheads + off_h) * seqlen_q
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, stride_qn,
-                                      stride_don, start_n, lo, full_lo, qk_scale, seqlen_q,
-                                      seqlen_k, CAUSAL, True, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+        Q_h = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
+        DO_h = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don
+        LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
+        Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
+        args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
+        rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
+                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                                       INPUT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_h, DO_h, LSE_h, Delta_h, stride_qn,
-                                      stride_don, start_n, full_lo, seqlen_q, qk_scale, seqlen_q,
-                                      seqlen_k, CAUSAL, False, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
+                                      HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                      BLOCK_M, BLOCK_N, INPUT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
+                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
                                       INPUT_PRECISION)
-    _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh, dk * softmax_scale, start_n,
-                 stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-    _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh, dv, start_n, stride_dvn, seqlen_k,
-                 HEAD_DIM, BLOCK_N, BLOCK_D)
+    _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
+                 dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+    _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
+                 start_n, stride_dvn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, lo, hi,
-                       qk_scale, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, lo, hi, bh,
+                       seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                       softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                       HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         # -- recompute p from the saved lse --
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if MASKED:
-            qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, CAUSAL),
-                          qk, float("-inf"))
-        p = tl.math.exp2(qk - lse[:, None])
-        # -- dS = p * (dP - delta); dQ += dS k --
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                       window_right, qk_scale, softcap, softmax_scale, slope, MASKED, HAS_SOFTCAP,
+                       HAS_ALIBI)
+        p = tl.math.exp2(s - lse[:, None])
+        # -- dS = p * (dP - delta), through dropout and softcap; dQ += dS k --
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if HAS_DROPOUT:
+            dp = dp * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
+                                     dropout_p)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     return dq
 
 
 @_autotune
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, qk_scale, softmax_scale,
+def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
-                 stride_dqb, stride_dqn, stride_dqh,
-                 nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket,
-                 CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_ab, stride_ah,
+                 nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, window_left, window_right,
+                 qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
     off_hk = off_h // group_size
-    K += off_b * stride_kb + off_hk * stride_kh
-    V += off_b * stride_vb + off_hk * stride_vh
-    q = _load_block(Q + off_b * stride_qb + off_h * stride_qh, start_m, stride_qn, seqlen_q,
-                    HEAD_DIM, BLOCK_M, BLOCK_D)
-    do = _load_block(DO + off_b * stride_dob + off_h * stride_doh, start_m, stride_don, seqlen_q,
-                     HEAD_DIM, BLOCK_M, BLOCK_D)
-    lse = _load_rows(LSE + off_bh * seqlen_q, start_m, seqlen_q, BLOCK_M, float("inf"))
+    q_start, k_start, seqlen_q, seqlen_k = _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k,
+                                                     IS_VARLEN)
+    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    q = _load_block(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, start_m,
+                    stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    do = _load_block(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don, start_m,
+                     stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    stats = off_b * stride_lb + off_h * stride_lh + q_start
+    lse = _load_rows(LSE + stats, start_m, seqlen_q, BLOCK_M, float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = _load_rows(Delta + off_bh * seqlen_q, start_m, seqlen_q, BLOCK_M, 0.0)
+    delta = _load_rows(Delta + stats, start_m, seqlen_q, BLOCK_M, 0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, 0, full_hi,
-                            qk_scale, seqlen_q, seqlen_k, CAUSAL, False, HEAD_DIM, BLOCK_D,
-                            BLOCK_M, BLOCK_N, INPUT_PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, full_hi,
-                            hi, qk_scale, seqlen_q, seqlen_k, CAUSAL, True, HEAD_DIM, BLOCK_D,
-                            BLOCK_M, BLOCK_N, INPUT_PRECISION)
-    _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh, dq * softmax_scale, start_m,
-                 stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    # -- keys: the same ranges as the forward --
+    lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                        BLOCK_M, BLOCK_N)
+    args = (K, V, stride_kn, stride_vn, start_m)
+    rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+            softcap, softmax_scale, slope, dropout_p)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
+                            HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                            INPUT_PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
+                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
+                            BLOCK_N, INPUT_PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
+                            HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                            INPUT_PRECISION)
+    _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
+                 dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -382,61 +541,79 @@ def _last_dim_contiguous(*xs):
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
-def _meta(q, k, causal):
-    """Compile-time parameters shared by every launch."""
-    headdim = q.shape[-1]
-    seqlen = max(q.shape[1], k.shape[1], 1)
-    return dict(
-        seqlen_bucket=triton.next_power_of_2(seqlen),
-        CAUSAL=causal,
-        HEAD_DIM=headdim,
-        BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+def _strides(x):
+    """(batch, seqlen, head) strides; packed (total, nheads, headdim) tensors have batch 0."""
+    return (0, *x.stride()[:2]) if x.dim() == 3 else tuple(x.stride()[:3])
+
+
+def _launch_args(q, k, lse, opts):
+    """Shapes, strides and scalars shared by the three main kernels."""
+    if opts.varlen:
+        batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
+            opts.max_seqlen_k
+        lse_strides = (0, lse.stride(0))  # lse: (nheads, total_q)
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        lse_strides = lse.stride()[:2]  # lse: (batch, nheads, seqlen_q)
+    nheads, headdim, nheads_kv = q.shape[-2], q.shape[-1], k.shape[-2]
+    alibi = opts.alibi_slopes
+    dummy = lse  # a valid pointer for the disabled features; never read
+    pointers = dict(ALIBI=dummy if alibi is None else alibi,
+                    CU_Q=dummy if not opts.varlen else opts.cu_seqlens_q,
+                    CU_K=dummy if not opts.varlen else opts.cu_seqlens_k)
+    scalars = dict(
+        stride_lb=lse_strides[0], stride_lh=lse_strides[1],
+        stride_ab=0 if alibi is None else alibi.stride(0),
+        stride_ah=0 if alibi is None else alibi.stride(1),
+        nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)),
+        window_left=opts.window_left, window_right=opts.window_right,
+        qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
+        softcap=opts.softcap, dropout_p=opts.dropout_p,
+        seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
+        HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None, HAS_DROPOUT=opts.dropout_p > 0,
+        IS_VARLEN=opts.varlen, HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    return batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars
 
 
-def _strides(*xs):
-    return [s for x in xs for s in x.stride()[:3]]
-
-
-def forward(q, k, v, causal, softmax_scale):
-    """o: (batch, seqlen_q, nheads, headdim), lse: (batch, nheads, seqlen_q) float32."""
+def forward(q, k, v, opts):
+    """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences."""
     q, k, v = _last_dim_contiguous(q, k, v)
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    o, lse = empty_outputs(q)
-    if o.numel() == 0:
-        return o, lse
+    o, lse = empty_outputs(q, opts.varlen)
+    batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(q, k, lse, opts)
+    if batch * nheads * seqlen_q == 0:
+        return o, lse.fill_(float("-inf"))
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
-    _attn_fwd[grid](q, k, v, o, lse, softmax_scale * LOG2E, *_strides(q, k, v, o),
-                    nheads, nheads // nheads_kv, seqlen_q, seqlen_k, **_meta(q, k, causal))
+    _attn_fwd[grid](q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"],
+                    *_strides(q), *_strides(k), *_strides(v), *_strides(o), **scalars)
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, dlse, causal, softmax_scale):
+def backward(do, q, k, v, o, lse, dlse, opts):
     """Gradients (dq, dk, dv) of sum(o * do) + sum(lse * dlse); dlse may be None."""
     do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-    if dq.numel() == 0 or dk.numel() == 0:
+    lse = lse.contiguous()
+    batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars = _launch_args(q, k, lse, opts)
+    if dq.numel() == 0 or dk.numel() == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    meta = _meta(q, k, causal)
     # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
     delta = torch.empty_like(lse)
     block_m = 32 if _INTERPRET else 128
     _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-        o, do, delta, *_strides(o, do), nheads, seqlen_q, HEAD_DIM=headdim,
-        BLOCK_D=meta["BLOCK_D"], BLOCK_M=block_m)
+        o, do, delta, pointers["CU_Q"], *_strides(o), *_strides(do), scalars["stride_lb"],
+        scalars["stride_lh"], nheads, seqlen_q, IS_VARLEN=opts.varlen,
+        HEAD_DIM=scalars["HEAD_DIM"], BLOCK_D=scalars["BLOCK_D"], BLOCK_M=block_m)
     if dlse is not None:
         delta -= dlse
-    group_size = nheads // nheads_kv
-    args = (q, k, v, do, lse.contiguous(), delta)
-    scales = (softmax_scale * LOG2E, softmax_scale)
+    tensors = (q, k, v, do, lse, delta)
+    extra = (pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"])
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
     grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv)  # noqa: E731
-    _attn_bwd_dkdv[grid_kv](*args, dk, dv, *scales, *_strides(q, k, v, do, dk, dv),
-                            nheads, group_size, seqlen_q, seqlen_k, **meta)
+    _attn_bwd_dkdv[grid_kv](*tensors, dk, dv, *extra, *strides, *_strides(dk), *_strides(dv),
+                            **scalars)
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
-    _attn_bwd_dq[grid_q](*args, dq, *scales, *_strides(q, k, v, do, dq),
-                         nheads, group_size, seqlen_q, seqlen_k, **meta)
+    _attn_bwd_dq[grid_q](*tensors, dq, *extra, *strides, *_strides(dq), **scalars)
     return dq, dk, dv

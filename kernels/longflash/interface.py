@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import blockwise
-from ._common import empty_outputs
+from ._common import Options, empty_outputs
 
 BACKENDS = ("auto", "triton", "torch")
 MAX_HEADDIM = 256
@@ -42,8 +42,12 @@ def _check_tensor(name, x):
                          f"got shape {tuple(x.shape)}")
 
 
-def _check_inputs(q, k, v, causal, softmax_scale, backend):
-    """Validate arguments; return (softmax_scale, backend) resolved to concrete values."""
+def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
+                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None,
+                  deterministic=False, batch=None):
+    """Validate arguments; return (softmax_scale, backend) resolved to concrete values.
+    q, k, v are 4-D here (packed sequences arrive with a leading batch of 1); batch is the
+    number of sequences for ALiBi slopes (default q.shape[0])."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     accepted = "torch.float16, torch.bfloat16, torch.float32 (torch.float64 on backend='torch')"
@@ -58,9 +62,10 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend):
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_kv, headdim),"
                          f" got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, _, nheads, headdim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
+    _, _, nheads, headdim = q.shape
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
+                         f"{k.shape[0]}")
     if k.shape[3] != headdim:
         raise ValueError(f"q and k must have the same headdim, got {headdim} and {k.shape[3]}")
     if not 1 <= headdim <= MAX_HEADDIM:
@@ -69,17 +74,83 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend):
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
                          f"({nheads_kv}) (GQA / MQA)")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(headdim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a positive float or None, "
-                        f"got {type(softmax_scale).__name__}")
-    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite float or None, "
-                         f"got {softmax_scale}")
+    else:
+        _check_real("softmax_scale", softmax_scale, "a positive float or None")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be a positive finite float or None, "
+                             f"got {softmax_scale}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
+    if alibi_slopes is not None:
+        batch = q.shape[0] if batch is None else batch
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a float32 tensor of shape (nheads,) or "
+                            f"(batch, nheads), got {getattr(alibi_slopes, 'dtype', alibi_slopes)}")
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
+    _check_real("softcap", softcap, "a float >= 0")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no softcap), got {softcap}")
+    _check_real("dropout_p", dropout_p, "a float in [0, 1)")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, "
+                        f"got {type(generator).__name__}")
     return float(softmax_scale), _resolve_backend(backend, q)
+
+
+def _check_real(name, x, accepted):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {accepted}, got {type(x).__name__}")
+
+
+def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Packed-sequence metadata; returns the number of sequences."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a tensor of 3 dimensions (total_tokens, nheads, "
+                             f"headdim) for attention_varlen, got {getattr(x, 'shape', x)}")
+    for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 \
+                or cu.numel() < 1:
+            raise TypeError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {cu.device}")
+        max_name = name.replace("cu_seqlens", "max_seqlen")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+            raise TypeError(f"{max_name} must be an int >= 0, got {max_len!r}")
+        if torch.compiler.is_compiling():
+            continue  # the checks below read the tensor's values: skipped inside a graph
+        offsets = cu.tolist()
+        if offsets[0] != 0 or offsets[-1] != total:
+            raise ValueError(f"{name} must start at 0 and end at the number of tokens ({total}), "
+                             f"got {offsets[0]} ... {offsets[-1]}")
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"{name} must be non-decreasing")
+        if lengths and max(lengths) > max_len:
+            raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence "
+                             f"({max(lengths)})")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {cu_seqlens_q.numel() - 1} and "
+                         f"{cu_seqlens_k.numel() - 1}")
+    return cu_seqlens_q.numel() - 1
 
 
 def _resolve_backend(backend, q):
@@ -111,32 +182,67 @@ def _implementation(backend):
     return _triton_impl() if backend == "triton" else blockwise
 
 
+def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap, dropout_p,
+             seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+        alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
+    return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
+                   softcap, dropout_p, 0 if seed is None else int(seed), cu_seqlens_q,
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+# The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
+# variants follow with defaults. seed is a 0-d int64 tensor so that torch.compile can draw it
+# inside a graph.
 @torch.library.custom_op("longflash::attention_forward", mutates_args=())
 def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       softmax_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _implementation(backend).forward(q, k, v, causal, softmax_scale)
+                       softmax_scale: float, backend: str, window_left: int = -1,
+                       window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,
+                       softcap: float = 0.0, dropout_p: float = 0.0,
+                       seed: Optional[torch.Tensor] = None,
+                       cu_seqlens_q: Optional[torch.Tensor] = None,
+                       cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+                       max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
+                    dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _implementation(backend).forward(q, k, v, opts)
 
 
 @_attention_forward.register_fake
-def _(q, k, v, causal, softmax_scale, backend):
-    return empty_outputs(q)
+def _(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1, alibi_slopes=None,
+      softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
+      max_seqlen_q=0, max_seqlen_k=0):
+    return empty_outputs(q, varlen=cu_seqlens_q is not None)
 
 
 @torch.library.custom_op("longflash::attention_backward", mutates_args=())
 def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                        causal: bool, softmax_scale: float,
-                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _implementation(backend).backward(do, q, k, v, o, lse, dlse, causal, softmax_scale)
+                        causal: bool, softmax_scale: float, backend: str, window_left: int = -1,
+                        window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,
+                        softcap: float = 0.0, dropout_p: float = 0.0,
+                        seed: Optional[torch.Tensor] = None,
+                        cu_seqlens_q: Optional[torch.Tensor] = None,
+                        cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+                        max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
+                    dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _implementation(backend).backward(do, q, k, v, o, lse, dlse, opts)
 
 
 @_attention_backward.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, softmax_scale, backend):
+def _(do, q, k, v, o, lse, dlse, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_VARIANT_ARGS = ("window_left", "window_right", "alibi_slopes", "softcap", "dropout_p", "seed",
+                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.softmax_scale, ctx.backend = inputs
+    q, k, v, ctx.causal, ctx.softmax_scale, ctx.backend, *variants = inputs
+    ctx.variants = dict(zip(_VARIANT_ARGS, variants))
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
 
@@ -146,8 +252,8 @@ def _backward(ctx, do, dlse):
     if do is None:  # only lse was used
         do = torch.zeros_like(o)
     dq, dk, dv = _attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.softmax_scale,
-                                     ctx.backend)
-    return dq, dk, dv, None, None, None
+                                     ctx.backend, **ctx.variants)
+    return (dq, dk, dv) + (None,) * (3 + len(_VARIANT_ARGS))
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -155,7 +261,18 @@ _attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------- public API
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backend="auto"):
+def _seed_tensor(dropout_p, seed, generator):
+    """The dropout stream as a 0-d int64 tensor (None without dropout)."""
+    if dropout_p == 0:
+        return None
+    if seed is not None:
+        return torch.tensor(seed, dtype=torch.int64)
+    return torch.randint(0, 2**62, (), dtype=torch.int64, generator=generator)
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
+              window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
+              generator=None, deterministic=False):
     """Exact softmax attention, computed block by block without the N x N matrix.
 
     Arguments:
@@ -172,17 +289,60 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
         return_lse: also return the log-sum-exp of each row (gradients flow through it).
         backend: "auto" (Triton for CUDA tensors and under TRITON_INTERPRET=1, except bfloat16
             under the interpreter; the blockwise PyTorch path otherwise), "triton" or "torch".
+    Keyword-only, as in FlashAttention-2's flash_attn_func:
+        window_size: (left, right), -1 meaning unbounded: query i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. With causal,
+            right is 0. Key blocks outside every row's window are skipped.
+        alibi_slopes: (nheads,) or (batch, nheads) float32; adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the scores.
+        softcap: > 0 replaces the scores s by softcap * tanh(s / softcap) (before ALiBi).
+        dropout_p: probability of dropping an attention weight (after the softmax; kept weights
+            scaled by 1 / (1 - dropout_p)). The mask comes from a counter-based generator keyed
+            by `seed` (an int), or by a seed drawn from `generator` (default: torch's global
+            generator); the backward pass regenerates it, nothing N x N is stored. The same
+            seed gives the same mask on every backend.
+        deterministic: accepted for FlashAttention compatibility. Every backward pass here is
+            deterministic (no atomics), so gradients are bit-identical across runs either way.
     Returns:
         o: (batch, seqlen_q, nheads, headdim), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
-            natural log
+            natural log, of the scores before dropout
     dtypes: float16, bfloat16, float32; float64 on the PyTorch path. headdim 1..256.
     Empty inputs: seqlen_q = 0 or batch = 0 gives empty outputs; seqlen_k = 0 means no row sees
         a key (o = 0, lse = -inf).
-    The backward pass is deterministic on every backend (no atomics).
     """
-    softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend)
-    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend)
+    softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
+                                           alibi_slopes, softcap, dropout_p, seed, generator,
+                                           deterministic)
+    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
+                                alibi_slopes, float(softcap), float(dropout_p),
+                                _seed_tensor(dropout_p, seed, generator))
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
+                     window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
+                     seed=None, generator=None, deterministic=False):
+    """`attention` on a packed batch of variable-length sequences, with no padding computed.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim)
+    cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets of each sequence, starting at 0,
+        non-decreasing, ending at total_q / total_k (sequence b is q[cu_seqlens_q[b]:
+        cu_seqlens_q[b + 1]]). max_seqlen_q, max_seqlen_k: the longest sequence lengths.
+    Every keyword works as in `attention`, per sequence (causal and windows aligned to each
+    sequence's own end, alibi_slopes (batch, nheads) indexed by sequence).
+    Returns o: (total_q, nheads, headdim) and, with return_lse, lse: (nheads, total_q).
+    """
+    batch = _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    softmax_scale, backend = _check_inputs(
+        q[None], k[None], v[None], causal, softmax_scale,
+        backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
+        batch=batch)
+    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
+                                alibi_slopes, float(softcap), float(dropout_p),
+                                _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return (o, lse) if return_lse else o
 
 
@@ -195,7 +355,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         difference from `attention(causal=True)`, which is bottom-right aligned.)
     scale: default 1 / sqrt(headdim). enable_gqa: allow nheads_kv < nheads.
     Returns (batch, nheads, seqlen_q, headdim).
-    Not supported (NotImplementedError): attn_mask, dropout_p > 0, 3-D inputs, and value
+    dropout_p: as in `attention` (a counter-based mask; seed drawn from torch's generator).
+    Not supported (NotImplementedError): attn_mask, 3-D inputs, and value
     head dims that differ from the query's; use torch.nn.functional.scaled_dot_product_attention
     or FlexAttention for those.
     """
@@ -203,9 +364,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise NotImplementedError("attn_mask is not supported by longflash; use is_causal=True for"
                                   " causal masks, or torch.nn.functional.scaled_dot_product_"
                                   "attention / FlexAttention for arbitrary masks")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet; use "
-                                  "torch.nn.functional.scaled_dot_product_attention")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if isinstance(x, torch.Tensor) and x.dim() != 4:
             raise NotImplementedError(f"{name} must be 4-D (batch, nheads, seqlen, headdim), got "
@@ -223,13 +381,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                for x in (query, key, value))  # (B, N, H, D) views, no copy
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if not is_causal or seqlen_q == seqlen_k:
-        o = attention(q, k, v, causal=is_causal, softmax_scale=scale)
+        o = attention(q, k, v, causal=is_causal, softmax_scale=scale, dropout_p=dropout_p)
     elif seqlen_q < seqlen_k:
         # Top-left causal never reaches keys >= seqlen_q: bottom-right causal on the first
         # seqlen_q keys is the same function.
-        o = attention(q, k[:, :seqlen_q], v[:, :seqlen_q], causal=True, softmax_scale=scale)
+        o = attention(q, k[:, :seqlen_q], v[:, :seqlen_q], causal=True, softmax_scale=scale,
+                      dropout_p=dropout_p)
     else:
         # Rows >= seqlen_k see every key; the first seqlen_k rows are a square causal problem.
-        o = torch.cat([attention(q[:, :seqlen_k], k, v, causal=True, softmax_scale=scale),
-                       attention(q[:, seqlen_k:], k, v, causal=False, softmax_scale=scale)], dim=1)
+        o = torch.cat([attention(q[:, :seqlen_k], k, v, causal=True, softmax_scale=scale,
+                                 dropout_p=dropout_p),
+                       attention(q[:, seqlen_k:], k, v, causal=False, softmax_scale=scale,
+                                 dropout_p=dropout_p)], dim=1)
     return o.transpose(1, 2)

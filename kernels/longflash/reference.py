@@ -14,32 +14,28 @@ baseline of the experiments. Same conventions as `longflash.attention`:
                                                     1 0
                                                     1 1
 
-A query row that sees no key gives output 0 and lse -inf.
+window_size = (left, right) is aligned the same way (-1: unbounded; causal sets
+right = 0). Scores in FlashAttention-2's order: scale, softcap, ALiBi, mask. A
+query row that sees no key gives output 0 and lse -inf. Dropout uses the same
+counter-based mask as the other implementations, materialized here.
 """
 
 import math
 
 import torch
 
-
-def causal_mask(seqlen_q, seqlen_k, rows=None, cols=None, device=None):
-    """Bool mask, True where query i may see key j (bottom-right aligned).
-
-    rows, cols: `range`s of query and key indices (default: all), so that a blockwise
-    caller builds only its (len(rows), len(cols)) tile, never the whole matrix.
-    """
-    rows = range(seqlen_q) if rows is None else rows
-    cols = range(seqlen_k) if cols is None else cols
-    i = torch.arange(rows.start, rows.stop, device=device)[:, None]
-    j = torch.arange(cols.start, cols.stop, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+from ._common import dropout_uniform, visible
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
+                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, batch_offset=0,
+                  upcast=True):
     """Materializing attention. Returns (o, lse).
 
     o: (batch, seqlen_q, nheads, headdim) in q's dtype
-    lse: (batch, nheads, seqlen_q), natural-log log-sum-exp of the scaled scores
+    lse: (batch, nheads, seqlen_q), natural-log log-sum-exp of the scores (before dropout)
+    alibi_slopes: (nheads,) or (batch, nheads). seed: the dropout stream; batch_offset: the
+        batch index of q[0] in that stream (packed sequence b uses b).
     upcast: compute in float32 (float64 stays float64). With upcast=False the whole
         computation runs in the input dtype, which is the "same computation in low
         precision" that the tolerance rule of the tests compares against.
@@ -47,17 +43,47 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     dtype = q.dtype
     if upcast:
         q, k, v = (x.float() if x.dtype != torch.float64 else x for x in (q, k, v))
-    headdim = q.shape[-1]
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    group = q.shape[2] // k.shape[2]
+    group = nheads // k.shape[2]
     k = k.repeat_interleave(group, dim=2)  # (B, Nk, H, D)
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bihd,bjhd->bhij", q, k) * scale  # (B, H, Nq, Nk)
-    if causal:
-        mask = causal_mask(q.shape[1], k.shape[1], device=q.device)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(seqlen_q, device=q.device)[:, None]
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.expand(batch, nheads).to(scores.dtype)[:, :, None, None]
+        scores = scores - slopes * (i + seqlen_k - seqlen_q - j).abs()
+    left, right = window_size
+    if causal or left >= 0 or right >= 0:
+        mask = visible(i, j, seqlen_q, seqlen_k, left, 0 if causal else right)
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
     # Rows that see no key: softmax of all -inf is NaN; define it as 0 instead.
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if dropout_p > 0:
+        bh = torch.arange(batch_offset * nheads, (batch_offset + batch) * nheads,
+                          device=q.device).view(batch, nheads, 1, 1)
+        keep = dropout_uniform(seed, bh, i, j) >= dropout_p
+        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
     o = torch.einsum("bhij,bjhd->bihd", p, v)
     return o.to(dtype), lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **kwargs):
+    """Packed sequences (total, nheads, headdim), one `attention_ref` per sequence.
+    Returns o (total_q, nheads, headdim) and lse (nheads, total_q). ALiBi slopes
+    (batch, nheads) and the dropout stream are taken per sequence, as in the kernels."""
+    outs, lses = [], []
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        slopes = None if alibi_slopes is None else alibi_slopes.expand(len(cu_q) - 1, -1)[b:b + 1]
+        o, lse = attention_ref(q[None, rows], k[None, cols], v[None, cols], alibi_slopes=slopes,
+                               batch_offset=b, **kwargs)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)

@@ -1,0 +1,343 @@
+"""Ring attention: exact attention over a sequence sharded across a process group.
+
+Each of the P ranks of a group holds 1/P of the sequence: its query shard, which stays,
+and its key/value shard, which travels around the ring (rank r sends to r + 1 and
+receives from r - 1). After P steps every query shard has met every key/value shard, and
+the partial outputs, merged with their log-sum-exp, are exactly softmax attention over
+the whole sequence (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise
+Transformers"; the merge is FlashAttention's online softmax one level up). No rank holds
+more than two key/value shards, so per-rank memory is O(seqlen / P).
+
+    forward on rank r; at step t = 0 .. P-1 it holds the k, v shard of rank r - t (mod P):
+        post   send(k, v) -> r + 1,  recv(k', v') <- r - 1     # the next shard is in flight
+        o_t, lse_t = attention_forward(q, k, v)                 # while this one computes
+        o, lse = merge(o, lse, o_t, lse_t)                      # in float32, never bf16
+        wait;  k, v = k', v'
+    backward: the same ring. With the FINAL o and lse, p = exp(q k^T * scale - lse) is each
+        block's exact share of the softmax, so attention_backward(do, q, k, v, o, lse) gives
+        the block's term of dq and the exact dk, dv of the shard in hand; no per-step output
+        is stored. dk, dv (float32) travel with k, v and are back with their owner after P
+        steps.
+
+Layouts. The global sequence is cut into chunks of equal length:
+    "contiguous": P chunks, rank r holds chunk r. Causal work is unbalanced: the last rank
+        attends to every chunk, the first to its own only (efficiency -> 1/2 as P grows).
+    "zigzag": 2P chunks, rank r holds chunks r and 2P-1-r, in sequence order, so that every
+        rank does the same causal work (as in ring-flash-attn's zigzag ring):
+
+            P = 4:   chunk   0  1  2  3  4  5  6  7
+                     rank    0  1  2  3  3  2  1  0
+
+        Causal steps: t = 0 is the local causal block; when the shard in hand comes from a
+        rank before this one, all of q sees its first chunk (its second lies in the future);
+        from a rank after, the second chunk of q sees all of it. Half a block either way.
+Chunk pairs that causal masks entirely are skipped (no compute; the shard still travels).
+
+Communication is torch.distributed's own (`batch_isend_irecv`; gloo on CPU, NCCL on GPU);
+attention is computed by the custom ops of `longflash.interface`, never re-implemented
+here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py).
+Limits: causal needs seqlen_q == seqlen_k (self-attention); the backward is not captured
+by torch.compile (it is a torch.autograd.Function with communication inside).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import interface  # noqa: F401 - registers torch.ops.longflash.*
+from ._common import accumulator_dtype
+from .interface import _check_inputs
+
+LAYOUTS = ("zigzag", "contiguous")
+# Sent across ranks as their index, to compare dtypes (unlisted ones compare as "other").
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_MAX_DIMS = 8  # of a tensor passed to unshard_sequence: its shape is sent padded to this length
+
+
+# ----------------------------------------------------------------------------- the ring
+
+class _Ring(NamedTuple):
+    group: object
+    rank: int        # in group
+    world_size: int
+    layout: str
+    send_to: int     # global ranks of the neighbours
+    recv_from: int
+
+
+def _ring(group, layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("longflash.parallel needs torch.distributed: call "
+                           "torch.distributed.init_process_group first")
+    group = dist.group.WORLD if group is None else group
+    world_size = dist.get_world_size(group)
+    if world_size <= 0:  # -1: this rank is not a member of group
+        raise ValueError(f"group has no ranks that include this one (size {world_size}); pass a "
+                         f"process group that this rank belongs to, or None for the default group")
+    rank = dist.get_rank(group)
+    peer = lambda r: dist.get_global_rank(group, r % world_size)  # noqa: E731
+    return _Ring(group, rank, world_size, layout, peer(rank + 1), peer(rank - 1))
+
+
+def _chunks_per_rank(layout):
+    return 2 if layout == "zigzag" else 1
+
+
+def _rank_chunks(ring, rank):
+    """Indices of the global chunks that rank holds, in sequence order."""
+    return (rank, 2 * ring.world_size - 1 - rank) if ring.layout == "zigzag" else (rank,)
+
+
+def _exchange(ring, *tensors):
+    """Post: send tensors to the next rank, receive as many of the same shapes from the
+    previous one. Returns (received, requests); the received tensors are valid after _wait."""
+    if ring.world_size == 1:
+        return tensors, []
+    received = [torch.empty_like(x) for x in tensors]
+    ops = [dist.P2POp(dist.isend, x, ring.send_to, ring.group) for x in tensors]
+    ops += [dist.P2POp(dist.irecv, x, ring.recv_from, ring.group) for x in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests):
+    for req in requests:
+        req.wait()
+
+
+def _step_plan(ring, src, causal, seqlen):
+    """What this rank computes against the k/v shard of rank src: (q rows, k/v rows, causal)
+    as slices of the local shards, or None when causal masks every pair."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if src == ring.rank:
+        # Own shard: the chunks are in sequence order on both sides, so the local causal mask
+        # is the global one (for zigzag, chunk 2P-1-r sees all of chunk r, r sees none of it).
+        return everything, everything, True
+    mine, theirs = _rank_chunks(ring, ring.rank), _rank_chunks(ring, src)
+    rows = [i for i, a in enumerate(mine) if any(b < a for b in theirs)]
+    cols = [j for j, b in enumerate(theirs) if any(b < a for a in mine)]
+    if not rows:
+        return None
+    # Distinct chunks never share a diagonal; in both layouts the visible pairs form one
+    # rectangle of whole chunks, computed without a mask.
+    assert all(theirs[j] < mine[i] for i in rows for j in cols)
+    chunk = seqlen // len(mine)
+    return (slice(rows[0] * chunk, (rows[-1] + 1) * chunk),
+            slice(cols[0] * chunk, (cols[-1] + 1) * chunk), False)
+
+
+# ----------------------------------------------------------------------------- forward / backward
+
+def _merge_(o, lse, o_blk, lse_blk):
+    """In place: (o, lse) <- attention over the keys behind (o, lse) and behind (o_blk, lse_blk).
+
+    o: (B, N, H, D) and lse: (B, H, N) in the accumulator dtype (float32, or float64);
+    o_blk in the input dtype. o = (e^lse o + e^lse_blk o_blk) / e^lse_new.
+    """
+    lse_new = torch.logaddexp(lse, lse_blk)
+    # A row that has seen no key on either side keeps o = 0, lse = -inf (weights 0, not NaN).
+    lse_safe = lse_new.masked_fill(lse_new == float("-inf"), 0.0)
+    w = torch.exp(lse - lse_safe).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
+    w_blk = torch.exp(lse_blk - lse_safe).transpose(1, 2).unsqueeze(-1)
+    o.mul_(w).add_(o_blk.to(o.dtype) * w_blk)
+    lse.copy_(lse_new)
+
+
+def _ring_forward(q, k, v, causal, softmax_scale, backend, ring):
+    batch, seqlen_q, nheads, _ = q.shape
+    acc = accumulator_dtype(q.dtype)
+    o = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=acc, device=q.device)
+    k, v = k.contiguous(), v.contiguous()  # sent as they are
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:  # posted before the compute, so the transfer overlaps it
+            (k_next, v_next), requests = _exchange(ring, k, v)
+        plan = _step_plan(ring, (ring.rank - step) % ring.world_size, causal, k.shape[1])
+        if plan is not None:
+            rows, cols, block_causal = plan
+            o_blk, lse_blk = torch.ops.longflash.attention_forward(
+                q[:, rows], k[:, cols], v[:, cols], block_causal, softmax_scale, backend)
+            _merge_(o[:, rows], lse[:, :, rows], o_blk, lse_blk)
+        if not last:
+            _wait(requests)
+            k, v = k_next, v_next
+    return o.to(q.dtype), lse
+
+
+def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ring):
+    acc = accumulator_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    k, v = k.contiguous(), v.contiguous()
+    for step in range(ring.world_size):
+        last = step == ring.world_size - 1
+        if not last:
+            (k_next, v_next), kv_requests = _exchange(ring, k, v)
+        plan = _step_plan(ring, (ring.rank - step) % ring.world_size, causal, k.shape[1])
+        if plan is not None:
+            rows, cols, block_causal = plan
+            dq_blk, dk_blk, dv_blk = torch.ops.longflash.attention_backward(
+                do[:, rows], q[:, rows], k[:, cols], v[:, cols], o[:, rows], lse[:, :, rows],
+                None if dlse is None else dlse[:, :, rows], block_causal, softmax_scale, backend)
+            dq[:, rows] += dq_blk
+        # dk, dv of the shard in hand: what the ranks it visited before added, plus this block.
+        # Float32 in transit too, or the sum would round once per rank.
+        if step == 0:
+            dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))
+        else:
+            _wait(dkv_requests)
+            dk, dv = dkv_next
+        if plan is not None:
+            dk[:, cols] += dk_blk
+            dv[:, cols] += dv_blk
+        dkv_next, dkv_requests = _exchange(ring, dk, dv)  # after the last step: to the owner
+        if not last:
+            _wait(kv_requests)
+            k, v = k_next, v_next
+    _wait(dkv_requests)
+    dk, dv = dkv_next
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring):
+        o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, softmax_scale, backend, ring)
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not a zero one
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do
+        dq, dk, dv = _ring_backward(do, dlse, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_seqlen(name, x, ring):
+    per_rank = _chunks_per_rank(ring.layout)
+    if x.shape[1] % per_rank:
+        raise ValueError(f"{name} has {x.shape[1]} tokens on this rank; layout {ring.layout!r} "
+                         f"needs a multiple of {per_rank} (the global seqlen a multiple of "
+                         f"{per_rank * ring.world_size}, {per_rank} chunks per rank): pad the "
+                         f"sequence")
+
+
+def _dtype_code(dtype):
+    return (_DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES),)
+
+
+def _show(name, values):
+    if name == "dtype":
+        return _DTYPES[int(values[0])] if values[0] < len(_DTYPES) else "another dtype"
+    return tuple(int(x) if x.is_integer() else x for x in values if x != -1)
+
+
+def _check_same_on_all_ranks(ring, device, **meta):
+    """Raise ValueError on every rank if meta (name -> tuple of numbers) differs between ranks.
+    One small all_gather, so that a mismatch fails loudly instead of corrupting the result."""
+    if ring.world_size == 1:
+        return
+    mine = torch.tensor([float(x) for value in meta.values() for x in value],
+                        dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(ring.world_size)]
+    dist.all_gather(gathered, mine, group=ring.group)
+    names = [name for name, value in meta.items() for _ in value]  # one per number
+    for other_rank, other in enumerate(gathered):
+        differ = (other != mine).nonzero()
+        if len(differ):
+            name = names[differ[0].item()]
+            a, b = ([x for n, x in zip(names, t.tolist()) if n == name] for t in (mine, other))
+            raise ValueError(f"{name} differs across ranks: {_show(name, a)} on rank {ring.rank},"
+                             f" {_show(name, b)} on rank {other_rank}; every rank must pass "
+                             f"shards of the same shape, dtype and options")
+
+
+# ----------------------------------------------------------------------------- public API
+
+def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
+                   return_lse=False, backend="auto"):
+    """Exact attention over a sequence sharded across the ranks of a process group.
+
+    Call it on every rank of group with this rank's shards (see `shard_sequence`):
+        q: (batch, seqlen_q / P, nheads, headdim)
+        k, v: (batch, seqlen_k / P, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA)
+    causal: over the global sequence, as in `longflash.attention`; needs seqlen_q == seqlen_k.
+    softmax_scale: default 1 / sqrt(headdim).
+    group: the process group (default: the default group); P = its size.
+    layout: how the global sequence is sharded, "zigzag" (balanced causal work, the default)
+        or "contiguous"; must match the layout of shard_sequence / unshard_sequence. The
+        global seqlen must be divisible by 2P (zigzag) or P (contiguous).
+    return_lse, backend: as in `longflash.attention` (backend runs each block).
+    Returns o: (batch, seqlen_q / P, nheads, headdim), this rank's shard of the output, and if
+        return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
+    Differentiable in q, k, v (and through lse); the backward runs the ring again.
+
+    Raises, before any communication: the errors of `longflash.attention`; ValueError for an
+    unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
+    NotImplementedError for causal with seqlen_q != seqlen_k. Then, on every rank, ValueError
+    if shapes, dtype, causal, softmax_scale, layout or backend differ between ranks (checked
+    with one all_gather of a few numbers).
+    """
+    ring = _ring(group, layout)
+    softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend)
+    _check_seqlen("q", q, ring)
+    _check_seqlen("k", k, ring)
+    if causal and q.shape[1] != k.shape[1]:
+        raise NotImplementedError(f"ring_attention with causal=True needs seqlen_q == seqlen_k "
+                                  f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
+    _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape,
+                             dtype=_dtype_code(q.dtype), causal=(causal,),
+                             softmax_scale=(softmax_scale,), layout=(LAYOUTS.index(layout),),
+                             backend=(("triton", "torch").index(backend),))
+    o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring)
+    return (o, lse) if return_lse else o
+
+
+def shard_sequence(x, layout="zigzag", group=None):
+    """This rank's shard of a full (batch, seqlen, ...) tensor: (batch, seqlen / P, ...).
+
+    The chunks of `layout` that this rank holds, concatenated in sequence order (for zigzag,
+    chunks r and 2P-1-r of 2P). No communication: every rank passes the same full tensor.
+    ValueError if seqlen is not divisible by the layout's chunk count (P or 2P).
+    """
+    ring = _ring(group, layout)
+    n_chunks = _chunks_per_rank(layout) * ring.world_size
+    if x.dim() < 2 or x.shape[1] % n_chunks:
+        raise ValueError(f"x must be (batch, seqlen, ...) with seqlen divisible by {n_chunks} "
+                         f"(layout {layout!r} on {ring.world_size} ranks), got shape "
+                         f"{tuple(x.shape)}: pad the sequence")
+    chunks = x.split(x.shape[1] // n_chunks, dim=1)
+    return torch.cat([chunks[i] for i in _rank_chunks(ring, ring.rank)], dim=1)
+
+
+def unshard_sequence(x_local, layout="zigzag", group=None):
+    """The full (batch, seqlen, ...) tensor, on every rank, from each rank's (batch, seqlen / P,
+    ...) shard: the inverse of `shard_sequence` (one all_gather; not differentiable).
+
+    ValueError, on every rank, if the shards differ in shape or dtype across ranks.
+    """
+    ring = _ring(group, layout)
+    if not 2 <= x_local.dim() <= _MAX_DIMS:
+        raise ValueError(f"x_local must be (batch, seqlen / P, ...) with at most {_MAX_DIMS} "
+                         f"dimensions, got shape {tuple(x_local.shape)}")
+    _check_seqlen("x_local", x_local, ring)
+    shape = tuple(x_local.shape) + (-1,) * (_MAX_DIMS - x_local.dim())  # same length everywhere
+    _check_same_on_all_ranks(ring, x_local.device, shape=shape, dtype=_dtype_code(x_local.dtype))
+    x_local = x_local.contiguous()
+    shards = [torch.empty_like(x_local) for _ in range(ring.world_size)]
+    dist.all_gather(shards, x_local, group=ring.group)
+    chunks = {}
+    for rank, shard in enumerate(shards):
+        pieces = shard.chunk(_chunks_per_rank(layout), dim=1)
+        chunks.update(zip(_rank_chunks(ring, rank), pieces))
+    return torch.cat([chunks[i] for i in sorted(chunks)], dim=1)
