@@ -109,9 +109,8 @@ def test_sdpa_default_scale_and_layout():
 @pytest.mark.parametrize("kwargs, exc, words", [
     ({"attn_mask": torch.ones(9, 11, dtype=torch.bool)}, NotImplementedError,
      ["attn_mask", "scaled_dot_product_attention"]),
-    ({"dropout_p": 0.1}, NotImplementedError, ["dropout_p"]),
     ({"enable_gqa": False}, ValueError, ["enable_gqa"]),
-], ids=["attn_mask", "dropout", "gqa-not-enabled"])
+], ids=["attn_mask", "gqa-not-enabled"])
 def test_sdpa_refuses_what_it_cannot_honour(kwargs, exc, words):
     query, key, value = (x.transpose(1, 2) for x in qkv(h=4, hkv=2))
     with pytest.raises(exc) as info:

@@ -44,3 +44,42 @@ def test_compile_inductor_gpu():
                        fullgraph=True)
     eager = longflash.attention(q, k, v, causal=True).float().sum()
     torch.testing.assert_close(fn(q, k, v), eager)
+
+
+VARIANTS = [
+    ("window", dict(causal=True, window_size=(256, 0))),
+    ("alibi-softcap", dict(causal=True, alibi=(8,), softcap=30.0)),
+    ("dropout", dict(dropout_p=0.1, seed=3)),
+]
+
+
+@pytest.mark.parametrize("name, kw", VARIANTS, ids=[v[0] for v in VARIANTS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_variants_gpu(dtype, name, kw):
+    from longflash import attention_ref
+    from test_correctness import make_inputs, run
+    from test_variants import kwargs_for, ref_kwargs
+    from conftest import check_close
+    kw = kwargs_for(kw, device="cuda")
+    q, k, v, do = make_inputs((2, 2047, 2049, 8, 2, 128), dtype, device="cuda")
+    got = run(lambda *x: longflash.attention(*x, return_lse=True, backend="triton", **kw),
+              q, k, v, do)
+    lowp = run(lambda *x: attention_ref(*x, upcast=False, **ref_kwargs(kw)), q, k, v, do)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = run(lambda *x: attention_ref(*x, **ref_kwargs(kw)), *x64, do.double())
+    for label, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        check_close(label, a, b, r)
+
+
+def test_varlen_gpu():
+    from test_variants import packed
+    (q, k, v), cu_q, cu_k, max_q, max_k = packed([1000, 0, 3000, 17], [1200, 9, 2999, 17],
+                                                 nheads=8, nheads_kv=2, headdim=128,
+                                                 dtype=torch.bfloat16)
+    q, k, v = (x.detach().cuda().requires_grad_() for x in (q, k, v))
+    cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
+    o = longflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    for b in range(4):
+        rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ob = longflash.attention(q[None, rows], k[None, cols], v[None, cols], causal=True)
+        torch.testing.assert_close(o[rows], ob[0])

@@ -535,6 +535,36 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
 
+# ----------------------------------------------------------------------------- range probe
+
+@triton.jit
+def _range_probe(OUT, seqlen_q, seqlen_k, window_left, window_right, KEYS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes (lo, mid_lo, mid_hi, hi) of block program_id(0), as the kernels compute them."""
+    start = tl.program_id(0) * (BLOCK_M if KEYS else BLOCK_N)
+    if KEYS:
+        lo, mid_lo, mid_hi, hi = _key_range(start, seqlen_q, seqlen_k, window_left, window_right,
+                                            BLOCK_M, BLOCK_N)
+    else:
+        lo, mid_lo, mid_hi, hi = _query_range(start, seqlen_q, seqlen_k, window_left,
+                                              window_right, BLOCK_M, BLOCK_N)
+    offs = tl.arange(0, 4)
+    values = tl.where(offs == 0, lo, tl.where(offs == 1, mid_lo, tl.where(offs == 2, mid_hi, hi)))
+    tl.store(OUT + tl.program_id(0) * 4 + offs, values)
+
+
+def block_ranges(seqlen_q, seqlen_k, window_left=-1, window_right=-1, block_m=128, block_n=64,
+                 keys=True, device="cuda"):
+    """The (lo, mid_lo, mid_hi, hi) ranges the kernels loop over, one row per query block
+    (keys=True: the forward and dQ kernels) or per key block (keys=False: dK/dV), computed
+    by the kernels' own range functions. For measuring blocks visited and for tests."""
+    n_blocks = triton.cdiv(seqlen_q, block_m) if keys else triton.cdiv(seqlen_k, block_n)
+    out = torch.empty((n_blocks, 4), dtype=torch.int32, device=device)
+    _range_probe[(n_blocks,)](out, seqlen_q, seqlen_k, window_left, window_right, KEYS=keys,
+                              BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
+
+
 # ----------------------------------------------------------------------------- launchers
 
 def _last_dim_contiguous(*xs):

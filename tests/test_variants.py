@@ -1,0 +1,292 @@
+"""Attention variants (sliding window, ALiBi, softcap, dropout, packed varlen) against the
+float64 reference, forward and gradients, on the blockwise path and the Triton kernels.
+
+Dropout is compared exactly: every implementation draws the same counter-based mask for
+the same seed (`_common.dropout_uniform`), so the reference materializes it and the
+tolerance rule applies as for any other variant.
+"""
+
+import random
+
+import pytest
+import torch
+
+import longflash
+from longflash import _common, attention_ref, attention_varlen_ref, blockwise
+from conftest import INTERPRET, check_close
+from test_correctness import make_inputs, run
+
+BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+# The blockwise path with several tile shapes (so short sequences span many blocks), and
+# the Triton kernels with their own (interpreter) tiles.
+BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
+    ([("triton", None)] if INTERPRET else [])
+
+# (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
+CASES = [
+    ("window8-4", (1, 45, 61, 2, 1, 16), dict(window_size=(8, 4))),
+    ("window-left-causal", (1, 61, 45, 2, 2, 16), dict(causal=True, window_size=(10, -1))),
+    ("window-right-only", (1, 37, 37, 2, 1, 16), dict(window_size=(-1, 3))),
+    ("window0-0", (1, 23, 29, 2, 2, 16), dict(window_size=(0, 0))),
+    ("alibi-heads", (2, 29, 33, 4, 2, 16), dict(alibi=(4,))),
+    ("alibi-batch-causal", (2, 33, 29, 4, 4, 16), dict(causal=True, alibi=(2, 4))),
+    ("softcap", (1, 31, 37, 2, 1, 32), dict(softcap=0.5)),
+    ("dropout", (2, 33, 41, 2, 1, 16), dict(dropout_p=0.3, seed=1234)),
+    ("all", (2, 47, 53, 4, 2, 24), dict(causal=True, window_size=(12, -1), alibi=(2, 4),
+                                       softcap=1.0, dropout_p=0.2, seed=7)),
+]
+
+
+def kwargs_for(kw, device="cpu"):
+    kw = dict(kw)
+    if "alibi" in kw:
+        shape = kw.pop("alibi")
+        kw["alibi_slopes"] = torch.rand(shape, generator=torch.Generator().manual_seed(3),
+                                        dtype=torch.float32).to(device) * 0.5
+    return kw
+
+
+def ref_kwargs(kw):
+    return {k: v for k, v in kw.items() if k not in ("generator", "deterministic")}
+
+
+@pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
+                         ids=[f"{b}-{t[0]}x{t[1]}" if t else b for b, t in BACKEND_TILES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_variant_against_reference(backend, tiles, dtype, shape, kw, monkeypatch):
+    if tiles:
+        monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
+        monkeypatch.setattr(blockwise, "BLOCK_N", tiles[1])
+    kw = kwargs_for(kw)
+    q, k, v, do = make_inputs(shape, dtype)
+    got = run(lambda q, k, v: longflash.attention(q, k, v, return_lse=True, backend=backend, **kw),
+              q, k, v, do)
+    lowp = run(lambda q, k, v: attention_ref(q, k, v, upcast=False, **ref_kwargs(kw)), q, k, v, do)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = run(lambda q, k, v: attention_ref(q, k, v, **ref_kwargs(kw)), *x64, do.double())
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        check_close(name, a, b, r)
+
+
+def test_bfloat16_variants_torch_path():
+    """bf16 is not available in the Triton interpreter; the PyTorch path covers it on CPU."""
+    kw = kwargs_for(CASES[-1][2])
+    q, k, v, do = make_inputs(CASES[-1][1], torch.bfloat16)
+    got = run(lambda *x: longflash.attention(*x, return_lse=True, backend="torch", **kw),
+              q, k, v, do)
+    lowp = run(lambda *x: attention_ref(*x, upcast=False, **ref_kwargs(kw)), q, k, v, do)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = run(lambda *x: attention_ref(*x, **ref_kwargs(kw)), *x64, do.double())
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        check_close(name, a, b, r)
+
+
+# ----------------------------------------------------------------------------- block ranges
+
+def test_block_ranges_against_brute_force():
+    """Skipped blocks are invisible to every row; unmasked blocks are visible to every row."""
+    rng = random.Random(0)
+    for _ in range(400):
+        nq, nk = rng.randint(1, 70), rng.randint(1, 70)
+        bm, bn = rng.choice([4, 8, 16]), rng.choice([4, 8, 16])
+        left, right = rng.choice([-1, 0, 3, 17]), rng.choice([-1, 0, 5, 30])
+        vis = _common.visible(torch.arange(nq)[:, None], torch.arange(nk)[None, :], nq, nk,
+                              left, right)
+        for start_m in range(0, nq, bm):
+            rows = vis[start_m:start_m + bm]
+            lo, mid_lo, mid_hi, hi = _common.key_range(start_m, bm, bn, nq, nk, left, right)
+            assert lo <= mid_lo <= mid_hi and lo % bn == mid_lo % bn == mid_hi % bn == 0
+            assert not rows[:, :lo].any() and not rows[:, hi:].any()
+            assert rows[:, mid_lo:mid_hi].all()
+        for start_n in range(0, nk, bn):
+            cols = vis[:, start_n:start_n + bn]
+            lo, mid_lo, mid_hi, hi = _common.query_range(start_n, bm, bn, nq, nk, left, right)
+            assert lo <= mid_lo <= mid_hi and lo % bm == mid_lo % bm == mid_hi % bm == 0
+            assert not cols[:lo].any() and not cols[hi:].any()
+            assert cols[mid_lo:mid_hi].all()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compares the kernels' ranges on CPU")
+def test_kernel_ranges_equal_python_ranges():
+    """The Triton kernels loop over exactly the blocks that _common's ranges describe."""
+    from longflash import flash_triton
+    rng = random.Random(1)
+    for _ in range(30):
+        nq, nk = rng.randint(1, 90), rng.randint(1, 90)
+        bm, bn = rng.choice([16, 32]), rng.choice([16, 32])
+        left, right = rng.choice([-1, 0, 3, 17]), rng.choice([-1, 0, 5, 30])
+        for keys, rng_fn, step in ((True, _common.key_range, bm), (False, _common.query_range, bn)):
+            got = flash_triton.block_ranges(nq, nk, left, right, bm, bn, keys, "cpu").tolist()
+            n = nq if keys else nk
+            want = [list(rng_fn(s, bm, bn, nq, nk, left, right)) for s in range(0, n, step)]
+            assert got == want, (nq, nk, bm, bn, left, right, keys)
+
+
+def test_window_visits_blocks_linear_in_n():
+    """With a fixed window, the number of key blocks visited grows like N, not N^2."""
+    def visited(n, window):
+        return sum(-(-(hi - lo) // 16) for lo, _, _, hi in
+                   (_common.key_range(m, 16, 16, n, n, *window) for m in range(0, n, 16)))
+    window = [visited(n, (64, 0)) for n in (2048, 4096, 8192)]
+    assert window[2] - window[1] == 2 * (window[1] - window[0])  # linear (plus a constant)
+    assert visited(4096, (-1, 0)) > 3.9 * visited(2048, (-1, 0))  # causal: quadratic
+
+
+# ----------------------------------------------------------------------------- dropout
+
+def test_dropout_mask_statistics():
+    u = _common.dropout_uniform(42, torch.arange(4)[:, None, None], torch.arange(256)[:, None],
+                                torch.arange(256)[None, :])
+    for p in (0.1, 0.5):
+        dropped = (u < p).double().mean().item()
+        assert abs(dropped - p) < 4 * (p * (1 - p) / u.numel()) ** 0.5, dropped
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_preserves_expectation(backend):
+    """With v = 1 every output element is sum_j p_j keep_j / (1 - p): 1 in expectation."""
+    q, k, _, _ = make_inputs((1, 64, 96, 2, 2, 16), torch.float32)
+    v = torch.ones_like(k)
+    o = longflash.attention(q.detach(), k.detach(), v, dropout_p=0.25, seed=5, backend=backend)
+    assert abs(o[..., 0].mean().item() - 1.0) < 0.05
+    assert o[..., 0].std().item() > 0.05  # and the mask really drops something
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_is_reproducible(backend):
+    q, k, v, do = make_inputs((1, 33, 33, 2, 1, 16), torch.float32)
+    a = run(lambda *x: longflash.attention(*x, return_lse=True, dropout_p=0.3, seed=9,
+                                           backend=backend), q, k, v, do)
+    b = run(lambda *x: longflash.attention(*x, return_lse=True, dropout_p=0.3, seed=9,
+                                           backend=backend), q, k, v, do)
+    c = longflash.attention(q, k, v, dropout_p=0.3, seed=10, backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c)
+    g = torch.Generator().manual_seed(0)
+    d = longflash.attention(q, k, v, dropout_p=0.3, generator=g, backend=backend)
+    g.manual_seed(0)
+    assert torch.equal(d, longflash.attention(q, k, v, dropout_p=0.3, generator=g,
+                                              backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_zero_is_bit_identical(backend):
+    q, k, v, _ = make_inputs((1, 21, 21, 2, 2, 16), torch.float32)
+    assert torch.equal(longflash.attention(q, k, v, dropout_p=0.0, seed=3, backend=backend),
+                       longflash.attention(q, k, v, backend=backend))
+
+
+def test_sdpa_dropout():
+    q, k, v, _ = make_inputs((1, 21, 21, 2, 2, 16), torch.float32)
+    torch.manual_seed(0)
+    a = longflash.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                               dropout_p=0.5)
+    b = longflash.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+    assert not torch.equal(a, b) and torch.isfinite(a).all()
+
+
+# ----------------------------------------------------------------------------- varlen
+
+def packed(lengths_q, lengths_k, nheads=4, nheads_kv=2, headdim=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(total_q, nheads, headdim, generator=gen, dtype=torch.float64)
+    k = torch.randn(total_k, nheads_kv, headdim, generator=gen, dtype=torch.float64)
+    v = torch.randn(total_k, nheads_kv, headdim, generator=gen, dtype=torch.float64)
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    return ([x.to(dtype).requires_grad_() for x in (q, k, v)], cu(lengths_q), cu(lengths_k),
+            max(lengths_q), max(lengths_k))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True),
+                                dict(causal=True, window_size=(6, -1), alibi=(3, 4), softcap=1.0,
+                                     dropout_p=0.2, seed=11)], ids=["full", "causal", "all"])
+def test_varlen_against_reference(backend, kw):
+    """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence."""
+    kw = kwargs_for(kw)
+    (q, k, v), cu_q, cu_k, max_q, max_k = packed([17, 0, 40], [23, 5, 31])
+    do = torch.randn_like(q)
+    got = run(lambda *x: longflash.attention_varlen(*x, cu_q, cu_k, max_q, max_k, return_lse=True,
+                                                    backend=backend, **kw), q, k, v, do)
+    lowp = run(lambda *x: attention_varlen_ref(*x, cu_q, cu_k, **ref_kwargs(kw)), q, k, v, do)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = run(lambda *x: attention_varlen_ref(*x, cu_q, cu_k, **ref_kwargs(kw)), *x64,
+              do.double())
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        check_close(name, a, b, r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_equals_separate_calls(backend):
+    (q, k, v), cu_q, cu_k, max_q, max_k = packed([9, 30], [9, 30])
+    o = longflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                   backend=backend)
+    for b in range(2):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        ob = longflash.attention(q[None, rows], k[None, rows], v[None, rows], causal=True,
+                                 backend=backend)
+        torch.testing.assert_close(o[rows], ob[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_flag(backend):
+    q, k, v, do = make_inputs((2, 29, 35, 4, 1, 16), torch.float16)
+    kw = dict(causal=True, window_size=(9, -1), softcap=2.0, dropout_p=0.1, seed=1,
+              deterministic=True, backend=backend)
+    grads = [torch.autograd.grad(longflash.attention(q, k, v, **kw), (q, k, v), do)
+             for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# ----------------------------------------------------------------------------- bad values
+
+q0, k0, v0, _ = make_inputs((2, 9, 11, 4, 2, 16), torch.float32)
+BAD = [
+    ("window-below-minus-one", dict(window_size=(-2, 0)), ValueError, "window_size"),
+    ("window-not-pair", dict(window_size=5), TypeError, "window_size"),
+    ("softcap-negative", dict(softcap=-1.0), ValueError, "softcap"),
+    ("dropout-one", dict(dropout_p=1.0), ValueError, "dropout_p"),
+    ("dropout-negative", dict(dropout_p=-0.1), ValueError, "dropout_p"),
+    ("alibi-shape", dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+    ("alibi-dtype", dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError,
+     "alibi_slopes"),
+    ("seed-float", dict(dropout_p=0.1, seed=1.5), TypeError, "seed"),
+    ("deterministic-int", dict(deterministic=1), TypeError, "deterministic"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, word", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_variant_values(kw, exc, word):
+    with pytest.raises(exc, match=word):
+        longflash.attention(q0, k0, v0, **kw)
+
+
+def cu(*xs, dtype=torch.int32):
+    return torch.tensor(xs, dtype=dtype)
+
+
+(vq, vk, vv), vcu_q, vcu_k, vmax_q, vmax_k = packed([3, 5], [4, 4])
+BAD_VARLEN = [
+    ("int64", dict(cu_seqlens_q=cu(0, 3, 8, dtype=torch.int64)), TypeError, "cu_seqlens_q"),
+    ("not-zero-start", dict(cu_seqlens_q=cu(1, 3, 8)), ValueError, "start at 0"),
+    ("wrong-end", dict(cu_seqlens_k=cu(0, 4, 7)), ValueError, "end at"),
+    ("decreasing", dict(cu_seqlens_q=cu(0, 5, 3, 8), cu_seqlens_k=cu(0, 4, 4, 8)), ValueError,
+     "non-decreasing"),
+    ("count", dict(cu_seqlens_k=cu(0, 8), max_seqlen_k=8), ValueError,
+     "same number of sequences"),
+    ("max-too-small", dict(max_seqlen_q=4), ValueError, "max_seqlen_q"),
+    ("alibi-batch", dict(alibi_slopes=torch.ones(3, 4)), ValueError, "alibi_slopes"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, word", [b[1:] for b in BAD_VARLEN],
+                         ids=[b[0] for b in BAD_VARLEN])
+def test_bad_varlen_values(kw, exc, word):
+    args = dict(cu_seqlens_q=vcu_q, cu_seqlens_k=vcu_k, max_seqlen_q=vmax_q, max_seqlen_k=vmax_k)
+    args.update(kw)
+    with pytest.raises(exc, match=word):
+        longflash.attention_varlen(vq, vk, vv, **args)
