@@ -154,3 +154,24 @@ def test_opcheck():
     q, k, v = (x.requires_grad_() for x in qkv())
     torch.library.opcheck(torch.ops.longflash.attention_forward.default,
                           (q, k, v, True, 0.25, "torch"))
+
+
+def test_compile_fullgraph_variants_and_varlen():
+    """Window, ALiBi, softcap, dropout (seeded) and packed sequences inside one graph."""
+    torch._dynamo.reset()
+    slopes = torch.rand(4)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+
+    def fn(q, k, v):
+        o = longflash.attention(q[None], k[None], v[None], causal=True, window_size=(4, -1),
+                                alibi_slopes=slopes, softcap=2.0, dropout_p=0.1, seed=3,
+                                backend="torch")
+        o2 = longflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True, backend="torch")
+        return o.sum() + o2.sum()
+
+    q, k, v = (torch.randn(12, 4, 16, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+    for g, g_c in zip(torch.autograd.grad(fn(q, k, v), (q, k, v)),
+                      torch.autograd.grad(compiled(q, k, v), (q, k, v))):
+        torch.testing.assert_close(g_c, g)
