@@ -116,9 +116,9 @@ def _key_str(x):
     return str(x)
 
 
-def _keys(df):
-    """(rows,) Series of strings, one per row, joining its KEY_COLUMNS."""
-    cols = [df[c].map(_key_str) for c in KEY_COLUMNS]
+def _keys(df, key_columns=()):
+    """(rows,) Series of strings, one per row, joining its KEY_COLUMNS (and extra keys)."""
+    cols = [df[c].map(_key_str) for c in KEY_COLUMNS + list(key_columns)]
     return cols[0].str.cat(cols[1:], sep="\x1f")
 
 
@@ -138,12 +138,14 @@ def _validate(df):
                          f"for {row[[c for c in KEY_COLUMNS if c in df.columns]].to_dict()}")
 
 
-def write_results(rows, path, command=None):
+def write_results(rows, path, command=None, key_columns=()):
     """Validate rows, merge them into the CSV at path by key, and write it atomically.
 
     rows: a list of dicts or a DataFrame with at least COLUMNS. Provenance columns missing
     from the rows (or empty in some) are filled with `provenance(command)`.
-    Rows whose KEY_COLUMNS match a row already in the file replace it; the others are kept.
+    key_columns: extra columns that also identify a measurement in this experiment (for
+    example the modelled memory size), documented by the experiment.
+    Rows whose keys match a row already in the file replace it; the others are kept.
     Raises ValueError, before the file is touched, for missing columns, a provider / mode /
     status outside the vocabulary, a non-finite value with status "ok", or duplicate keys.
     Returns the whole merged table, columns ordered COLUMNS + PROVENANCE_COLUMNS + extras.
@@ -163,18 +165,21 @@ def write_results(rows, path, command=None):
             else:
                 df[c] = df[c].astype(object).where(df[c].notna(), prov[c])
 
-    keys = _keys(df)
+    missing = [c for c in key_columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"rows are missing the key columns {missing}")
+    keys = _keys(df, key_columns)
     dup = keys[keys.duplicated()]
     if len(dup):
-        first = df.loc[dup.index[0], KEY_COLUMNS].to_dict()
+        first = df.loc[dup.index[0], KEY_COLUMNS + list(key_columns)].to_dict()
         raise ValueError(f"duplicate key in the new rows: {first}")
     merged = df
     if os.path.exists(path):
         old = pd.read_csv(path)
-        missing = [c for c in KEY_COLUMNS if c not in old.columns]
+        missing = [c for c in KEY_COLUMNS + list(key_columns) if c not in old.columns]
         if missing:
             raise ValueError(f"{path} lacks key columns {missing}; not a results file?")
-        kept = old[~_keys(old).isin(set(keys))]
+        kept = old[~_keys(old, key_columns).isin(set(keys))]
         if len(kept):
             merged = pd.concat([kept, df], ignore_index=True)
     extras = sorted(set(merged.columns) - set(COLUMNS) - set(PROVENANCE_COLUMNS))

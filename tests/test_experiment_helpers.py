@@ -197,3 +197,15 @@ def test_peak_memory_mb_cpu_in_fresh_process():
     assert "ZeroDivisionError" in message and not oom
     message, oom = out["oom"]
     assert oom, message
+
+
+def test_extra_key_columns(tmp_path):
+    """Rows that differ only in an experiment's own key column are different measurements."""
+    path = tmp_path / "r.csv"
+    row = make_row()
+    rows = [dict(row, sram=1024), dict(row, sram=2048, value=2.0)]
+    assert len(write_results(rows, path, key_columns=("sram",))) == 2
+    df = write_results([dict(row, sram=2048, value=3.0)], path, key_columns=("sram",))
+    assert sorted(df["value"]) == [1.0, 3.0]
+    with pytest.raises(ValueError, match="duplicate key"):
+        write_results(rows, path)  # without the extra key the two rows collide

@@ -1,0 +1,380 @@
+"""RQ2: does LongFlash's HBM traffic follow Theta(N^2 d^2 / M), and by how much does it beat
+standard attention's Theta(N d + N^2)?
+
+    PYTHONPATH=kernels:. python3 -m experiments.io_complexity          # CPU, about a minute
+    PYTHONPATH=kernels:. python3 -m experiments.io_complexity --full   # more simulator checks
+    ... --ncu-plan results/io_complexity/ncu_plan.csv   # configurations for a GPU run (below)
+    ... --ncu-target '{"provider": "longflash", ...}'   # run one of them once, for ncu to profile
+
+Everything here is counted, not measured: elements moved between slow memory (HBM) and a fast
+memory of M elements in the two-level memory model, by the closed form of `io_model.py`. On
+small sizes `io_sim.py` also executes the algorithms with an explicit fast memory of M
+elements; the script stops if its counts differ from the closed form by a single element, if
+its fast memory would exceed M, or if its output disagrees with `attention_ref` in float64.
+Hardware traffic (Nsight Compute DRAM bytes) is not measured yet: no GPU was available. The
+`--ncu-plan` option writes the configurations and ncu command lines for that later run, each
+with the model's prediction beside it; `--ncu-target` is the command they wrap.
+
+Sweeps (a dataclass of defaults, below): N from 256 to 64K at d = 64, M = 2^16; d from 16 to
+256 at N = 16K, M = 2^16; M from d to N d at N = 16K, d = 64 for two tile rules (io_model.
+block_sizes: "fit", the largest tiles that fit in M, stationary block Theta(M / d); "flash",
+Dao et al.'s B_c = ceil(M / 4d), B_r = min(B_c, d), which may not fit); the crossover M at
+which LongFlash moves no more bytes than standard attention, for each d; and the simulator
+on small shapes (odd lengths, seqlen_q != seqlen_k, GQA, causal or not).
+
+Rows (results/io_complexity/cpu.csv, schema of experiments/results.py), provider longflash or
+standard, mode fwd or bwd (bwd: the backward pass alone; the forward's outputs are in HBM),
+dtype float16 (2 bytes per element; lse and delta are float32), status ok, or unsupported
+where not even a 1 x 1 tile fits in M. Metrics:
+    hbm_elements_read        elements read from HBM into fast memory             (elements)
+    hbm_elements_written     elements written from fast memory to HBM            (elements)
+    hbm_bytes                bytes moved both ways, at the dtype's size           (bytes)
+    fast_mem_peak            most elements resident in fast memory at once        (elements)
+    sim_max_abs_err          max |simulator - attention_ref float64| over o and lse (fwd) or
+                             dq, dk, dv (bwd); only on rows with simulated = True (abs)
+    crossover_sram_elements  smallest M ("fit" tiles) at which LongFlash moves no more bytes
+                             than standard attention (elements)
+`memory_model` names the modelled machine ("two-level memory, M=..., tiles ..."): a count
+depends on M and the tiles, so it is a key column of these rows; `device` is the computer
+that evaluated the counts. Extra columns:
+sram_elements (M), block_rule ("fit", "flash" or "fixed" for LongFlash; "output-stationary"
+for standard attention, whose products pick their own tiles from M), BLOCK_M and BLOCK_N
+(forward tiles; backward: the dK/dV kernel's), dq_BLOCK_M, dq_BLOCK_N (the dQ kernel's),
+simulated, measured_on_gpu (False).
+"""
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import shlex
+from dataclasses import asdict, dataclass, replace
+from itertools import product
+
+import torch
+import torch.nn.functional as F
+
+import longflash
+from experiments import io_model as io
+from experiments.io_model import Shape, Tiles, block_sizes, runnable
+from experiments.io_sim import simulate
+from experiments.results import write_results
+
+PROVIDERS, MODES = ("longflash", "standard"), ("fwd", "bwd")
+ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum"
+
+
+@dataclass
+class Config:
+    seqlens: tuple = tuple(2**k for k in range(8, 17))  # N sweep: 256 .. 64K
+    headdims: tuple = (16, 32, 64, 128, 256)            # d sweep and crossover
+    seqlen: int = 16384          # N of the d and M sweeps and of the crossover
+    headdim: int = 64            # d of the N and M sweeps
+    sram: int = 2**16            # M of the N and d sweeps, elements (128 KiB of float16)
+    dtype: str = "float16"       # sets hbm_bytes' bytes per element
+    sim_sweeps: tuple = ((128, 16),)  # simulator: (N, d), M from d to N d ("fit" tiles)
+    # simulator on odd shapes: (seqlen_q, seqlen_k, headdim, nheads, nheads_kv, BLOCK_M, BLOCK_N)
+    sim_shapes: tuple = ((97, 160, 24, 4, 2, 32, 16), (160, 97, 24, 4, 2, 16, 32),
+                         (113, 113, 40, 2, 1, 16, 16))
+    out: str = "results/io_complexity/cpu.csv"
+
+
+FULL = dict(sim_sweeps=Config.sim_sweeps + ((256, 32),),
+            sim_shapes=Config.sim_shapes + ((203, 97, 59, 8, 2, 64, 32), (1, 17, 16, 2, 2, 16, 16),
+                                            (256, 512, 64, 4, 4, 64, 64)))
+
+
+# -- rows ----------------------------------------------------------------------------------------
+
+def describe(provider, sram, tiles, mode):
+    if provider == "standard":  # its products pick their own tiles from M (io_model.gemm_tiles)
+        return f"two-level memory, M={sram}"
+    if tiles is None or not runnable(tiles, mode):
+        return f"two-level memory, M={sram}, no tile fits"
+    if mode == "fwd":
+        return f"two-level memory, M={sram}, tiles {tiles.fwd[0]}x{tiles.fwd[1]}"
+    return (f"two-level memory, M={sram}, dK/dV tiles {tiles.dkdv[0]}x{tiles.dkdv[1]}, "
+            f"dQ tiles {tiles.dq[0]}x{tiles.dq[1]}")
+
+
+def base_row(cfg, provider, shape, mode, device, **extra):
+    return dict(experiment="io_complexity", provider=provider, mode=mode, dtype=cfg.dtype,
+                batch=shape.batch, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                nheads=shape.nheads, nheads_kv=shape.nheads_kv, headdim=shape.headdim,
+                causal=shape.causal, p20=math.nan, p80=math.nan, memory_model=device,
+                measured_on_gpu=False, **extra)
+
+
+def count_rows(cfg, provider, shape, mode, tiles, sram, rule, sim_err=None):
+    """One row per metric for one configuration; `unsupported` rows where no tile fits."""
+    lf = provider == "longflash"
+    ok = not lf or runnable(tiles, mode)
+    tile = (tiles.fwd if mode == "fwd" else tiles.dkdv) if lf and ok else (None, None)
+    dq = tiles.dq if lf and ok and mode == "bwd" else (None, None)
+    extra = dict(sram_elements=sram, block_rule=rule if lf else "output-stationary",
+                 BLOCK_M=tile[0], BLOCK_N=tile[1], dq_BLOCK_M=dq[0], dq_BLOCK_N=dq[1],
+                 simulated=sim_err is not None)
+    base = base_row(cfg, provider, shape, mode, describe(provider, sram, tiles, mode), **extra)
+    metrics = ["hbm_elements_read", "hbm_elements_written", "hbm_bytes", "fast_mem_peak"]
+    if not ok:
+        return [dict(base, metric=m, value=math.nan, unit="", status="unsupported")
+                for m in metrics]
+    moved = io.counts(provider, shape, mode, tiles, sram)
+    reads, writes = io.totals(moved)
+    values = [(reads, "elements"), (writes, "elements"),
+              (io.hbm_bytes(moved, ELEMENT_SIZE[cfg.dtype]), "bytes"),
+              (io.fast_mem_peak(provider, shape, mode, tiles, sram), "elements")]
+    if sim_err is not None:
+        metrics.append("sim_max_abs_err")
+        values.append((sim_err, "abs"))
+    return [dict(base, metric=m, value=v, unit=u, status="ok")
+            for m, (v, u) in zip(metrics, values)]
+
+
+# -- the simulator check -------------------------------------------------------------------------
+
+def max_err(a, b):
+    """max |a - b|; equal infinities (the lse of a row that sees no key) count as 0, NaN
+    (an element never written) propagates."""
+    diff = torch.where(a == b, 0.0, (a - b).abs())
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def verify(provider, shape, tiles, sram, seed=0):
+    """Run the simulator with fast memory `sram`; assert it matches the closed form exactly.
+    Returns {mode: max abs error against attention_ref in float64}."""
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda n, h: torch.randn(shape.batch, n, h, shape.headdim, generator=g,  # noqa: E731
+                                     dtype=torch.float64)
+    q, do = randn(shape.seqlen_q, shape.nheads), randn(shape.seqlen_q, shape.nheads)
+    k, v = randn(shape.seqlen_k, shape.nheads_kv), randn(shape.seqlen_k, shape.nheads_kv)
+    fwd, bwd, out = simulate(provider, shape, tiles, q, k, v, do, sram)
+    for mode, machine in (("fwd", fwd), ("bwd", bwd)):
+        expected = io.counts(provider, shape, mode, tiles, sram)
+        assert +machine.moved == +expected, (provider, shape, tiles, mode, machine.moved, expected)
+        assert machine.peak == io.fast_mem_peak(provider, shape, mode, tiles, sram)
+
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o, lse = longflash.attention_ref(q, k, v, causal=shape.causal)
+    o.backward(do)
+    errs = {"fwd": max_err(out["o"], o), "bwd": max(max_err(out[t], x.grad)
+                                                  for t, x in (("dq", q), ("dk", k), ("dv", v)))}
+    if provider == "longflash":
+        errs["fwd"] = max(errs["fwd"], max_err(out["lse"], lse))
+    assert all(e < 1e-9 for e in errs.values()), (provider, shape, errs)
+    return errs
+
+
+def simulated_rows(cfg, log):
+    rows, n = [], 0
+    configs = []
+    for (N, d), causal in product(cfg.sim_sweeps, (False, True)):
+        for sram in (2**k for k in range(int(math.log2(d)), int(math.log2(N * d)) + 1)):
+            configs.append((Shape(N, N, d, causal), block_sizes(sram, d), sram, "fit"))
+    for Nq, Nk, d, h, hkv, bm, bn in cfg.sim_shapes:
+        for causal in (False, True):
+            shape = Shape(Nq, Nk, d, causal, h, hkv)
+            tiles = io.same_tiles(bm, bn)
+            sram = max(io.fast_mem_peak("longflash", shape, m, tiles, None) for m in ("fwd", "bwd"))
+            configs.append((shape, tiles, sram, "fixed"))
+    for shape, tiles, sram, rule in configs:
+        for provider in PROVIDERS:
+            errs = {}
+            if runnable(tiles, "fwd") and runnable(tiles, "bwd"):
+                errs = verify(provider, shape, tiles, sram)
+                n += 1
+            for mode in MODES:
+                rows += count_rows(cfg, provider, shape, mode, tiles, sram, rule, errs.get(mode))
+    log(f"simulator: {n} runs (configuration x provider, forward and backward): counts equal to "
+        f"the closed form, fast memory within M, outputs within 1e-9 of attention_ref")
+    return rows
+
+
+# -- the sweeps ----------------------------------------------------------------------------------
+
+def sweep_rows(cfg):
+    rows = []
+    points = [(Shape(N, N, cfg.headdim), cfg.sram, "fit") for N in cfg.seqlens]
+    points += [(Shape(cfg.seqlen, cfg.seqlen, d), cfg.sram, "fit") for d in cfg.headdims]
+    points += [(Shape(cfg.seqlen, cfg.seqlen, cfg.headdim), 2**k, rule)
+               for rule in ("fit", "flash")
+               for k in range(int(math.log2(cfg.headdim)),
+                              int(math.log2(cfg.seqlen * cfg.headdim)) + 1)]
+    for shape, sram, rule in points:
+        tiles = block_sizes(sram, shape.headdim, rule)
+        for causal, provider, mode in product((False, True), PROVIDERS, MODES):
+            rows += count_rows(cfg, provider, shape._replace(causal=causal), mode, tiles, sram,
+                               rule)
+    return rows
+
+
+def crossover(shape, mode, element_size):
+    """Smallest M ("fit" tiles) at which LongFlash moves no more bytes than standard attention."""
+    def wins(sram):
+        tiles = block_sizes(sram, shape.headdim)
+        if not runnable(tiles, mode):
+            return False
+        lf, std = (io.hbm_bytes(io.counts(p, shape, mode, tiles, sram), element_size)
+                   for p in ("longflash", "standard"))
+        return lf <= std
+    lo = hi = 4 * shape.headdim  # below the smallest tile
+    while not wins(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # bisect between a losing and a winning M
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if wins(mid) else (mid, hi)
+    return hi
+
+
+def crossover_rows(cfg, log):
+    rows = []
+    for d, causal, mode in product(cfg.headdims, (False, True), MODES):
+        shape = Shape(cfg.seqlen, cfg.seqlen, d, causal)
+        m_star = crossover(shape, mode, ELEMENT_SIZE[cfg.dtype])
+        log(f"crossover N={cfg.seqlen} d={d:3d} causal={causal!s:5} {mode}: M* = {m_star:7d} "
+            f"= {m_star / d**2:.2f} d^2")
+        rows.append(dict(base_row(cfg, "longflash", shape, mode,
+                                  "two-level memory, M variable, fit tiles",
+                                  sram_elements=None, block_rule="fit", simulated=False),
+                         metric="crossover_sram_elements", value=m_star, unit="elements",
+                         status="ok"))
+    return rows
+
+
+def summarize(cfg, rows, log):
+    """The fitted log-log exponents, printed (the notebook fits them again from the CSV)."""
+    def series(key, xs, provider, mode, **fixed):
+        pts = [(r[key], r["value"]) for r in rows if r["metric"] == "hbm_bytes"
+               and r["status"] == "ok" and r["provider"] == provider and r["mode"] == mode
+               and r[key] in xs and all(r[k] == v for k, v in fixed.items())]
+        return io.log_slope(*zip(*sorted(pts)))
+    for provider, mode in product(PROVIDERS, MODES):
+        rule = "fit" if provider == "longflash" else "output-stationary"
+        ref = dict(causal=False, block_rule=rule)
+        n = series("seqlen_q", cfg.seqlens, provider, mode, headdim=cfg.headdim,
+                   sram_elements=cfg.sram, **ref)
+        d = series("headdim", cfg.headdims, provider, mode, seqlen_q=cfg.seqlen,
+                   sram_elements=cfg.sram, **ref)
+        m = series("sram_elements", range(cfg.headdim**2, cfg.seqlen * cfg.headdim + 1),
+                   provider, mode, seqlen_q=cfg.seqlen, headdim=cfg.headdim, **ref)
+        log(f"exponents {provider:9} {mode}: N {n:.3f}  d {d:.3f}  M (d^2..Nd) {m:.3f}")
+
+
+# -- Nsight Compute plan (for a GPU session) -----------------------------------------------------
+
+def ncu_plan(seqlens=tuple(2**k for k in range(10, 19)), headdims=(64, 128),
+             providers=("longflash", "sdpa_flash", "standard"), batch=1, nheads=16,
+             dtype="bfloat16", tiles=Tiles((128, 64), (64, 128), (128, 64)), sram=2**16):
+    """One entry per configuration to profile with Nsight Compute, with the ncu command line and
+    the model's HBM bytes: LongFlash and SDPA's FlashAttention-2 (the same loop order) for
+    `tiles`, a guess (read the autotuned BLOCK_M from ncu's grid size, cdiv(seqlen_q, BLOCK_M)
+    x batch*nheads, and recount with io_model), standard attention for M = `sram`."""
+    plan = []
+    for provider, mode, N, d, causal in product(providers, MODES, seqlens, headdims, (False, True)):
+        spec = dict(provider=provider, mode=mode, batch=batch, seqlen=N, nheads=nheads,
+                    headdim=d, causal=causal, dtype=dtype)
+        shape = Shape(N, N, d, causal, nheads, nheads, batch)
+        model = "longflash" if provider == "sdpa_flash" else provider  # same loop order (FA2)
+        predicted = io.hbm_bytes(io.counts(model, shape, mode, tiles, sram), ELEMENT_SIZE[dtype])
+        command = (f"PYTHONPATH=kernels:. ncu --clock-control none --nvtx --nvtx-include "
+                   f"io_target/ --metrics {NCU_METRICS} --csv python3 -m experiments.io_complexity "
+                   f"--ncu-target {shlex.quote(json.dumps(spec))}")
+        plan.append(dict(spec, model_hbm_bytes=predicted, model_tiles=str(tuple(tiles)),
+                         command=command))
+    return plan
+
+
+def run_target(spec):
+    """Run one configuration once, inside the NVTX range "io_target" that ncu profiles,
+    after an unprofiled warm-up (which also autotunes)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = (spec["batch"], spec["seqlen"], spec["nheads"], spec["headdim"])
+    bwd = spec["mode"] == "bwd"
+    q, k, v, do = (torch.randn(shape, device=device, dtype=getattr(torch, spec["dtype"]))
+                   for _ in range(4))
+    q, k, v = (x.requires_grad_(bwd) for x in (q, k, v))
+
+    def forward():
+        if spec["provider"] == "longflash":
+            return longflash.attention(q, k, v, causal=spec["causal"])
+        if spec["provider"] == "standard":
+            return longflash.attention_ref(q, k, v, causal=spec["causal"], upcast=False)[0]
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        # seqlen_q == seqlen_k, so SDPA's top-left causal alignment agrees with ours
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                  is_causal=spec["causal"]).transpose(1, 2)
+
+    @contextlib.contextmanager
+    def nvtx_range(active):
+        active = active and device == "cuda"
+        if active:
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("io_target")
+        yield
+        if active:
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+
+    for profile in (False, True):  # a warm-up (which also autotunes), then the profiled run
+        if bwd:
+            o = forward()
+            with nvtx_range(profile):
+                torch.autograd.grad(o, (q, k, v), do)
+        else:
+            with nvtx_range(profile):
+                forward()
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="more and larger simulator checks")
+    parser.add_argument("--out", default=Config.out, help="results CSV (default %(default)s)")
+    parser.add_argument("--ncu-plan", metavar="CSV",
+                        help="write the Nsight Compute plan for a GPU run to CSV and exit")
+    parser.add_argument("--ncu-target", metavar="JSON",
+                        help="run one configuration of the plan once (what ncu wraps) and exit")
+    args = parser.parse_args(argv)
+    if args.ncu_target:
+        run_target(json.loads(args.ncu_target))
+        return
+    if args.ncu_plan:
+        plan = ncu_plan()
+        os.makedirs(os.path.dirname(os.path.abspath(args.ncu_plan)), exist_ok=True)
+        with open(args.ncu_plan, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(plan[0]))
+            writer.writeheader()
+            writer.writerows(plan)
+        print(f"{len(plan)} configurations -> {args.ncu_plan}")
+        return
+
+    cfg = replace(Config(), out=args.out, **(FULL if args.full else {}))
+    torch.set_num_threads(1)  # the simulator's tiles are tiny: threads only add overhead
+    lines = [f"config: {json.dumps(asdict(cfg))}"]
+
+    def log(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    rows = sweep_rows(cfg) + crossover_rows(cfg, log) + simulated_rows(cfg, log)
+    # A configuration can fall in two sweeps: keep one row per key (the simulated one if any).
+    by_key = {}
+    for r in sorted(rows, key=lambda r: r.get("simulated", False)):
+        by_key[r["provider"], r["mode"], r["batch"], r["seqlen_q"], r["seqlen_k"], r["nheads"],
+               r["nheads_kv"], r["headdim"], r["causal"], r["metric"], r["memory_model"]] = r
+    rows = list(by_key.values())
+    summarize(cfg, rows, log)
+    write_results(rows, cfg.out, key_columns=("memory_model",))
+    log(f"{len(rows)} rows -> {cfg.out}")
+    with open(os.path.splitext(cfg.out)[0] + ".log", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""RQ2's IO model: the simulator's counts equal the closed form exactly, its fast memory never
+exceeds M, its outputs are exact; the closed form has the shape of Theorem 2."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+import longflash
+from experiments import io_complexity
+from experiments import io_model as io
+from experiments.io_model import Shape, Tiles, block_sizes, same_tiles
+from experiments.io_sim import TwoLevelMemory, simulate
+
+CASES = [  # (shape, LongFlash tiles or a fast-memory size for the "fit" rule)
+    pytest.param(Shape(64, 64, 16), 512, id="N64-D16-M512"),
+    pytest.param(Shape(64, 64, 16, True), 512, id="N64-D16-M512-causal"),
+    pytest.param(Shape(97, 160, 24, True, 4, 2), same_tiles(32, 16),
+                 id="Nq97-Nk160-H4/2-D24-32x16-causal"),
+    pytest.param(Shape(160, 97, 24, True, 4, 2), Tiles((16, 32), (32, 16), (16, 8)),
+                 id="Nq160-Nk97-H4/2-D24-tiles-per-kernel-causal"),
+    pytest.param(Shape(113, 113, 40, False, 2, 1, 2), same_tiles(16, 16),
+                 id="B2-N113-H2/1-D40-16x16"),
+    pytest.param(Shape(50, 20, 8, True), same_tiles(8, 16), id="Nq50-Nk20-D8-rows-see-no-key"),
+    pytest.param(Shape(1, 17, 16, True, 2, 2), same_tiles(16, 16), id="Nq1-Nk17-D16-causal"),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The simulator's tiles are tiny: extra threads only wait on each other, badly so on a
+    busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def inputs(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(n, h):
+        return torch.randn(shape.batch, n, h, shape.headdim, generator=g, dtype=torch.float64)
+    return (randn(shape.seqlen_q, shape.nheads), randn(shape.seqlen_k, shape.nheads_kv),
+            randn(shape.seqlen_k, shape.nheads_kv), randn(shape.seqlen_q, shape.nheads))
+
+
+def resolve(shape, setting):
+    """(tiles, M): a fast-memory size gets the "fit" tiles; tiles get the smallest M they fit."""
+    if isinstance(setting, int):
+        return block_sizes(setting, shape.headdim), setting
+    return setting, max(io.fast_mem_peak("longflash", shape, m, setting, None)
+                        for m in ("fwd", "bwd"))
+
+
+@pytest.mark.parametrize("provider", ["longflash", "standard"])
+@pytest.mark.parametrize("shape, setting", CASES)
+def test_simulator_equals_closed_form(provider, shape, setting):
+    tiles, sram = resolve(shape, setting)
+    q, k, v, do = inputs(shape)
+    fwd, bwd, out = simulate(provider, shape, tiles, q, k, v, do, capacity=sram)
+    for mode, machine in (("fwd", fwd), ("bwd", bwd)):
+        expected = io.counts(provider, shape, mode, tiles, sram)
+        assert +machine.moved == +expected, f"{mode}: simulated {dict(machine.moved)}"
+        assert machine.peak == io.fast_mem_peak(provider, shape, mode, tiles, sram) <= sram
+
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    o, lse = longflash.attention_ref(q, k, v, causal=shape.causal)
+    o.backward(do)
+    for name, ref in (("o", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(out[name], ref, rtol=1e-12, atol=1e-12, msg=name)
+    if provider == "longflash":
+        torch.testing.assert_close(out["lse"], lse, rtol=1e-12, atol=1e-12)  # -inf included
+
+
+def test_fast_memory_capacity_is_enforced():
+    shape, tiles = Shape(40, 40, 8, True), same_tiles(16, 8)
+    sram = max(io.fast_mem_peak("longflash", shape, m, tiles, None) for m in ("fwd", "bwd"))
+    with pytest.raises(AssertionError, match="fast memory overflow"):
+        simulate("longflash", shape, tiles, *inputs(shape), capacity=sram - 1)
+    mem = TwoLevelMemory(10, {})  # standard attention picks its tiles from M: test the machine
+    mem.alloc("a", 2, 5)
+    with pytest.raises(AssertionError, match="fast memory overflow"):
+        mem.alloc("b", 1)
+
+
+def test_hand_counted_forward():
+    """N = 1024, d = 64, 128 x 64 tiles: Q once, K and V once per each of the 8 query blocks."""
+    moved = io.longflash_counts(Shape(1024, 1024, 64), "fwd", same_tiles(128, 64))
+    assert io.totals(moved) == (1024 * 64 + 2 * 8 * 1024 * 64, 1024 * 64 + 1024)
+    assert io.hbm_bytes(moved) == 2 * (1024 * 64 * (1 + 16 + 1)) + 4 * 1024
+    causal = io.longflash_counts(Shape(1024, 1024, 64, True), "fwd", same_tiles(128, 64))
+    # query block i (of 8) visits (i + 1) * 128 keys: K and V each read 64 * 128 * 36 elements
+    assert causal["read", "k"] == causal["read", "v"] == 64 * 128 * 36
+
+
+@pytest.mark.parametrize("N, BLOCK_M, BLOCK_N", [(256, 64, 16), (1024, 128, 64), (512, 32, 32)])
+def test_aligned_causal_closed_form(N, BLOCK_M, BLOCK_N):
+    shape = Shape(N, N, 64, True)
+    assert io.aligned_causal_streamed(N, BLOCK_M, BLOCK_N) == (
+        io.keys_streamed(shape, BLOCK_M, BLOCK_N), io.queries_streamed(shape, BLOCK_M, BLOCK_N))
+
+
+def test_block_sizes():
+    d = 64
+    assert block_sizes(4 * d + 3, d).fwd is None and block_sizes(4 * d + 4, d).fwd == (1, 1)
+    assert block_sizes(6 * d + 4, d).dkdv == (1, 1)
+    for sram in (500, 4096, 65536, 10**6):
+        tiles = block_sizes(sram, d)
+        for kernel in ("fwd", "dkdv", "dq"):
+            bm, bn = getattr(tiles, kernel)
+            b = bn if kernel == "dkdv" else bm  # the stationary block: one more row must not fit
+            grown = (min(b + 1, d), b + 1) if kernel == "dkdv" else (b + 1, min(b + 1, d))
+            assert io.footprint(kernel, d, bm, bn) <= sram < io.footprint(kernel, d, *grown)
+    assert block_sizes(16384, d, "flash") == same_tiles(64, 64)  # B_c = ceil(M / 4d) = 64
+
+
+def test_exponents_of_the_closed_form():
+    """Theorem 2's shape: about 2 in N and d, -1 in M (in d^2 <= M <= N d), for "fit" tiles."""
+    def hbm(N=16384, d=64, sram=2**16, mode="fwd"):
+        return io.hbm_bytes(io.longflash_counts(Shape(N, N, d), mode, block_sizes(sram, d)))
+    Ns, ds, Ms = [2**k for k in range(12, 17)], [16, 32, 64, 128], [2**k for k in range(12, 21)]
+    for mode in ("fwd", "bwd"):
+        assert 1.9 < io.log_slope(Ns, [hbm(N=N, mode=mode) for N in Ns]) < 2.05
+        assert 1.8 < io.log_slope(ds, [hbm(d=d, mode=mode) for d in ds]) < 2.2
+        assert -1.1 < io.log_slope(Ms, [hbm(sram=M, mode=mode) for M in Ms]) < -0.9
+    # standard attention: Theta(N^2), nearly flat in M once M >= d^2
+    std = [io.hbm_bytes(io.standard_counts(Shape(4096, 4096, 64), "fwd", M)) for M in Ms]
+    assert -0.2 < io.log_slope(Ms, std) < 0
+
+
+def test_crossover_is_near_d_squared():
+    for d in (32, 128):
+        m_star = io_complexity.crossover(Shape(16384, 16384, d), "fwd", 2)
+        assert 0.5 * d**2 < m_star < 2 * d**2
+
+
+def test_ncu_plan_and_target(tmp_path):
+    path = tmp_path / "plan.csv"
+    io_complexity.main(["--ncu-plan", str(path)])
+    rows = list(csv.DictReader(open(path)))
+    assert {r["provider"] for r in rows} == {"longflash", "sdpa_flash", "standard"}
+    for r in rows:
+        assert " ncu --clock-control none " in r["command"] and float(r["model_hbm_bytes"]) > 0
+    for provider in ("longflash", "standard"):  # on CPU: the command ncu would wrap, tiny
+        spec = dict(provider=provider, mode="bwd", batch=1, seqlen=64, nheads=2, headdim=16,
+                    causal=True, dtype="float32")
+        io_complexity.main(["--ncu-target", json.dumps(spec)])
