@@ -23,7 +23,10 @@ endif
 # Run from the working tree, installed or not.
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: test reproduce demo env
+# One command per research question; each writes results/<rq>/<device>.csv.
+NOTEBOOKS := notebooks/io_complexity.ipynb
+
+.PHONY: test reproduce demo env figures io-complexity variants
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
@@ -33,6 +36,15 @@ demo: $(ENV_READY)
 	$(PYTHON) -m experiments.demo
 
 env: $(ENV_READY)
+
+io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
+	$(PYTHON) -m experiments.io_complexity --full
+
+variants: $(ENV_READY)  # sliding-window cost against sequence length
+	$(PYTHON) -m experiments.variants $(if $(shell nvidia-smi -L 2>/dev/null),--full)
+
+figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/
+	$(PYTHON) notebooks/run_notebooks.py $(NOTEBOOKS)
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
