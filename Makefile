@@ -24,9 +24,9 @@ endif
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # One command per research question; each writes results/<rq>/<device>.csv.
-NOTEBOOKS := notebooks/io_complexity.ipynb
+NOTEBOOKS := notebooks/io_complexity.ipynb notebooks/scaling.ipynb
 
-.PHONY: test reproduce demo env figures io-complexity variants
+.PHONY: test reproduce demo env figures io-complexity variants scaling
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
@@ -39,6 +39,9 @@ env: $(ENV_READY)
 
 io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
 	$(PYTHON) -m experiments.io_complexity --full
+
+scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 12 min; GPU machine: --full)
+	$(PYTHON) -m experiments.scaling $(if $(shell nvidia-smi -L 2>/dev/null),--full,--long-budget-s 600)
 
 variants: $(ENV_READY)  # sliding-window cost against sequence length
 	$(PYTHON) -m experiments.variants $(if $(shell nvidia-smi -L 2>/dev/null),--full)

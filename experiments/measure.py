@@ -56,8 +56,10 @@ def _proc_status_kb(field):
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _child_peak_kb(fn):
-    """In the forked child: how far fn raises the resident set above where it started (kB)."""
+def rss_growth_kb(fn):
+    """How far fn raises this process's resident set above where it started (kB). Meant for
+    a process of its own (peak_memory_mb's forked child, a spawned rank): it resets the
+    process's high-water mark and runs single-threaded."""
     # libgomp's thread pool does not survive fork(): an OpenMP region in the child can hang
     # forever if the parent used one. Single-threaded ops never enter one.
     torch.set_num_threads(1)
@@ -86,7 +88,7 @@ def peak_memory_mb(fn, device):
     - if the reset is not permitted (kernel < 4.0, some sandboxes) the child's high-water mark
       starts at what it inherited, and the result is the growth above that: exact only when
       fn's peak exceeds it. Then measure in a fresh subprocess.
-    - the child runs single-threaded (see _child_peak_kb), so per-thread buffers are missing,
+    - the child runs single-threaded (see rss_growth_kb), so per-thread buffers are missing,
       and code pages first touched by fn count as its memory (a few MiB at most).
     - if the child raises, RuntimeError with its traceback (is_oom() sees "can't allocate
       memory" in it); if it is killed (SIGKILL: the kernel's OOM killer), RuntimeError saying
@@ -115,7 +117,7 @@ def peak_memory_mb(fn, device):
         try:
             os.close(read_fd)
             try:
-                msg = ["ok", _child_peak_kb(fn)]
+                msg = ["ok", rss_growth_kb(fn)]
             except BaseException:
                 msg = ["error", traceback.format_exc()]
             with os.fdopen(write_fd, "w") as f:

@@ -53,7 +53,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -- provenance --------------------------------------------------------------------------------
 
-def _cpu_name():
+def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -92,7 +92,7 @@ def provenance(command=None):
         # orig_argv keeps "python3 -m experiments.speedup ..."; argv would show the file path.
         command = shlex.join(getattr(sys, "orig_argv", sys.argv))
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),

@@ -9,12 +9,16 @@ ground truth and naive baseline), `blockwise` (the tiled algorithm in PyTorch op
 exact attention in linear memory on any device) and `flash_triton` (the Triton
 kernels, for CUDA tensors). `attention(..., backend="auto" | "triton" | "torch")`
 chooses among them.
+
+Sequence parallelism: `longflash.parallel.ring_attention` (ring attention over a
+torch.distributed process group).
 """
 
+from . import parallel  # noqa: F401 - longflash.parallel.ring_attention, shard/unshard_sequence
 from .interface import BACKENDS, attention, attention_varlen, scaled_dot_product_attention
 from .reference import attention_ref, attention_varlen_ref
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "scaled_dot_product_attention", "attention_ref",
-           "attention_varlen_ref", "BACKENDS", "__version__"]
+           "attention_varlen_ref", "parallel", "BACKENDS", "__version__"]

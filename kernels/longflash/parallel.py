@@ -33,11 +33,16 @@ Layouts. The global sequence is cut into chunks of equal length:
         from a rank after, the second chunk of q sees all of it. Half a block either way.
 Chunk pairs that causal masks entirely are skipped (no compute; the shard still travels).
 
+Precision: each block's output and gradients come from the kernel in the input dtype
+(rounded once per block, as in ring-flash-attn); the running output, lse, dq and the
+travelling dk, dv are float32, so roundings do not compound from step to step.
+
 Communication is torch.distributed's own (`batch_isend_irecv`; gloo on CPU, NCCL on GPU);
 attention is computed by the custom ops of `longflash.interface`, never re-implemented
-here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py).
-Limits: causal needs seqlen_q == seqlen_k (self-attention); the backward is not captured
-by torch.compile (it is a torch.autograd.Function with communication inside).
+here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py);
+not yet run with NCCL on several GPUs. Limits: causal needs seqlen_q == seqlen_k
+(self-attention); no window, ALiBi, softcap, dropout or varlen; the backward is not
+captured by torch.compile (a torch.autograd.Function with communication inside).
 """
 
 from typing import NamedTuple
@@ -45,9 +50,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import interface  # noqa: F401 - registers torch.ops.longflash.*
 from ._common import accumulator_dtype
-from .interface import _check_inputs
+from .interface import _check_inputs  # importing interface registers torch.ops.longflash.*
 
 LAYOUTS = ("zigzag", "contiguous")
 # Sent across ranks as their index, to compare dtypes (unlisted ones compare as "other").
@@ -174,6 +178,10 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()
+    # dk, dv of the shard in hand travel around the ring with it, in float32: each rank adds
+    # its block's term, so a low-precision sum would round once per rank.
+    dkv_next = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
+    dkv_requests = []
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
         if not last:
@@ -185,13 +193,8 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
                 do[:, rows], q[:, rows], k[:, cols], v[:, cols], o[:, rows], lse[:, :, rows],
                 None if dlse is None else dlse[:, :, rows], block_causal, softmax_scale, backend)
             dq[:, rows] += dq_blk
-        # dk, dv of the shard in hand: what the ranks it visited before added, plus this block.
-        # Float32 in transit too, or the sum would round once per rank.
-        if step == 0:
-            dk, dv = (torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2))
-        else:
-            _wait(dkv_requests)
-            dk, dv = dkv_next
+        _wait(dkv_requests)
+        dk, dv = dkv_next
         if plan is not None:
             dk[:, cols] += dk_blk
             dv[:, cols] += dv_blk

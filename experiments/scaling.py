@@ -1,0 +1,595 @@
+"""RQ3, sequence parallelism: exact ring attention (longflash.parallel) across ranks.
+
+    python -m experiments.scaling                        # CPU: gloo ranks on this machine
+    python -m experiments.scaling --long-budget-s 600    # ... with 10 minutes for part "long"
+    python -m experiments.scaling --full                 # GPU machine (see FULL)
+    python -m experiments.scaling --quick --out /tmp/s.csv   # tiny sizes, seconds (tests)
+    python -m experiments.scaling --parts exactness,weak     # a subset; rows merge by key
+
+Ranks are processes on this machine, forked and joined in a gloo group, one CPU thread
+each: they emulate devices. With more ranks than cores they time-share the cores (column
+`cores`), so timings beyond that are not parallel speed. Writes results/scaling/<device>.csv
+(device "cpu" or the GPU, e.g. "h100"), the log <device>.log and the config <device>.json.
+
+Rows follow experiments/results.py, experiment "scaling", with extra columns: part, layout
+("zigzag", "contiguous", or "none": one device, no ring), ranks, tokens_per_rank (seqlen =
+ranks * tokens_per_rank), cores, basis ("measured" or "projected"), link, link_bandwidth_gbs,
+link_latency_us; part, layout, ranks and link are key columns (KEY_COLUMNS). Provider
+"longflash" is the ring (ranks = 1: a ring of one, the same computation as
+longflash.attention), "standard" the materializing reference.
+
+Parts and metrics:
+  exactness   ring vs the float64 reference, tokens per rank fixed, ranks 1..8, both layouts,
+              float32 and bfloat16: max_err_o, max_err_lse (mode fwd), max_err_dq, max_err_dk,
+              max_err_dv (mode bwd), unit "abs" = max |x - x_ref64|. Beside them, on one
+              device at the same seqlen: longflash.attention (layout none) and "standard"
+              computed in the input dtype (the yardstick of the tests' tolerance rule).
+  memory      peak_mem_mb of one forward+backward, tokens per rank fixed: the largest
+              per-rank peak (MiB above the start of the call: growth of the resident set's
+              high-water mark in each rank). Layout none: longflash.attention holding the
+              whole sequence on one device, measured the same way in a process of its own.
+  weak        measured weak scaling, tokens per rank fixed: time_ms of forward+backward (the
+              slowest rank's median of 5 calls), tflops per rank, and flop_efficiency =
+              (FLOPs(seqlen) / ranks / time) / (FLOPs(tokens_per_rank) / time of 1 rank).
+              FLOPs as in experiments.results.flops (causal halved, backward 2.5x).
+  blocks      the compute a rank does in one ring step, on this device (GPU with --full;
+              on CPU with one thread, like a rank), timed with experiments.measure.time_ms:
+              time_ms of the ops attention_forward (mode fwd) and attention_backward (mode
+              bwd) on the blocks of T = block_tokens_per_rank: causal (T, T) (the local step),
+              (T, T/2) and (T/2, T) (zigzag's other steps), (T, T) non-causal (contiguous).
+  projection  alpha-beta model of a ring of 1..64 ranks from the block times (basis
+              "projected", never measured): projected_time_ms and projected_efficiency (as
+              flop_efficiency) for each link of LINKS, whose assumed bandwidth per direction
+              and latency are the columns link_bandwidth_gbs, link_latency_us. Lockstep: a
+              step lasts as long as its slowest rank's block or its transfer, whichever is
+              longer (they overlap); forward steps carry k, v (input dtype), backward steps
+              also the previous step's dk, dv (float32), and the last dk, dv transfer is
+              exposed. Merges and the metadata check are not modelled.
+  long        one long causal sequence through the ring of `long_ranks` emulated ranks,
+              forward, lengths doubling while the time budget lasts (each run is predicted
+              at 4x the previous): time_ms (one call, between barriers), peak_mem_mb (per
+              rank, largest), max_err_o_sampled (max |o - ref64| over `long_check_rows`
+              query rows spread over the sequence, the reference attending to all their keys).
+              With CUDA (--full) also longflash.attention forward+backward at gpu_long_seqlen
+              on one GPU (layout none).
+"""
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+import longflash
+from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
+from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms
+from experiments.results import cpu_name, flops, tflops, write_results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_BACKEND = "torch"  # the blockwise PyTorch path, even where TRITON_INTERPRET=1 is set
+
+# Assumptions of the projection, per direction of one link: (GB/s, latency in us).
+# NVLink 4 (H100 SXM): 900 GB/s both directions together. InfiniBand NDR: 400 Gb/s per
+# GPU. Peak figures, so the projection is optimistic about communication.
+LINKS = {"ideal": (math.inf, 0.0), "nvlink": (450.0, 10.0), "infiniband": (50.0, 20.0)}
+
+
+@dataclass
+class Config:
+    shape: tuple = (1, 4, 2, 64)          # (batch, nheads, nheads_kv, headdim) of the ring parts
+    dtype: str = "float32"                # inputs of memory, weak, blocks, long
+    causal: bool = True
+    layouts: tuple = ("zigzag", "contiguous")
+    exact_ranks: tuple = (1, 2, 4, 8)
+    exact_tokens_per_rank: int = 256
+    exact_dtypes: tuple = ("float32", "bfloat16")
+    tokens_per_rank: int = 2048           # memory, weak
+    memory_ranks: tuple = (1, 2, 4, 8)
+    weak_ranks: tuple = (1, 2, 4)         # > cores: the ranks time-share
+    block_device: str = "cpu"             # blocks and projection: where the blocks are timed,
+    block_shape: tuple = (1, 4, 2, 64)    # ... their shape (default: as the gloo ranks',
+    block_dtype: str = "float32"          # so that projection and measurement compare)
+    block_tokens_per_rank: int = 2048
+    projection_ranks: tuple = (1, 2, 4, 8, 16, 32, 64)
+    long_ranks: int = 4
+    long_shape: tuple = (1, 1, 1, 16)     # one head, headdim 16: length over width
+    long_seqlens: tuple = tuple(2**i for i in range(16, 21))  # 64K .. 1M
+    long_budget_s: float = 240.0          # part long stops before a run predicted past this
+    long_check_rows: int = 16
+    gpu_long_seqlen: int = 0              # > 0: one GPU, forward+backward (--full)
+    gpu_long_shape: tuple = (1, 4, 4, 128)
+
+
+FULL = dict(  # a GPU machine with 16 cores: gloo ranks on its CPU, blocks on its GPU with
+    # the attention of Llama-3-8B (32 heads, 8 KV heads, headdim 128), bf16, 8K tokens per rank
+    exact_ranks=(1, 2, 4, 8, 16), memory_ranks=(1, 2, 4, 8, 16), weak_ranks=(1, 2, 4, 8, 16),
+    block_device="cuda", block_shape=(1, 32, 8, 128), block_dtype="bfloat16",
+    block_tokens_per_rank=8192, long_ranks=16, long_budget_s=480.0, gpu_long_seqlen=2**20)
+QUICK = dict(
+    shape=(1, 2, 1, 16), exact_ranks=(1, 2), exact_tokens_per_rank=16, exact_dtypes=("float32",),
+    tokens_per_rank=64, memory_ranks=(1, 2), weak_ranks=(1, 2), block_shape=(1, 2, 1, 16),
+    block_tokens_per_rank=64, projection_ranks=(1, 2, 64), long_ranks=2, long_seqlens=(256, 512),
+    long_budget_s=30.0, long_check_rows=4)
+PARTS = ("exactness", "memory", "weak", "blocks", "projection", "long")
+KEY_COLUMNS = ("part", "layout", "ranks", "link")  # beside experiments.results.KEY_COLUMNS
+
+
+# ----------------------------------------------------------------------------- ranks
+
+def _rank_main(rank, world_size, tmp, timeout_s, fn, args):
+    torch.set_num_threads(1)  # before anything else: see spawn_ranks
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, world_size, *args)
+        if rank == 0:
+            torch.save(result, os.path.join(tmp, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(world_size, fn, *args, timeout_s=1800):
+    """Run fn(rank, world_size, *args) in world_size processes joined in a gloo group (their
+    default group), one CPU thread each, on CPU tensors; return what rank 0's fn returned.
+
+    The ranks are forked: they inherit this process's imports, so starting one costs
+    milliseconds, not seconds. One thread per rank also keeps them out of OpenMP regions,
+    whose thread pool does not survive fork (as in experiments.measure). A failing rank
+    raises here (torch.multiprocessing.ProcessRaisedException) and stops the others.
+    """
+    # Load once, here, what the custom ops load on their first call (torch._dynamo).
+    x = torch.zeros(1, 1, 1, 1, requires_grad=True)
+    longflash.attention(x, x, x, backend="torch").sum().backward()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process
+        torch.multiprocessing.start_processes(_rank_main, (world_size, tmp, timeout_s, fn, args),
+                                              nprocs=world_size, start_method="fork")
+        return torch.load(os.path.join(tmp, "result.pt"), weights_only=False)
+
+
+def _max_over_ranks(*values):
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _release_free_memory():
+    """glibc keeps freed blocks resident in its heap, and a repeated call reuses them without
+    raising the resident set's high-water mark. malloc_trim(0) gives their pages back, so
+    that the memory of the next call shows (as fresh pages) when it is measured."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _rank_peak_mb(fn):
+    """Peak extra memory of fn() in this rank (CPU). measure.peak_memory_mb would fork, and a
+    forked rank loses gloo's threads, so the growth of the high-water mark is read in-process."""
+    _release_free_memory()
+    return rss_growth_kb(fn) * 1024 / MB
+
+
+# ----------------------------------------------------------------------------- rows
+
+def _row(cfg_shape, dtype, part, layout, ranks, tokens_per_rank, mode, metric, value, unit,
+         seqlen_q=None, seqlen_k=None, causal=True, provider="longflash", p20=math.nan,
+         p80=math.nan, status="ok", basis="measured", link=None, **extra):
+    """One row of the results schema plus this experiment's columns (module docstring)."""
+    batch, nheads, nheads_kv, headdim = cfg_shape
+    seqlen_q = ranks * tokens_per_rank if seqlen_q is None else seqlen_q
+    return dict(experiment="scaling", provider=provider, mode=mode,
+                dtype=dtype, batch=batch, seqlen_q=seqlen_q,
+                seqlen_k=seqlen_q if seqlen_k is None else seqlen_k, nheads=nheads,
+                nheads_kv=nheads_kv, headdim=headdim, causal=causal, metric=metric, value=value,
+                unit=unit, p20=p20, p80=p80, status=status, part=part, layout=layout,
+                ranks=ranks, tokens_per_rank=tokens_per_rank, cores=len(os.sched_getaffinity(0)),
+                basis=basis, link=link, **extra)
+
+
+def _inputs(shape, seqlen, dtype, seed, device="cpu", seqlen_k=None):
+    """q: (batch, seqlen, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); do."""
+    batch, nheads, nheads_kv, headdim = shape
+    gen = torch.Generator().manual_seed(seed)
+    seqlen_k = seqlen if seqlen_k is None else seqlen_k
+    sizes = [(batch, seqlen, nheads, headdim)] + [(batch, seqlen_k, nheads_kv, headdim)] * 2
+    return [torch.randn(s, generator=gen).to(device=device, dtype=getattr(torch, dtype))
+            for s in sizes + sizes[:1]]
+
+
+# ----------------------------------------------------------------------------- parts in ranks
+
+def _outputs(fn, q, k, v, do):
+    """o, lse and the gradients of sum(o * do), fn(q, k, v) -> (o, lse)."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o, lse = fn(q, k, v)
+    return [o, lse, *torch.autograd.grad(o, (q, k, v), do.to(o.dtype))]
+
+
+def _exactness(rank, world_size, cfg):
+    rows, names = [], ("o", "lse", "dq", "dk", "dv")
+    seqlen = world_size * cfg.exact_tokens_per_rank
+    for dtype in cfg.exact_dtypes:
+        q, k, v, do = _inputs(cfg.shape, seqlen, dtype, seed=0)
+        if rank == 0:
+            x64 = [x.double() for x in (q, k, v, do)]
+            ref = _outputs(lambda *x: longflash.attention_ref(*x, causal=cfg.causal), *x64)
+        results = {}
+        for layout in cfg.layouts:
+            shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
+            out = _outputs(lambda *x: ring_attention(*x, causal=cfg.causal, layout=layout,
+                                                     return_lse=True, backend=CPU_BACKEND),
+                           *map(shard, (q, k, v, do)))
+            out[1] = out[1].transpose(1, 2)  # lse (B, H, N) -> (B, N, H): seqlen on dim 1
+            out = [unshard_sequence(x, layout=layout) for x in out]
+            out[1] = out[1].transpose(1, 2)
+            results[("longflash", layout, world_size)] = out
+        if rank != 0:
+            continue
+        results[("longflash", "none", 1)] = _outputs(
+            lambda *x: longflash.attention(*x, causal=cfg.causal, return_lse=True,
+                                           backend=CPU_BACKEND), q, k, v, do)
+        results[("standard", "none", 1)] = _outputs(
+            lambda *x: longflash.attention_ref(*x, causal=cfg.causal, upcast=False), q, k, v, do)
+        for (provider, layout, ranks), out in results.items():
+            for name, x, r in zip(names, out, ref):
+                err = (x.double() - r).abs().max().item()
+                rows.append(_row(cfg.shape, dtype, "exactness", layout, ranks, seqlen // ranks,
+                                 "fwd" if name in ("o", "lse") else "bwd", f"max_err_{name}",
+                                 err, "abs", causal=cfg.causal, provider=provider))
+    return rows
+
+
+def _memory_and_weak(rank, world_size, cfg, parts):
+    rows, T = [], cfg.tokens_per_rank
+    # This rank's shards, drawn directly: the whole sequence never exists anywhere.
+    q, k, v, do = _inputs(cfg.shape, T, cfg.dtype, seed=1000 + rank)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    row = lambda *a, **kw: _row(cfg.shape, cfg.dtype, *a, causal=cfg.causal, **kw)  # noqa
+
+    def fwd_bwd(layout):
+        o = ring_attention(q, k, v, causal=cfg.causal, layout=layout, backend=CPU_BACKEND)
+        torch.autograd.grad(o, (q, k, v), do)
+    if "weak" in parts and world_size in cfg.weak_ranks:
+        fl = flops(cfg.shape[0], world_size * T, world_size * T, cfg.shape[1], cfg.shape[3],
+                   cfg.causal, "fwd_bwd") / world_size
+        for layout in cfg.layouts:
+            dist.barrier()
+            # warmup=0, rep=0: exactly 1 + 5 calls, the same count on every rank (an adaptive
+            # count would leave ranks waiting for each other forever).
+            med, p20, p80 = _max_over_ranks(*time_ms(lambda: fwd_bwd(layout), "cpu",
+                                                     warmup=0, rep=0))
+            rows.append(row("weak", layout, world_size, T, "fwd_bwd", "time_ms", med, "ms",
+                            p20=p20, p80=p80))
+            rows.append(row("weak", layout, world_size, T, "fwd_bwd", "tflops", tflops(fl, med),
+                            "TFLOP/s"))
+    if "memory" in parts and world_size in cfg.memory_ranks:
+        for layout in cfg.layouts:
+            fwd_bwd(layout)  # warm-up: what is loaded once is not the call's memory
+            (peak,) = _max_over_ranks(_rank_peak_mb(lambda: fwd_bwd(layout)))
+            rows.append(row("memory", layout, world_size, T, "fwd_bwd", "peak_mem_mb", peak, "MiB"))
+    return rows
+
+
+def _long(rank, world_size, cfg):
+    rows, start = [], time.perf_counter()
+    shape, predicted = cfg.long_shape, 0.0
+    # Warm-up on a few tokens: what is loaded once is not the first length's time or memory.
+    ring_attention(*_inputs(shape, 8 * world_size, cfg.dtype, seed=0)[:3], causal=True,
+                   backend=CPU_BACKEND)
+    for seqlen in cfg.long_seqlens:
+        (spent,) = _max_over_ranks(time.perf_counter() - start)  # the same on every rank
+        if predicted > cfg.long_budget_s - spent:
+            if rank == 0:
+                log(f"long: not run from seqlen {seqlen}: predicted {predicted:.0f} s, "
+                    f"{cfg.long_budget_s - spent:.0f} s of the budget left")
+            break
+        q, k, v, _ = _inputs(shape, seqlen, cfg.dtype, seed=seqlen)
+        local = [shard_sequence(x, layout="zigzag") for x in (q, k, v)]
+        box = {}
+
+        def forward():
+            dist.barrier()
+            t0 = time.perf_counter()
+            box["o"] = ring_attention(*local, causal=True, layout="zigzag", backend=CPU_BACKEND)
+            dist.barrier()
+            box["s"] = time.perf_counter() - t0
+        peak, seconds = _max_over_ranks(_rank_peak_mb(forward), box["s"])
+        o = unshard_sequence(box.pop("o"), layout="zigzag")
+        predicted = 4 * seconds  # causal work grows as seqlen^2
+        if rank != 0:
+            continue
+        # Sampled rows, among them the last, which attends to every key; a row i with causal
+        # sees keys 0..i, so its reference is attention_ref on k[:, :i + 1].
+        check = torch.linspace(0, seqlen - 1, cfg.long_check_rows).long().tolist()
+        err = max((o[:, i].double() - longflash.attention_ref(
+            *(x.double() for x in (q[:, i:i + 1], k[:, :i + 1], v[:, :i + 1])),
+            causal=True)[0][:, 0]).abs().max().item() for i in check)
+        log(f"long: seqlen {seqlen} on {world_size} ranks: {seconds:.1f} s, peak {peak:.0f} MiB"
+            f" per rank, max err {err:.2e} on {len(check)} rows")
+        row = lambda *a, **kw: _row(shape, cfg.dtype, "long", "zigzag", world_size,  # noqa
+                                    seqlen // world_size, "fwd", *a, **kw)
+        rows += [row("time_ms", seconds * 1e3, "ms"), row("peak_mem_mb", peak, "MiB"),
+                 row("max_err_o_sampled", err, "abs")]
+    return rows
+
+
+def _ranks_worker(rank, world_size, cfg, parts):
+    """Every part that runs on world_size ranks; rows from rank 0."""
+    rows = []
+    if "exactness" in parts and world_size in cfg.exact_ranks:
+        rows += _exactness(rank, world_size, cfg)
+    if {"memory", "weak"} & set(parts):
+        rows += _memory_and_weak(rank, world_size, cfg, parts)
+    return rows
+
+
+# ----------------------------------------------------------------------------- one device
+
+def _single_device_memory(rank, world_size, cfg):
+    """In a ring of one (measured as the ranks are): longflash.attention holding the whole
+    sequence of each ring size of part memory on one device."""
+    rows = []
+    for ranks in cfg.memory_ranks:
+        q, k, v, do = _inputs(cfg.shape, ranks * cfg.tokens_per_rank, cfg.dtype, seed=1)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+        def fwd_bwd():
+            o = longflash.attention(q, k, v, causal=cfg.causal, backend=CPU_BACKEND)
+            torch.autograd.grad(o, (q, k, v), do)
+        fwd_bwd()  # warm-up, as in the ranks
+        rows.append(_row(cfg.shape, cfg.dtype, "memory", "none", ranks, cfg.tokens_per_rank,
+                         "fwd_bwd", "peak_mem_mb", _rank_peak_mb(fwd_bwd), "MiB",
+                         causal=cfg.causal))
+    return rows
+
+
+BLOCKS = {  # name -> (seqlen_q, seqlen_k, causal) in units of T = tokens per rank
+    "local": (1, 1, True), "kv_half": (1, 0.5, False), "q_half": (0.5, 1, False),
+    "full": (1, 1, False)}
+
+
+def _blocks(cfg, device):
+    """{name: (fwd_ms, bwd_ms)} of the BLOCKS on device, and their rows."""
+    T, shape, dtype = cfg.block_tokens_per_rank, cfg.block_shape, cfg.block_dtype
+    times, rows = {}, []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a CPU rank has one thread
+    try:
+        for name, (fq, fk, causal) in BLOCKS.items():
+            nq, nk = int(fq * T), int(fk * T)
+            q, k, v, do = _inputs(shape, nq, dtype, seed=2, device=device, seqlen_k=nk)
+            scale = 1 / math.sqrt(shape[3])
+            backend = "triton" if device == "cuda" else CPU_BACKEND
+            args = (causal, scale, backend)
+            o, lse = torch.ops.longflash.attention_forward(q, k, v, *args)
+            fwd = lambda: torch.ops.longflash.attention_forward(q, k, v, *args)  # noqa: E731
+            bwd = lambda: torch.ops.longflash.attention_backward(  # noqa: E731
+                do, q, k, v, o, lse, None, *args)
+            for mode, fn in (("fwd", fwd), ("bwd", bwd)):
+                med, p20, p80 = time_ms(fn, device)
+                times.setdefault(name, {})[mode] = med
+                fl = flops(shape[0], nq, nk, shape[1], shape[3], causal, mode)
+                row = lambda *a, **kw: _row(shape, dtype, "blocks", "none", 1, T, mode,  # noqa
+                                            *a, seqlen_q=nq, seqlen_k=nk, causal=causal, **kw)
+                rows += [row("time_ms", med, "ms", p20=p20, p80=p80),
+                         row("tflops", tflops(fl, med), "TFLOP/s")]
+    finally:
+        torch.set_num_threads(threads)
+    return times, rows
+
+
+def _step_block(layout, causal, rank, src):
+    """The BLOCKS entry that rank computes against the shard of src (None: skipped), as
+    longflash.parallel plans it."""
+    if not causal:
+        return "full"
+    if src == rank:
+        return "local"
+    if layout == "contiguous":
+        return "full" if src < rank else None
+    return "kv_half" if src < rank else "q_half"
+
+
+def project(times, world_size, layout, causal, kv_bytes, dkv_bytes, link):
+    """Forward+backward time (ms) of a ring of world_size ranks under the alpha-beta model of
+    the docstring (part projection). times: {block: {"fwd": ms, "bwd": ms}}; kv_bytes: k and
+    v of one shard in the input dtype; dkv_bytes: dk and dv of one shard in float32."""
+    bandwidth_gbs, latency_us = LINKS[link]
+
+    def transfer(nbytes):
+        return latency_us * 1e-3 + nbytes / (bandwidth_gbs * 1e9) * 1e3 if nbytes else 0.0
+
+    def compute(step, mode):  # lockstep: the slowest rank of the step
+        blocks = (_step_block(layout, causal, r, (r - step) % world_size)
+                  for r in range(world_size))
+        return max(times[b][mode] if b else 0.0 for b in blocks)
+
+    last = world_size - 1
+    # Step s overlaps its compute with the transfers then in flight: k, v for step s + 1 and,
+    # in the backward, dk, dv of step s - 1.
+    total = sum(max(compute(s, "fwd"), transfer(kv_bytes if s < last else 0))
+                for s in range(world_size))
+    total += sum(max(compute(s, "bwd"),
+                     transfer((kv_bytes if s < last else 0) + (dkv_bytes if s else 0)))
+                 for s in range(world_size))
+    return total + transfer(dkv_bytes if last else 0)  # the last dk, dv back to their owner
+
+
+def _projection(cfg, times, device):
+    batch, nheads, nheads_kv, headdim = cfg.block_shape
+    T, rows = cfg.block_tokens_per_rank, []
+    elements = 2 * batch * T * nheads_kv * headdim  # k and v of one shard
+    kv_bytes = elements * torch.empty((), dtype=getattr(torch, cfg.block_dtype)).element_size()
+    fl = lambda n: flops(batch, n, n, nheads, headdim, cfg.causal, "fwd_bwd")  # noqa: E731
+    one_rank = fl(T) / (times["local"]["fwd"] + times["local"]["bwd"])  # FLOP per ms, no ring
+    for layout in cfg.layouts:
+        for ranks in cfg.projection_ranks:
+            for link, (bandwidth, latency) in LINKS.items():
+                ms = project(times, ranks, layout, cfg.causal, kv_bytes, elements * 4, link)
+                for metric, value, unit in (
+                        ("projected_time_ms", ms, "ms"),
+                        ("projected_efficiency", fl(ranks * T) / ranks / ms / one_rank, "ratio")):
+                    rows.append(_row(cfg.block_shape, cfg.block_dtype, "projection", layout,
+                                     ranks, T, "fwd_bwd", metric, value, unit, causal=cfg.causal,
+                                     basis="projected", link=link, link_bandwidth_gbs=bandwidth,
+                                     link_latency_us=latency))
+    return _on_device(rows, device)
+
+
+def _weak_efficiency(tflops_rows):
+    """flop_efficiency: TFLOP/s per rank over TFLOP/s of one rank (same layout)."""
+    one_rank = {r["layout"]: r["value"] for r in tflops_rows if r["ranks"] == 1}
+    return [dict(r, metric="flop_efficiency", value=r["value"] / one_rank[r["layout"]],
+                 unit="ratio") for r in tflops_rows if r["layout"] in one_rank]
+
+
+def _gpu_long(cfg):
+    """One GPU: longflash.attention forward+backward over gpu_long_seqlen tokens."""
+    seqlen, shape = cfg.gpu_long_seqlen, cfg.gpu_long_shape
+    row = lambda *a, **kw: _row(shape, "bfloat16", "long", "none", 1, seqlen, "fwd_bwd",  # noqa
+                                *a, **kw)
+    try:
+        q, k, v, do = _inputs(shape, seqlen, "bfloat16", seed=3, device="cuda")
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        fn = lambda: torch.autograd.grad(longflash.attention(q, k, v, causal=True),  # noqa
+                                         (q, k, v), do)
+        med, p20, p80 = time_ms(fn, "cuda")
+        peak = peak_memory_mb(fn, "cuda")
+        fl = flops(shape[0], seqlen, seqlen, shape[1], shape[3], True, "fwd_bwd")
+        return [row("time_ms", med, "ms", p20=p20, p80=p80),
+                row("tflops", tflops(fl, med), "TFLOP/s"), row("peak_mem_mb", peak, "MiB")]
+    except Exception as e:  # noqa: BLE001 - the row records what happened
+        log(f"long, one GPU, seqlen {seqlen}: {type(e).__name__}: {e}")
+        return [row("time_ms", math.nan, "ms", status="oom" if is_oom(e) else "error")]
+
+
+# ----------------------------------------------------------------------------- main
+
+_LOG = None  # the log file beside the results; forked ranks inherit it
+
+
+def log(message):
+    print(message, flush=True)
+    if _LOG:
+        with open(_LOG, "a") as f:
+            f.write(message + "\n")
+
+
+def _on_device(rows, device):
+    """Rows measured on this machine's CPU name it as their device, even on a GPU machine."""
+    if device != "cuda":
+        for row in rows:
+            row["device"] = cpu_name()
+    return rows
+
+
+def _device_tag():
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    match = re.search(r"\b([A-Z]\d{2,3})\b", name)  # "NVIDIA H100 80GB HBM3" -> "h100"
+    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
+
+
+def _failed(cfg, parts, world_size, error):
+    status = "oom" if is_oom(error) else "error"
+    metric = {"exactness": "max_err_o", "memory": "peak_mem_mb", "weak": "time_ms",
+              "long": "time_ms"}
+    return [_row(cfg.shape, cfg.dtype, part, layout, world_size, cfg.tokens_per_rank,
+                 "fwd_bwd", metric[part], math.nan, "", status=status)
+            for part in parts for layout in cfg.layouts]
+
+
+def _write(rows, path):
+    for r in rows:
+        log(f"  {r['part']:<10} {r['provider']:<9} {r['layout']:<10} ranks {r['ranks']:>2}  "
+            f"seqlen {r['seqlen_q']:>7} {r['dtype']:<8} {r['mode']:<7} {r['metric']:<20} "
+            f"{r['value']:.4g} {r['unit']} {r['link'] or ''} [{r['status']}]")
+    if rows:
+        write_results(rows, path, key_columns=KEY_COLUMNS)
+
+
+def main():
+    global _LOG
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Parts and metrics: see the module docstring.")
+    parser.add_argument("--full", action="store_true", help="GPU machine sizes (FULL)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, seconds (QUICK)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--long-budget-s", type=float, help="seconds for part long "
+                        f"(default {Config.long_budget_s:.0f}, {FULL['long_budget_s']:.0f} with "
+                        "--full)")
+    parser.add_argument("--out", help="results CSV (default results/scaling/<device>.csv); "
+                        "the log and config are written beside it")
+    args = parser.parse_args()
+    cfg = Config(**(FULL if args.full else QUICK if args.quick else {}))
+    if args.long_budget_s is not None:
+        cfg = replace(cfg, long_budget_s=args.long_budget_s)
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
+    if cfg.block_device == "cuda" and not torch.cuda.is_available():
+        parser.error("--full times the blocks on a GPU, and there is none here")
+    out = args.out or os.path.join(ROOT, "results", "scaling", f"{_device_tag()}.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    _LOG = os.path.splitext(out)[0] + ".log"
+    command = shlex.join(getattr(sys, "orig_argv", sys.argv))
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the resolved config
+        json.dump(dict(asdict(cfg), parts=parts, command=command), f, indent=1)
+    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n"
+        f"scaling on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), torch "
+        f"{torch.__version__}, parts {parts}\n{cfg}")
+
+    world_sizes = sorted(set(cfg.exact_ranks if "exactness" in parts else ())
+                         | set(cfg.memory_ranks if "memory" in parts else ())
+                         | set(cfg.weak_ranks if "weak" in parts else ()))
+    tflops_rows = []  # weak scaling: flop_efficiency is relative to one rank
+    for world_size in world_sizes:
+        t0 = time.perf_counter()
+        try:
+            rows = spawn_ranks(world_size, _ranks_worker, cfg, parts)
+        except Exception as e:  # noqa: BLE001 - recorded as status rows
+            log(f"{world_size} ranks failed: {e}")
+            rows = _failed(cfg, [p for p in parts if p in ("exactness", "memory", "weak")],
+                           world_size, e)
+        log(f"{world_size} ranks: {time.perf_counter() - t0:.0f} s (load average "
+            f"{os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores)")
+        _write(_on_device(rows, "cpu"), out)
+        tflops_rows += [r for r in rows if r["part"] == "weak" and r["metric"] == "tflops"]
+    _write(_weak_efficiency(tflops_rows), out)
+    if "memory" in parts:
+        _write(_on_device(spawn_ranks(1, _single_device_memory, cfg), "cpu"), out)
+    if {"blocks", "projection"} & set(parts):
+        times, rows = _blocks(cfg, cfg.block_device)
+        _write(_on_device(rows, cfg.block_device) if "blocks" in parts else [], out)
+        if "projection" in parts:
+            _write(_projection(cfg, times, cfg.block_device), out)
+    if "long" in parts:
+        t0 = time.perf_counter()
+        try:
+            rows = spawn_ranks(cfg.long_ranks, _long, cfg)
+        except Exception as e:  # noqa: BLE001
+            log(f"long on {cfg.long_ranks} ranks failed: {e}")
+            rows = _failed(replace(cfg, layouts=("zigzag",)), ["long"], cfg.long_ranks, e)
+        log(f"long: {time.perf_counter() - t0:.0f} s")
+        _write(_on_device(rows, "cpu"), out)
+        if cfg.gpu_long_seqlen and torch.cuda.is_available():
+            _write(_gpu_long(cfg), out)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

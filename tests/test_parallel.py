@@ -1,0 +1,263 @@
+"""Ring attention (longflash.parallel) on gloo process groups of 1, 2 and 4 CPU ranks.
+
+Each world size is spawned once (a module-scoped fixture): its ranks run every case on
+shards of the same full inputs, and rank 0 sends back the unsharded output, lse and
+gradients. The comparison with the float64 reference runs here, under the rule of
+ARCHITECTURE.md (`check_close`): error at most twice that of standard attention computed in
+the input dtype, plus a rounding floor. Errors that must be raised (on every rank) are
+collected by the same ranks.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import check_close
+from experiments.scaling import project, spawn_ranks
+from longflash import _common, attention_ref
+from longflash.parallel import _Ring, _rank_chunks, _step_plan, ring_attention, \
+    shard_sequence, unshard_sequence
+from test_correctness import make_inputs
+
+WORLD_SIZES = [1, 2, 4]
+
+
+@dataclass(frozen=True)
+class Case:
+    causal: bool
+    layout: str
+    nheads: int = 4
+    nheads_kv: int = 4
+    dtype: torch.dtype = torch.float32
+    chunk_q: int = 5       # tokens per chunk: seqlen = chunk * (2P zigzag, P contiguous)
+    chunk_k: int = 5
+    headdim: int = 24
+    with_lse_grad: bool = False  # the loss also has sum(lse * dlse)
+
+    @property
+    def id(self):
+        return (f"{self.layout}-{'causal' if self.causal else 'full'}-H{self.nheads}/"
+                f"{self.nheads_kv}-Nq{self.chunk_q}/Nk{self.chunk_k}-{str(self.dtype)[6:]}"
+                + ("-dlse" if self.with_lse_grad else ""))
+
+    def shape(self, world_size):
+        """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
+        n_chunks = world_size * (2 if self.layout == "zigzag" else 1)
+        return (2, self.chunk_q * n_chunks, self.chunk_k * n_chunks, self.nheads,
+                self.nheads_kv, self.headdim)
+
+
+CASES = [Case(causal, layout, nheads, nheads_kv)
+         for layout in ("zigzag", "contiguous") for causal in (False, True)
+         for nheads, nheads_kv in ((4, 4), (6, 2), (4, 1))]
+CASES += [
+    Case(True, "zigzag", 6, 2, dtype=torch.bfloat16),   # merged in fp32: no error growth
+    Case(True, "contiguous", 4, 1, dtype=torch.float16),
+    Case(False, "zigzag", 4, 2, chunk_q=3, chunk_k=7),  # seqlen_q != seqlen_k
+    Case(True, "zigzag", 4, 2, with_lse_grad=True),
+    Case(False, "contiguous", 4, 2, chunk_q=7, chunk_k=3, with_lse_grad=True),
+]
+
+
+def full_inputs(case, world_size):
+    """q, k, v, do (leaves, as in test_correctness) and dlse (batch, nheads, seqlen_q)."""
+    q, k, v, do = make_inputs(case.shape(world_size), case.dtype, seed=world_size)
+    gen = torch.Generator().manual_seed(world_size + 100)
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], generator=gen, dtype=torch.float64)
+    return q, k, v, do, dlse if case.with_lse_grad else None
+
+
+def loss_grads(o, lse, do, dlse, inputs):
+    loss = (o * do).sum() + (0 if dlse is None else (lse * dlse.to(lse.dtype)).sum())
+    return torch.autograd.grad(loss, inputs)
+
+
+# ----------------------------------------------------------------------------- in each rank
+
+def _seq_last(lse):
+    return lse.transpose(1, 2)  # (batch, nheads, seqlen) <-> (batch, seqlen, nheads)
+
+
+def _run_case(case, world_size):
+    q, k, v, do, dlse = full_inputs(case, world_size)
+    shard = functools.partial(shard_sequence, layout=case.layout)
+    local = [shard(x.detach()).requires_grad_() for x in (q, k, v)]
+    o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
+                            backend="torch")
+    dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
+    grads = loss_grads(o, lse, shard(do), dlse_local, local)
+    unshard = functools.partial(unshard_sequence, layout=case.layout)
+    return dict(o=unshard(o), lse=_seq_last(unshard(_seq_last(lse))),
+                **{name: unshard(g) for name, g in zip(("dq", "dk", "dv"), grads)})
+
+
+def _errors(rank):
+    """The error each bad call raises on this rank: {name: (type name, message)}."""
+    x = torch.randn(1, 4, 2, 8)
+    calls = {
+        "seqlen_odd_for_zigzag": lambda: ring_attention(x[:, :3], x[:, :3], x[:, :3]),
+        "shard_not_divisible": lambda: shard_sequence(torch.randn(1, 6, 2, 8)),
+        "shapes_differ": lambda: ring_attention(*[torch.randn(1, 4 + 2 * rank, 2, 8)] * 3),
+        "dtypes_differ": lambda: ring_attention(*[x.double() if rank else x] * 3, backend="torch"),
+        "causal_differs": lambda: ring_attention(x, x, x, causal=bool(rank)),
+        "causal_seqlen_q_neq_k": lambda: ring_attention(x[:, :2], x, x, causal=True),
+        "unshard_shapes_differ": lambda: unshard_sequence(torch.randn(1, 2 + 2 * rank, 3)),
+    }
+    # A group this rank is not in: every rank must create it, only rank 0 is a member.
+    only_rank0 = dist.new_group([0])
+    calls["not_in_group"] = lambda: ring_attention(x, x, x, group=only_rank0, backend="torch")
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - recorded, asserted on in the parent
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+def _worker(rank, world_size):
+    _common.POISON_OUTPUTS = True  # as in the parent's tests: an unwritten element is NaN
+    results = {case.id: _run_case(case, world_size) for case in CASES}
+    errors = [None] * world_size
+    dist.all_gather_object(errors, _errors(rank) if world_size == 2 else {})
+    return results, errors
+
+
+@pytest.fixture(scope="module")
+def ring_runs():
+    """world_size -> (results by case id, per-rank errors), spawning each world size once."""
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            cache[world_size] = spawn_ranks(world_size, _worker, timeout_s=120)
+        return cache[world_size]
+    return get
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda p: f"P{p}")
+def test_matches_reference(ring_runs, world_size, case):
+    got = ring_runs(world_size)[0][case.id]
+    q, k, v, do, dlse = full_inputs(case, world_size)
+
+    def reference(q, k, v, upcast):
+        o, lse = attention_ref(q, k, v, causal=case.causal, upcast=upcast)
+        return (o, lse, *loss_grads(o, lse, do.to(q.dtype), dlse, (q, k, v)))
+    lowp = reference(q, k, v, upcast=False)
+    ref = reference(*[x.detach().double().requires_grad_() for x in (q, k, v)], upcast=True)
+    for i, name in enumerate(("o", "lse", "dq", "dk", "dv")):
+        assert got[name].dtype == (torch.float32 if name == "lse" else case.dtype)
+        check_close(name, got[name], lowp[i], ref[i])
+
+
+EXPECTED_ERRORS = {
+    "seqlen_odd_for_zigzag": ("ValueError", "multiple of 2"),
+    "shard_not_divisible": ("ValueError", "divisible by 4"),
+    "shapes_differ": ("ValueError", "q_shape differs across ranks"),
+    "dtypes_differ": ("ValueError", "dtype differs across ranks"),
+    "causal_differs": ("ValueError", "causal differs across ranks"),
+    "causal_seqlen_q_neq_k": ("NotImplementedError", "seqlen_q == seqlen_k"),
+    "unshard_shapes_differ": ("ValueError", "shape differs across ranks"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ERRORS))
+def test_error_on_every_rank(ring_runs, name):
+    """Two ranks; a bad call raises a clear error on both, never a hang or a wrong result."""
+    kind, text = EXPECTED_ERRORS[name]
+    for rank, errors in enumerate(ring_runs(2)[1]):
+        assert errors[name] is not None, f"rank {rank}: no error"
+        assert errors[name][0] == kind and text in errors[name][1], (rank, errors[name])
+
+
+def test_error_not_in_group(ring_runs):
+    rank0, rank1 = (errors["not_in_group"] for errors in ring_runs(2)[1])
+    assert rank0 is None  # a group of one: plain attention
+    assert rank1[0] == "ValueError" and "group" in rank1[1]
+
+
+def test_errors_without_process_group():
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ring_attention(x, x, x, layout="striped")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            ring_attention(x, x, x)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_causal_plan(world_size, layout):
+    """The ring's causal plan computes every visible chunk pair exactly once, never a masked
+    one, and with zigzag gives every rank the same number of (query, key) pairs."""
+    chunk, per_rank = 4, (2 if layout == "zigzag" else 1)
+    seqlen = chunk * per_rank  # tokens per rank
+    computed, pairs_per_rank = [], []
+    for rank in range(world_size):
+        ring = _Ring(None, rank, world_size, layout, None, None)
+        pairs = 0
+        for src in range(world_size):
+            plan = _step_plan(ring, src, True, seqlen)
+            if plan is None:
+                continue
+            rows, cols, causal = (range(seqlen)[plan[0]], range(seqlen)[plan[1]], plan[2])
+            q_chunks = [_rank_chunks(ring, rank)[i // chunk] for i in rows[::chunk]]
+            k_chunks = [_rank_chunks(ring, src)[j // chunk] for j in cols[::chunk]]
+            # Under the local causal mask, a pair of chunks is computed iff it comes before
+            # in the local order; without it, every pair is.
+            computed += [(a, b) for x, a in enumerate(q_chunks) for y, b in enumerate(k_chunks)
+                         if not causal or y <= x]
+            assert not causal or (rows, cols, q_chunks) == (range(seqlen),) * 2 + (k_chunks,)
+            pairs += len(rows) * (len(rows) + 1) // 2 if causal else len(rows) * len(cols)
+        pairs_per_rank.append(pairs)
+    n_chunks = per_rank * world_size
+    assert sorted(computed) == [(a, b) for a in range(n_chunks) for b in range(a + 1)]
+    if layout == "zigzag":
+        assert len(set(pairs_per_rank)) == 1, pairs_per_rank
+
+
+# ----------------------------------------------------------------------------- the experiment
+
+def test_projection_model():
+    """The alpha-beta model of experiments/scaling.py on made-up block times: with free
+    communication zigzag is balanced and contiguous is bound by its last rank; a slow link
+    adds exactly the transfers that compute cannot hide."""
+    half = {"fwd": 1.0, "bwd": 2.5}
+    times = {"local": half, "kv_half": half, "q_half": half, "full": {"fwd": 2.0, "bwd": 5.0}}
+    ideal = lambda layout, p: project(times, p, layout, True, 0, 0, "ideal")  # noqa: E731
+    assert ideal("zigzag", 1) == ideal("contiguous", 1) == 3.5
+    assert ideal("zigzag", 8) == 8 * 3.5             # every step: half a block on every rank
+    assert ideal("contiguous", 8) == 3.5 + 7 * 7.0    # the last rank: 7 full blocks
+    # 1 GB per transfer over the model's InfiniBand link (50 GB/s, 20 us): 20.02 ms per
+    # transfer, longer than any block; forward 3 hidden + 1 compute, backward 4 + exposed.
+    slow = project(times, 4, "zigzag", True, 1e9, 1e9, "infiniband")
+    step, both = 0.02 + 1e9 / 50e9 * 1e3, 0.02 + 2e9 / 50e9 * 1e3
+    assert abs(slow - (3 * step + 1.0 + step + 2 * both + step + step)) < 1e-9
+
+
+def test_scaling_experiment_quick(tmp_path):
+    """experiments/scaling.py --quick runs every part end to end and writes its rows."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "kernels"), root]))
+    out = tmp_path / "cpu.csv"
+    run = subprocess.run([sys.executable, "-m", "experiments.scaling", "--quick", "--out",
+                          str(out)], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    df = pd.read_csv(out)
+    assert (df["status"] == "ok").all()
+    assert set(df["part"]) == {"exactness", "memory", "weak", "blocks", "projection", "long"}
+    errors = df[df["metric"].str.startswith("max_err") & (df["dtype"] == "float32")]
+    assert (errors["value"] < 1e-4).all()
+    assert set(df[df["basis"] == "projected"]["part"]) == {"projection"}
