@@ -36,7 +36,7 @@ class Config:
     batch: int = 1
     nheads: int = 4
     headdim: int = 64
-    seqlens: tuple = (1024, 2048, 4096, 8192)
+    seqlens: tuple = (1024, 2048, 4096, 8192, 16384)
     windows: tuple = ((-1, 0), (256, 0))  # causal, and causal with a 256-token window
     block_m: int = 128                     # tile for the block count (a typical GPU tile)
     block_n: int = 64
@@ -80,7 +80,7 @@ def main():
                                  status="oom" if is_oom(e) else "error"))
             print(f"N={seqlen:6d} window=({left},{right}): {rows[-2]['value']:6d} key blocks, "
                   f"{rows[-1]['value']:.1f} ms ({rows[-1]['status']})", flush=True)
-    write_results(rows, out)
+    write_results(rows, out, key_columns=("window_left", "window_right", "block_m", "block_n"))
     print(f"wrote {len(rows)} rows to {out}")
 
 
