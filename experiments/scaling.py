@@ -532,12 +532,16 @@ def main():
     parser.add_argument("--long-budget-s", type=float, help="seconds for part long "
                         f"(default {Config.long_budget_s:.0f}, {FULL['long_budget_s']:.0f} with "
                         "--full)")
+    parser.add_argument("--long-seqlens", help="comma-separated sequence lengths for part long "
+                        "(default: 64K doubling to 1M while the budget lasts)")
     parser.add_argument("--out", help="results CSV (default results/scaling/<device>.csv); "
                         "the log and config are written beside it")
     args = parser.parse_args()
     cfg = Config(**(FULL if args.full else QUICK if args.quick else {}))
     if args.long_budget_s is not None:
         cfg = replace(cfg, long_budget_s=args.long_budget_s)
+    if args.long_seqlens:
+        cfg = replace(cfg, long_seqlens=tuple(int(n) for n in args.long_seqlens.split(",")))
     parts = args.parts.split(",")
     if not set(parts) <= set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
