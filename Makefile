@@ -40,7 +40,7 @@ env: $(ENV_READY)
 io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
 	$(PYTHON) -m experiments.io_complexity --full
 
-scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 1M tokens; GPU: --full)
+scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 512K tokens; GPU: --full)
 	$(PYTHON) -m experiments.scaling $(if $(shell nvidia-smi -L 2>/dev/null),--full,--long-budget-s 1800)
 
 variants: $(ENV_READY)  # sliding-window cost against sequence length

@@ -1,7 +1,7 @@
 """RQ3, sequence parallelism: exact ring attention (longflash.parallel) across ranks.
 
     python -m experiments.scaling                        # CPU: gloo ranks on this machine
-    python -m experiments.scaling --long-budget-s 600    # ... with 10 minutes for part "long"
+    python -m experiments.scaling --long-budget-s 1800   # ... with 30 minutes for part "long"
     python -m experiments.scaling --full                 # GPU machine (see FULL)
     python -m experiments.scaling --quick --out /tmp/s.csv   # tiny sizes, seconds (tests)
     python -m experiments.scaling --parts exactness,weak     # a subset; rows merge by key
