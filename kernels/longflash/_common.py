@@ -79,19 +79,11 @@ def key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, window_left, window
 def query_range(start_n, block_m, block_n, seqlen_q, seqlen_k, window_left, window_right):
     """Queries visited by the key block [start_n, start_n + block_n), for dK and dV.
 
-    Returns (lo, mid_lo, mid_hi, hi) as key_range does, with the roles of queries and keys
-    swapped: query i sees key j iff j - offset - window_right <= i <= j - offset + window_left.
+    Returns (lo, mid_lo, mid_hi, hi) as key_range does. Query i sees key j iff
+    j - offset - window_right <= i <= j - offset + window_left: the same rule with queries
+    and keys swapped, the offset negated and the window mirrored, so it is key_range so.
     """
-    offset = seqlen_k - seqlen_q
-    first, last = start_n - offset, start_n + block_n - 1 - offset
-    clamp = lambda x: min(max(x, 0), seqlen_q)  # noqa: E731
-    hi = seqlen_q if window_left < 0 else clamp(last + window_left + 1)
-    lo = 0 if window_right < 0 else _floor(clamp(first - window_right), block_m)
-    mid_lo = lo if window_right < 0 else min(_ceil(max(last - window_right, lo), block_m),
-                                             _ceil(hi, block_m))
-    every_key_hi = seqlen_q if window_left < 0 else clamp(first + window_left + 1)
-    mid_hi = max(_floor(every_key_hi, block_m), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return key_range(start_n, block_n, block_m, seqlen_k, seqlen_q, window_right, window_left)
 
 
 # ----------------------------------------------------------------------------- dropout

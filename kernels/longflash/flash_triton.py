@@ -125,22 +125,9 @@ def _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: 
 @triton.jit
 def _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """Queries of key block start_n, as _common.query_range (queries and keys swapped)."""
-    first = start_n - (seqlen_k - seqlen_q)
-    last = first + BLOCK_N - 1
-    hi = tl.where(window_left >= 0, tl.minimum(tl.maximum(last + window_left + 1, 0), seqlen_q),
-                  seqlen_q)
-    lo = tl.where(window_right >= 0,
-                  tl.minimum(tl.maximum(first - window_right, 0), seqlen_q) // BLOCK_M * BLOCK_M, 0)
-    ceil_hi = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    mid_lo = tl.where(window_right >= 0, tl.minimum(
-        (tl.maximum(last - window_right, lo) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, ceil_hi), lo)
-    every_key_hi = tl.where(window_left >= 0,
-                            tl.minimum(tl.maximum(first + window_left + 1, 0), seqlen_q), seqlen_q)
-    mid_hi = tl.maximum(every_key_hi // BLOCK_M * BLOCK_M, mid_lo)
-    valid = start_n < seqlen_k
-    return (tl.where(valid, lo, 0), tl.where(valid, mid_lo, 0), tl.where(valid, mid_hi, 0),
-            tl.where(valid, hi, 0))
+    """Queries of key block start_n, as _common.query_range: _key_range with queries and
+    keys swapped and the window mirrored."""
+    return _key_range(start_n, seqlen_k, seqlen_q, window_right, window_left, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
