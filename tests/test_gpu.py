@@ -56,19 +56,8 @@ VARIANTS = [
 @pytest.mark.parametrize("name, kw", VARIANTS, ids=[v[0] for v in VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_variants_gpu(dtype, name, kw):
-    from longflash import attention_ref
-    from test_correctness import make_inputs, run
-    from test_variants import kwargs_for, ref_kwargs
-    from conftest import check_close
-    kw = kwargs_for(kw, device="cuda")
-    q, k, v, do = make_inputs((2, 2047, 2049, 8, 2, 128), dtype, device="cuda")
-    got = run(lambda *x: longflash.attention(*x, return_lse=True, backend="triton", **kw),
-              q, k, v, do)
-    lowp = run(lambda *x: attention_ref(*x, upcast=False, **ref_kwargs(kw)), q, k, v, do)
-    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = run(lambda *x: attention_ref(*x, **ref_kwargs(kw)), *x64, do.double())
-    for label, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
-        check_close(label, a, b, r)
+    from test_variants import check_variant
+    check_variant((2, 2047, 2049, 8, 2, 128), dtype, kw, "triton", device="cuda")
 
 
 def test_varlen_gpu():

@@ -58,22 +58,19 @@ def test_variant_against_reference(backend, tiles, dtype, shape, kw, monkeypatch
     if tiles:
         monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
         monkeypatch.setattr(blockwise, "BLOCK_N", tiles[1])
-    kw = kwargs_for(kw)
-    q, k, v, do = make_inputs(shape, dtype)
-    got = run(lambda q, k, v: longflash.attention(q, k, v, return_lse=True, backend=backend, **kw),
-              q, k, v, do)
-    lowp = run(lambda q, k, v: attention_ref(q, k, v, upcast=False, **ref_kwargs(kw)), q, k, v, do)
-    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = run(lambda q, k, v: attention_ref(q, k, v, **ref_kwargs(kw)), *x64, do.double())
-    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
-        check_close(name, a, b, r)
+    check_variant(shape, dtype, kw, backend)
 
 
 def test_bfloat16_variants_torch_path():
     """bf16 is not available in the Triton interpreter; the PyTorch path covers it on CPU."""
-    kw = kwargs_for(CASES[-1][2])
-    q, k, v, do = make_inputs(CASES[-1][1], torch.bfloat16)
-    got = run(lambda *x: longflash.attention(*x, return_lse=True, backend="torch", **kw),
+    check_variant(CASES[-1][1], torch.bfloat16, CASES[-1][2], "torch")
+
+
+def check_variant(shape, dtype, kw, backend, device="cpu"):
+    """Output, lse and gradients of one variant against the float64 reference (tolerance rule)."""
+    kw = kwargs_for(kw, device)
+    q, k, v, do = make_inputs(shape, dtype, device=device)
+    got = run(lambda *x: longflash.attention(*x, return_lse=True, backend=backend, **kw),
               q, k, v, do)
     lowp = run(lambda *x: attention_ref(*x, upcast=False, **ref_kwargs(kw)), q, k, v, do)
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
