@@ -73,6 +73,9 @@ def cdiv(a, b):
 
 
 # -- which blocks the kernels visit ----------------------------------------------------------------
+# Derived here in closed form (the paper's equations for kappa_i and rho_j) on purpose, not
+# taken from `_common.key_range` / `query_range`: the simulator loops over those ranges, so
+# "closed form == simulator" checks the paper's formulas against what the kernels do.
 
 def keys_streamed(shape, BLOCK_M, BLOCK_N):
     """sum_i kappa_i: key rows streamed past all query blocks (forward and dQ kernel)."""

@@ -185,26 +185,29 @@ def write_results(rows, path, command=None, key_columns=()):
     extras = sorted(set(merged.columns) - set(COLUMNS) - set(PROVENANCE_COLUMNS))
     merged = merged[COLUMNS + PROVENANCE_COLUMNS + extras]
 
-    # Temp file in the same directory, so os.replace is an atomic rename: a reader (or a
-    # crash) sees the old file or the new one, never half of one.
+    atomic_write(path, lambda tmp: merged.to_csv(tmp, index=False))
+    return merged
+
+
+def atomic_write(path, write):
+    """Create path through write(tmp_path), atomically: a reader (or a crash) sees the old
+    file or the new one, never half of one. The temp file sits in the same directory, so
+    os.replace is a rename; it keeps path's extension, for writers that go by it."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = tempfile.NamedTemporaryFile("w", delete=False, dir=directory, newline="",
-                                      prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
+                               suffix=os.path.splitext(path)[1])
+    os.close(fd)
     try:
-        with tmp:
-            merged.to_csv(tmp, index=False)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates 0600; results are shared files
-        os.replace(tmp.name, path)
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are shared files
+        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp.name)
-        except FileNotFoundError:
-            pass
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
-    return merged
 
 
 def read_results(paths):

@@ -11,7 +11,7 @@ Notebooks never run experiments: they read results/ and write figures/ and paper
 
 import os
 import re
-import tempfile
+import sys
 
 import matplotlib
 
@@ -20,6 +20,8 @@ matplotlib.use("Agg")  # headless: notebooks run under nbclient in `make figures
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # notebooks run from notebooks/; the shared writer lives in experiments/
+from experiments.results import atomic_write, read_results  # noqa: E402
 RESULTS = os.path.join(ROOT, "results")
 FIGURES = os.path.join(ROOT, "figures")
 GENERATED = os.path.join(ROOT, "paper", "generated")
@@ -33,40 +35,15 @@ plt.rcParams.update({
 
 def load(rq):
     """Every results/<rq>/*.csv as one DataFrame (see experiments/results.py for the schema)."""
-    import sys
-    sys.path.insert(0, ROOT)
-    from experiments.results import read_results
     return read_results(os.path.join(RESULTS, rq, "*.csv"))
-
-
-def _atomic_write(path, data, mode="w"):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, mode) as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def save_figure(fig, name):
     """figures/<name>.pdf for the paper and figures/<name>.png for the README."""
-    os.makedirs(FIGURES, exist_ok=True)
     for ext in ("pdf", "png"):
-        # Written beside the target then renamed, so a reader never sees half a figure.
-        fd, tmp = tempfile.mkstemp(dir=FIGURES, prefix=".tmp-", suffix="." + ext)
-        os.close(fd)
-        try:
-            # No timestamps in the PDF, so regenerating unchanged results changes no bytes.
-            fig.savefig(tmp, format=ext, metadata={"CreationDate": None} if ext == "pdf" else None)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, os.path.join(FIGURES, f"{name}.{ext}"))
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        # No timestamps in the PDF, so regenerating unchanged results changes no bytes.
+        atomic_write(os.path.join(FIGURES, f"{name}.{ext}"), lambda tmp: fig.savefig(
+            tmp, format=ext, metadata={"CreationDate": None} if ext == "pdf" else None))
     return os.path.join(FIGURES, f"{name}.pdf")
 
 
@@ -82,6 +59,9 @@ def write_macros(rq, values, source):
         if not re.fullmatch(r"[A-Za-z]+", name):
             raise ValueError(f"macro name {name!r}: LaTeX macro names are letters only")
         lines.append(f"\\newcommand{{\\{name}}}{{{value}}}\n")
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.writelines(lines)
     path = os.path.join(GENERATED, f"{rq}.tex")
-    _atomic_write(path, "".join(lines))
+    atomic_write(path, write)
     return path
