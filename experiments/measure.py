@@ -74,8 +74,20 @@ def rss_growth_kb(fn):
     return _proc_status_kb("VmHWM") - before
 
 
-def peak_memory_mb(fn, device):
+def _limit_address_space(limit_mb):
+    import resource
+    cap = _proc_status_kb("VmSize") * 1024 + int(limit_mb * MB)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def peak_memory_mb(fn, device, limit_mb=None):
     """Peak extra memory (MiB) while fn() runs, above what was in use when it was called.
+
+    limit_mb (CPU only): a memory budget enforced on fn. The child's address space is capped
+    (RLIMIT_AS) at its size before fn plus limit_mb, so an allocation beyond the budget fails
+    inside fn with PyTorch's "can't allocate memory" (is_oom() is True) instead of waking the
+    kernel's OOM killer. Address space counts reserved as well as touched pages, so the cap
+    is conservative: fn is refused at most limit_mb of new mappings.
 
     CUDA: max_memory_allocated() - memory_allocated() around fn, from the caching allocator
     (tensors only; the allocator's reserve and the CUDA context are not counted).
@@ -117,6 +129,8 @@ def peak_memory_mb(fn, device):
         try:
             os.close(read_fd)
             try:
+                if limit_mb is not None:
+                    _limit_address_space(limit_mb)
                 msg = ["ok", rss_growth_kb(fn)]
             except BaseException:
                 msg = ["error", traceback.format_exc()]

@@ -172,9 +172,14 @@ from experiments.measure import is_oom, peak_memory_mb
 out = {}
 out["big"] = peak_memory_mb(lambda: torch.empty(200 * 2**20, dtype=torch.uint8).fill_(1), "cpu")
 out["noop"] = peak_memory_mb(lambda: None, "cpu")
-for name, fn in [("error", lambda: 1 / 0), ("oom", lambda: torch.empty(2**62, dtype=torch.uint8))]:
+out["within_budget"] = peak_memory_mb(lambda: torch.ones(100 * 2**20, dtype=torch.uint8), "cpu",
+                                      limit_mb=300)
+big = lambda: torch.ones(400 * 2**20, dtype=torch.uint8)  # fits the machine, not the budget
+for name, fn, limit in [("error", lambda: 1 / 0, None),
+                        ("oom", lambda: torch.empty(2**62, dtype=torch.uint8), None),
+                        ("over_budget", big, 300)]:
     try:
-        peak_memory_mb(fn, "cpu")
+        peak_memory_mb(fn, "cpu", limit_mb=limit)
     except RuntimeError as e:
         out[name] = [str(e), is_oom(e)]
 print(json.dumps(out))
@@ -196,6 +201,9 @@ def test_peak_memory_mb_cpu_in_fresh_process():
     message, oom = out["error"]
     assert "ZeroDivisionError" in message and not oom
     message, oom = out["oom"]
+    assert oom, message
+    assert 90 <= out["within_budget"] <= 140
+    message, oom = out["over_budget"]
     assert oom, message
 
 
