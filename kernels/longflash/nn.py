@@ -1,0 +1,133 @@
+"""Attention as a module for model code: multi-head / grouped-query self-attention.
+
+    attn = longflash.nn.MultiheadSelfAttention(embed_dim=768, num_heads=12, num_heads_kv=4,
+                                                rotary=True)
+    y = attn(x)                              # x, y: (batch, seqlen, embed_dim)
+
+`attn_impl` picks the attention function, so one model can be run with each of the three
+that the experiments compare:
+    "longflash"  longflash.attention (Triton on CUDA, the blockwise path on CPU): O(N) memory
+    "sdpa"       torch.nn.functional.scaled_dot_product_attention (PyTorch's own backends)
+    "standard"   longflash.attention_ref: materializes the (seqlen x seqlen) matrix
+
+Rotary position embeddings (Su et al., RoFormer) use the half-split layout of GPT-NeoX and
+Llama: dimension i of the first half pairs with dimension i of the second half.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .interface import attention
+from .reference import attention_ref
+
+ATTN_IMPLEMENTATIONS = ("longflash", "sdpa", "standard")
+
+
+def rotary_cos_sin(seqlen, headdim, base=10000.0, device=None):
+    """cos, sin of the rotary angles: each (seqlen, headdim // 2), float32.
+
+    Position p and frequency i give the angle p * base^(-2i / headdim)."""
+    inv_freq = base ** (-torch.arange(0, headdim // 2, device=device, dtype=torch.float32)
+                        * 2 / headdim)
+    angles = torch.outer(torch.arange(seqlen, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate x: (batch, seqlen, nheads, headdim) by position; cos, sin: (seqlen, headdim // 2).
+
+    Computed in float32 and returned in x's dtype (float64 stays float64)."""
+    dtype = x.dtype
+    x = x if dtype == torch.float64 else x.float()
+    x1, x2 = x.chunk(2, dim=-1)                    # (B, N, H, D/2) each
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (N, 1, D/2)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+def attention_function(attn_impl, backend="auto"):
+    """The attention of `attn_impl`, as f(q, k, v, causal, dropout_p) on (batch, seqlen, nheads,
+    headdim) tensors; k, v may have fewer heads (GQA)."""
+    if attn_impl == "longflash":
+        return lambda q, k, v, causal, dropout_p: attention(q, k, v, causal=causal,
+                                                            dropout_p=dropout_p, backend=backend)
+    if attn_impl == "standard":
+        def standard(q, k, v, causal, dropout_p):
+            seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
+            return attention_ref(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed,
+                                 upcast=False)[0]
+        return standard
+    if attn_impl == "sdpa":
+        def sdpa(q, k, v, causal, dropout_p):
+            group = q.shape[2] // k.shape[2]
+            if group > 1:  # enable_gqa= needs torch >= 2.5
+                k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), dropout_p=dropout_p,
+                                               is_causal=causal)  # (B, H, N, D)
+            return o.transpose(1, 2)
+        return sdpa
+    raise ValueError(f"attn_impl must be one of {ATTN_IMPLEMENTATIONS}, got {attn_impl!r}")
+
+
+class MultiheadSelfAttention(nn.Module):
+    """Multi-head (num_heads_kv = num_heads), grouped-query or multi-query (num_heads_kv = 1)
+    self-attention with input and output projections.
+
+    Arguments:
+        embed_dim: model width; headdim = embed_dim // num_heads.
+        num_heads: query heads. num_heads_kv: key/value heads (default num_heads); must divide
+            num_heads.
+        causal: a token attends to itself and earlier tokens only (default True).
+        bias: biases in the projections (default False).
+        rotary: rotary position embeddings on q and k (default False); rotary_base: 10000.
+        dropout: attention dropout probability, applied in training mode only.
+        attn_impl: "longflash" (default), "sdpa" or "standard" (see the module docstring).
+        backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash".
+    forward(x): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim)
+    """
+
+    def __init__(self, embed_dim, num_heads, num_heads_kv=None, causal=True, bias=False,
+                 rotary=False, rotary_base=10000.0, dropout=0.0, attn_impl="longflash",
+                 backend="auto", device=None, dtype=None):
+        super().__init__()
+        num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
+        if num_heads < 1 or embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads "
+                             f"({num_heads})")
+        if num_heads_kv < 1 or num_heads % num_heads_kv:
+            raise ValueError(f"num_heads_kv ({num_heads_kv}) must divide num_heads "
+                             f"({num_heads})")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.attn = attention_function(attn_impl, backend)  # raises on a bad attn_impl
+        self.embed_dim, self.num_heads, self.num_heads_kv = embed_dim, num_heads, num_heads_kv
+        self.headdim = embed_dim // num_heads
+        if rotary and self.headdim % 2:
+            raise ValueError(f"rotary needs an even head dim, got {self.headdim}")
+        self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
+        self.dropout, self.attn_impl = dropout, attn_impl
+        factory = dict(device=device, dtype=dtype)
+        self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_heads_kv) * self.headdim,
+                                  bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def forward(self, x):
+        batch, seqlen, _ = x.shape
+        qkv = self.qkv_proj(x).view(batch, seqlen, self.num_heads + 2 * self.num_heads_kv,
+                                    self.headdim)  # (B, N, H + 2 Hkv, D)
+        q, k, v = qkv.split([self.num_heads, self.num_heads_kv, self.num_heads_kv], dim=2)
+        if self.rotary:
+            cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0)
+        return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
+
+    def extra_repr(self):
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"num_heads_kv={self.num_heads_kv}, causal={self.causal}, "
+                f"rotary={self.rotary}, attn_impl={self.attn_impl!r}")
+
+
+__all__ = ["MultiheadSelfAttention", "attention_function", "apply_rotary", "rotary_cos_sin",
+           "ATTN_IMPLEMENTATIONS"]

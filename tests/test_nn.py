@@ -1,0 +1,158 @@
+"""longflash.nn (the attention module) and longflash.models.gpt (the compact GPT).
+
+Each attention implementation inside the same module is checked against the float64 module
+with materialized attention, by the tolerance rule of conftest.check_close; the GPT the same
+way end to end; and a GPT block compiles with torch.compile(fullgraph=True) under inductor.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import check_close
+from longflash.models import GPT, GPTConfig
+from longflash.models.gpt import Block
+from longflash.nn import MultiheadSelfAttention, apply_rotary, attention_function, rotary_cos_sin
+
+
+def with_impl(model, attn_impl):
+    """A copy of model whose attention modules use attn_impl (same weights)."""
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, MultiheadSelfAttention):
+            m.attn, m.attn_impl = attention_function(attn_impl, backend="torch"), attn_impl
+    return model
+
+
+def outputs_and_grads(model, x, loss_fn):
+    model.zero_grad()
+    x = x.detach().clone().requires_grad_(x.is_floating_point())
+    out = model(x)
+    loss_fn(out).backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}
+    if x.requires_grad:
+        grads["input"] = x.grad
+    return (out[0] if isinstance(out, tuple) else out), grads
+
+
+def check_model(model, x, loss_fn, attn_impl):
+    """attn_impl in float32 vs standard attention in float32 and in float64."""
+    ref = with_impl(model, "standard").double()
+    lowp = with_impl(model, "standard")
+    out, grads = outputs_and_grads(with_impl(model, attn_impl), x, loss_fn)
+    out_lowp, grads_lowp = outputs_and_grads(lowp, x, loss_fn)
+    out_ref, grads_ref = outputs_and_grads(ref, x.double() if x.is_floating_point() else x, loss_fn)
+    check_close("out", out, out_lowp, out_ref)
+    for name in grads:
+        check_close(f"grad {name}", grads[name], grads_lowp[name], grads_ref[name])
+
+
+ATTN_CASES = [  # (embed_dim, num_heads, num_heads_kv, causal, rotary, seqlen)
+    pytest.param(64, 4, None, True, True, 113, id="E64-H4-causal-rotary-N113"),
+    pytest.param(80, 2, 1, False, False, 17, id="E80-H2/1-N17"),
+    pytest.param(96, 6, 2, True, False, 203, id="E96-H6/2-causal-N203"),
+    pytest.param(48, 4, 4, False, True, 1, id="E48-H4-rotary-N1"),
+]
+
+
+@pytest.mark.parametrize("attn_impl", ["longflash", "sdpa"])
+@pytest.mark.parametrize("embed_dim, num_heads, num_heads_kv, causal, rotary, seqlen", ATTN_CASES)
+def test_attention_module_matches_reference(embed_dim, num_heads, num_heads_kv, causal, rotary,
+                                            seqlen, attn_impl):
+    torch.manual_seed(0)
+    module = MultiheadSelfAttention(embed_dim, num_heads, num_heads_kv, causal=causal,
+                                    rotary=rotary, bias=True)
+    x = torch.randn(2, seqlen, embed_dim)
+    weight = torch.randn(2, seqlen, embed_dim)
+    check_model(module, x, lambda out: (out * weight.to(out.dtype)).sum(), attn_impl)
+
+
+def test_causal_module_ignores_the_future():
+    torch.manual_seed(0)
+    module = MultiheadSelfAttention(32, 4, 2, causal=True, rotary=True)
+    x = torch.randn(1, 20, 32)
+    y = x.clone()
+    y[:, 12:] = torch.randn(1, 8, 32)
+    assert torch.allclose(module(x)[:, :12], module(y)[:, :12], atol=1e-6)
+    assert not torch.allclose(module(x)[:, 12:], module(y)[:, 12:], atol=1e-3)
+
+
+def test_rotary_scores_depend_on_relative_position_only():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16).double(), torch.randn(1, 1, 1, 16).double()
+    cos, sin = rotary_cos_sin(40, 16)
+    qs, ks = (apply_rotary(t.expand(1, 40, 1, 16), cos, sin)[0, :, 0] for t in (q, k))
+    scores = qs @ ks.T  # (40, 40): score of query position i and key position j
+    for offset in (-7, 0, 5):
+        diagonal = torch.diagonal(scores, offset)
+        assert torch.allclose(diagonal, diagonal[0].expand_as(diagonal), atol=1e-6)
+    assert torch.allclose(qs[0], q[0, 0, 0])  # position 0 is not rotated
+    assert torch.allclose(qs.norm(dim=-1), q.norm().expand(40))  # rotations keep the norm
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(embed_dim=30, num_heads=4), "embed_dim"),
+    (dict(embed_dim=32, num_heads=4, num_heads_kv=3), "num_heads_kv"),
+    (dict(embed_dim=32, num_heads=4, attn_impl="flash"), "attn_impl"),
+    (dict(embed_dim=32, num_heads=4, dropout=1.0), "dropout"),
+    (dict(embed_dim=12, num_heads=4, rotary=True), "rotary"),
+])
+def test_module_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MultiheadSelfAttention(**kwargs)
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    module = MultiheadSelfAttention(32, 4, dropout=0.5)
+    x = torch.randn(1, 16, 32)
+    module.train()
+    assert not torch.allclose(module(x), module(x))
+    module.eval()
+    assert torch.equal(module(x), module(x))
+
+
+def tiny_gpt(**overrides):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**dict(dict(n_layer=2, n_head=4, n_head_kv=2, n_embd=64), **overrides)))
+
+
+@pytest.mark.parametrize("attn_impl", ["longflash", "sdpa"])
+def test_gpt_matches_reference(attn_impl):
+    model = tiny_gpt()
+    idx, targets = torch.randint(0, 256, (2, 97)), torch.randint(0, 256, (2, 97))
+    check_model(model, idx, lambda out: cross_entropy(out[0], targets), attn_impl)
+
+
+def cross_entropy(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_gpt_initial_loss_is_uniform_over_bytes():
+    _, loss = tiny_gpt()(torch.randint(0, 256, (2, 64)), torch.randint(0, 256, (2, 64)))
+    assert abs(loss.item() - math.log(256)) < 0.1
+
+
+def test_gpt_checkpointing_gives_the_same_gradients():
+    idx = torch.randint(0, 256, (2, 50))
+    plain, ckpt = tiny_gpt(), tiny_gpt(checkpoint=True)
+    loss_fn = lambda out: cross_entropy(out[0], idx)  # noqa: E731
+    _, grads = outputs_and_grads(plain, idx, loss_fn)
+    _, grads_ckpt = outputs_and_grads(ckpt, idx, loss_fn)
+    for name in grads:
+        torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_gpt_block_compiles_fullgraph_with_inductor():
+    torch.manual_seed(0)
+    block = Block(GPTConfig(n_head=4, n_head_kv=2, n_embd=64))  # attn_impl="longflash"
+    x = torch.randn(2, 65, 64)
+    compiled = torch.compile(block, fullgraph=True, backend="inductor")
+    out, grads = outputs_and_grads(block, x, lambda out: out.square().sum())
+    out_c, grads_c = outputs_and_grads(compiled, x, lambda out: out.square().sum())
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-5)
