@@ -1,0 +1,116 @@
+"""The README's headline results table, generated from the paper's macros.
+
+    python notebooks/readme_table.py           # rewrite the table in README.md
+    python notebooks/readme_table.py --check   # exit 1 if README.md's table is out of date
+
+The numbers are the macros that the notebooks write into paper/generated/*.tex from results/,
+so the README, the paper and the results cannot disagree: a number has one source. Each row
+names the device it was measured on and the results file behind it. Run by `make figures`
+after the notebooks; the test suite runs --check.
+"""
+
+import argparse
+import glob
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+# (part, claim with {Macro} placeholders, device macro or text, results file)
+ROWS = [
+    ("RQ2 IO complexity",
+     "HBM traffic of the forward pass {IoRatioFwd}x below standard attention ({IoRatioCausalFwd}x "
+     "causal) at N = {IoSweepN}, d = {IoSweepD}, M = {IoSweepM} elements; grows as "
+     "N^{IoExpNFwd}, d^{IoExpDFwd}, M^{IoExpMFwd} (bound: N^2 d^2 / M)",
+     "counted in the two-level memory model, checked by a simulator; no GPU DRAM measurement yet",
+     "results/io_complexity/cpu.csv"),
+    ("RQ3 sequence parallelism",
+     "exact causal attention (forward) over {RingLongTokensExact} tokens through a ring of "
+     "{RingLongRanks} ranks in {RingLongSeconds} s, {RingLongPeakMiB} MiB per rank, max error "
+     "{RingLongMaxErr}; weak-scaling FLOP efficiency {RingWeakZigzagTwo} (zigzag) at 2 ranks",
+     "{RingCpu} CPU, {RingCores} cores, gloo ranks emulated on one machine",
+     "results/scaling/cpu.csv"),
+]
+
+
+def read_macros(paths):
+    """{name: value} of every \\newcommand{\\Name}{value} in the given files."""
+    macros = {}
+    pattern = re.compile(r"\\newcommand\{\\(\w+)\}\{(.*)\}\s*$")
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                m = pattern.match(line.strip())
+                if m:
+                    macros[m.group(1)] = m.group(2)
+    return macros
+
+
+def latex_to_text(value):
+    """The plain-text form of a macro's value: 2{,}048 -> 2,048; 101\\% -> 101%;
+    3.3\\times 10^{-8} -> 3.3e-08 style; 2^{16} -> 2^16."""
+    value = value.replace("{,}", ",").replace("\\%", "%").replace("\\,", " ")
+    value = re.sub(r"\s*\\times\s*10\^\{(-?)(\d+)\}", lambda m: f"e{m.group(1) or '+'}"
+                   f"{int(m.group(2)):02d}", value)
+    value = re.sub(r"\^\{([^}]*)\}", r"^\1", value)
+    return value.replace("$", "").strip()
+
+
+def fill(template, macros):
+    def sub(m):
+        name = m.group(1)
+        if name not in macros:
+            raise KeyError(f"macro \\{name} is not defined in paper/generated/*.tex: rerun "
+                           f"`make figures`")
+        return latex_to_text(macros[name])
+    return re.sub(r"\{(\w+)\}", sub, template)
+
+
+def table(macros):
+    lines = ["| part | headline (measured unless marked) | where, how | results |",
+             "| --- | --- | --- | --- |"]
+    for part, claim, device, source in ROWS:
+        lines.append(f"| {part} | {fill(claim, macros)} | {fill(device, macros)} | "
+                     f"`{source}` |")
+    return "\n".join(lines)
+
+
+def updated_readme(text, macros):
+    if START not in text or END not in text:
+        raise ValueError(f"README.md has no {START} ... {END} block")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table(macros)}\n{END}{tail}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="do not write; exit 1 if README.md is out of date")
+    args = parser.parse_args()
+    macros = read_macros(sorted(glob.glob(os.path.join(ROOT, "paper", "generated", "*.tex"))))
+    with open(README) as f:
+        text = f.read()
+    new = updated_readme(text, macros)
+    if args.check:
+        if new != text:
+            print("README.md's headline table is out of date: run "
+                  "`python notebooks/readme_table.py` (or `make figures`)", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        sys.path.insert(0, ROOT)
+        from experiments.results import atomic_write
+        def write(path):
+            with open(path, "w") as f:
+                f.write(new)
+        atomic_write(README, write)
+    print(table(macros))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
