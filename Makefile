@@ -1,5 +1,6 @@
 # LongFlash entry points. A new user needs two commands (README):
-#   make reproduce   the main job (today: a demo of LongFlash against PyTorch attention)
+#   make reproduce   the main job: every experiment at the size this machine can do (CPU: well
+#                    under an hour; full sizes on a GPU), then the figures, then the paper PDF
 #   make test        the test suite
 # Each sets itself up. If the current python3 already has what LongFlash needs
 # (for example a GPU machine with torch and triton installed and no network),
@@ -26,11 +27,19 @@ export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH
 # One command per research question; each writes results/<rq>/<device>.csv.
 NOTEBOOKS := notebooks/io_complexity.ipynb notebooks/scaling.ipynb
 
-.PHONY: test reproduce demo env figures io-complexity variants scaling
+.PHONY: test reproduce experiments demo env figures paper io-complexity variants scaling
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
-reproduce: demo
+# One experiment after the other (timings must not share the machine), then the notebooks,
+# then LaTeX. On a CPU, RQ3's long-sequence part gets 5 minutes here (`make scaling`: 30).
+reproduce: $(ENV_READY)
+	$(MAKE) experiments SCALING_LONG_BUDGET_S=300
+	$(MAKE) figures
+	$(MAKE) paper
+
+EXPERIMENTS := io-complexity variants scaling
+experiments: $(EXPERIMENTS)
 
 demo: $(ENV_READY)
 	$(PYTHON) -m experiments.demo
@@ -40,14 +49,24 @@ env: $(ENV_READY)
 io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
 	$(PYTHON) -m experiments.io_complexity --full
 
+SCALING_LONG_BUDGET_S ?= 1800
 scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 512K tokens; GPU: --full)
-	$(PYTHON) -m experiments.scaling $(if $(shell nvidia-smi -L 2>/dev/null),--full,--long-budget-s 1800)
+	$(PYTHON) -m experiments.scaling $(if $(shell nvidia-smi -L 2>/dev/null),--full,--long-budget-s $(SCALING_LONG_BUDGET_S))
 
 variants: $(ENV_READY)  # sliding-window cost against sequence length
 	$(PYTHON) -m experiments.variants $(if $(shell nvidia-smi -L 2>/dev/null),--full)
 
-figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/
+figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
 	$(PYTHON) notebooks/run_notebooks.py $(NOTEBOOKS)
+	$(PYTHON) notebooks/readme_table.py
+
+# paper/main.pdf from the committed (or just regenerated) figures and paper/generated/.
+# -Werror: an undefined reference or citation fails the build, like a LaTeX error.
+paper:
+	@command -v latexmk >/dev/null || { echo "make paper needs LaTeX: apt-get install -y \
+	texlive-latex-base texlive-latex-recommended texlive-latex-extra \
+	texlive-fonts-recommended texlive-science latexmk"; exit 1; }
+	cd paper && latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error -Werror main.tex
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
