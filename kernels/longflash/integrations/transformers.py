@@ -1,0 +1,322 @@
+"""Hugging Face transformers: run a model's attention layers with LongFlash.
+
+    import longflash.integrations.transformers
+    longflash.integrations.transformers.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="LongFlash")
+
+`register()` adds two functions to transformers' registries, both under the name
+"LongFlash" (transformers is imported there, not when longflash is imported). Not
+"longflash": transformers takes every name containing "flash" for a FlashAttention
+kernel to fetch from the hub, and fails.
+
+- an attention function (`AttentionInterface`). Every model that dispatches its attention
+  through the registry (Llama, Qwen2, Mistral, GPT-2, ...) calls it per layer with
+      query: (batch, nheads, seqlen_q, headdim)
+      key, value: (batch, nheads_kv, seqlen_k, headdim)
+  and the layer's mask, and gets back (attn_output (batch, seqlen_q, nheads, headdim), None),
+  computed by `longflash.attention` or, for padded batches, `longflash.attention_varlen`.
+  GQA runs without repeating key and value. `scaling`, `dropout` (training only, as the
+  model passes it) and `softcap` are honoured.
+- a mask function (`AttentionMaskInterface`): what the model's `create_causal_mask` /
+  `create_bidirectional_mask` build for this implementation. It is required: for a name
+  with no mask function, transformers passes the attention no mask at all, and padding
+  would be silently ignored.
+
+Masks, exactly. On every query that is not padding, a layer computes what the eager
+implementation computes:
+- causal or full (bidirectional) attention with a 2D padding `attention_mask` (the usual
+  case): the mask function returns a `PaddingMask` holding the (batch, seqlen_k) key
+  validity, O(seqlen) memory. Without padding, `longflash.attention` runs on the batch.
+  With padding (left, right, or both; with or without a KV cache) the valid tokens of each
+  sequence are packed and `longflash.attention_varlen` runs, its causal mask aligned to
+  each sequence's end. In transformers' causal mask a query sees the keys up to its own
+  position; packed, that is the bottom-right rule exactly when the valid keys after a
+  sequence's first valid query are its valid queries (true for padding and caches); this
+  is checked, O(batch * seqlen), and anything else raises.
+- any other mask function (sliding window, chunked attention, packed sequences detected
+  from position_ids, overlays such as image tokens), and a 4D mask passed by the user: the
+  mask is materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2)
+  memory, as sdpa needs), and read exactly: it is used only if it equals
+  valid_q x valid_k x (full | causal | causal with the layer's `sliding_window`), aligned
+  per sequence, where valid_q are the rows that see some key and valid_k the keys that
+  some row sees. Every row that sees a key is compared, so right padding with a sliding
+  window (whose padding rows see part of a window) raises: pad on the left. Float masks
+  must hold only 0 and -inf (or the dtype's minimum). Anything else raises
+  NotImplementedError naming what was found; it never computes another mask.
+- padding queries give output 0: a query whose own token is padding (2D padding mask),
+  or a row that sees no key (4D mask). Eager gives such rows an average over masked keys
+  (left padding) or attention over the valid keys (right padding); no other position
+  sees them, so the logits and gradients of the valid positions are those of eager.
+- no mask at all (a model that builds none): causal from the `is_causal` argument or
+  `module.is_causal`, sliding window from the `sliding_window` argument, as transformers'
+  FlashAttention-2 path does.
+
+NotImplementedError, also: attention sinks (`s_aux`, `module.sinks`), `position_bias`
+(T5-style relative bias). `output_attentions=True` returns no weights (None), as sdpa.
+
+Tested with transformers 5.23 (mask functions called with q_length / q_offset); the
+older call with cache_position (transformers 5.0) is handled too.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..interface import BACKENDS, attention, attention_varlen
+
+# Not "longflash": transformers treats every implementation whose name contains the
+# lowercase substring "flash" as a FlashAttention kernel to be loaded from its hub.
+NAME = "LongFlash"
+_backend = "auto"
+
+
+@dataclass(frozen=True)
+class PaddingMask:
+    """What the "LongFlash" mask function gives each attention layer instead of an N x N mask.
+
+    valid_k: (batch, seqlen_k) bool, True for a real (not padding) key; None: no padding.
+    causal: transformers' causal rule (query at key position t sees keys <= t) or full.
+    q_offset: key position of query 0 (seqlen_k - seqlen_q when the queries are the last
+        tokens, as in a forward pass or a decoding step).
+    """
+    valid_k: Optional[torch.Tensor]
+    causal: bool
+    q_offset: int
+
+
+# ----------------------------------------------------------------------------- mask function
+
+def _query_offset(kwargs):
+    """Key position of query 0 minus kv_offset, or None if the queries are not one run of
+    consecutive positions given as plain numbers."""
+    if "cache_position" in kwargs:  # transformers 5.0: the queries' absolute positions
+        positions = kwargs["cache_position"]
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+            return None
+        if torch.compiler.is_compiling() or positions.numel() == 0:
+            return None
+        first = int(positions[0])
+        if not torch.equal(positions, torch.arange(first, first + positions.numel(),
+                                                   device=positions.device)):
+            return None
+    else:
+        first = kwargs.get("q_offset", 0)
+        if isinstance(first, torch.Tensor):  # static caches pass a 0-d tensor
+            if torch.compiler.is_compiling() or first.numel() != 1:
+                return None
+            first = int(first)
+    return first - kwargs.get("kv_offset", 0)
+
+
+def longflash_mask(**kwargs):
+    """The "LongFlash" entry of transformers' AttentionMaskInterface.
+
+    Called by create_causal_mask & co. with batch_size, kv_length, kv_offset, the query
+    positions (q_length and q_offset, or cache_position), mask_function and the 2D padding
+    attention_mask (batch, >= kv_offset + kv_length). Returns a `PaddingMask` for plain
+    causal / full masks, else the (batch, 1, seqlen_q, seqlen_k) boolean mask of sdpa."""
+    from transformers import masking_utils
+
+    mask_function = kwargs.get("mask_function", masking_utils.causal_mask_function)
+    if mask_function is masking_utils.causal_mask_function:
+        causal = True
+    elif mask_function is getattr(masking_utils, "bidirectional_mask_function", None):
+        causal = False
+    else:
+        causal = None
+    q_offset = _query_offset(kwargs)
+    if causal is None or q_offset is None:
+        # Another pattern: materialize it (as sdpa would) and let the attention read it.
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        return masking_utils.sdpa_mask(**kwargs)
+    kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
+    valid_k = kwargs.get("attention_mask")
+    if valid_k is not None:  # (batch, seen tokens): keys are columns kv_offset + [0, kv_length)
+        valid_k = valid_k.to(torch.bool)
+        missing = kv_offset + kv_length - valid_k.shape[-1]
+        if missing > 0:  # static caches: slots not yet written are padding
+            valid_k = F.pad(valid_k, (0, missing), value=False)
+        valid_k = valid_k[:, kv_offset:kv_offset + kv_length]
+        if not torch.compiler.is_compiling() and bool(valid_k.all()):
+            valid_k = None
+    return PaddingMask(valid_k, causal, q_offset)
+
+
+# ----------------------------------------------------------------------------- reading masks
+
+def _unsupported(what):
+    return NotImplementedError(
+        f"longflash.integrations.transformers: {what}. Supported: causal or full attention "
+        f"with a 2D padding attention_mask (left or right padding, KV caches), and causal "
+        f"sliding windows given by the layer's sliding_window; use attn_implementation="
+        f"'sdpa' or 'eager' for other masks")
+
+
+def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
+    """(causal, window_left, valid_q, valid_k) for a PaddingMask; valid_* None: no padding."""
+    offset = mask.q_offset
+    if mask.valid_k is not None and tuple(mask.valid_k.shape) != (batch, seqlen_k):
+        raise _unsupported(f"a padding mask of shape {tuple(mask.valid_k.shape)} for a batch "
+                           f"of {batch} sequences of {seqlen_k} keys")
+    if not mask.causal:
+        return False, -1, None, mask.valid_k  # every query row attends to the valid keys
+    if mask.valid_k is None and offset == seqlen_k - seqlen_q:
+        return True, -1, None, None
+    if offset < 0 or offset + seqlen_q > seqlen_k:
+        raise _unsupported(f"queries at key positions {offset}..{offset + seqlen_q - 1} lie "
+                           f"outside the {seqlen_k} keys")
+    valid_k = mask.valid_k
+    if valid_k is None:
+        valid_k = torch.ones(batch, seqlen_k, dtype=torch.bool, device=device)
+    positions = torch.arange(offset, offset + seqlen_q, device=valid_k.device)
+    valid_q = valid_k[:, positions]  # a query is real iff its own token is
+    # Query r of a sequence sees the keys up to its own position; packed, the bottom-right
+    # rule gives it keys up to rank r + nk - nq. Equal iff this count matches for each r.
+    keys_seen = valid_k.cumsum(-1)[:, positions]  # (batch, seqlen_q)
+    rank_q = valid_q.cumsum(-1)
+    nk, nq = valid_k.sum(-1, keepdim=True), valid_q.sum(-1, keepdim=True)
+    if not bool(((keys_seen - rank_q == nk - nq) | ~valid_q).all()):
+        raise _unsupported("a causal padding mask with valid keys after the first valid query "
+                           "that are not queries (holes in the sequence)")
+    return True, -1, valid_q, valid_k
+
+
+def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
+    """(causal, window_left, valid_q, valid_k) for a (batch | 1, heads | 1, seqlen_q, seqlen_k)
+    mask, if it is exactly padding x (full | causal | causal window); else raise."""
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (seqlen_q, seqlen_k):
+        raise _unsupported(f"a mask of shape {tuple(mask.shape)} (expected (batch, 1, "
+                           f"{seqlen_q}, {seqlen_k}))")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask == 0
+        blocked = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min / 2)
+        if not bool((allowed | blocked).all()):
+            raise _unsupported("an additive float mask with values other than 0 and -inf "
+                               "(an attention bias)")
+    else:
+        raise _unsupported(f"a mask of dtype {mask.dtype}")
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        raise _unsupported("a mask that differs between heads")
+    allowed = allowed[:, 0].expand(batch, seqlen_q, seqlen_k)
+    # A row that sees no key is padding; every other row is compared with the rule below.
+    valid_q, valid_k = allowed.any(-1), allowed.any(-2)
+    rank_q, rank_k = valid_q.cumsum(-1) - 1, valid_k.cumsum(-1) - 1
+    nq, nk = valid_q.sum(-1, keepdim=True), valid_k.sum(-1, keepdim=True)
+    diag = (rank_q + nk - nq)[:, :, None]  # bottom-right diagonal of each packed sequence
+    rank_k = rank_k[:, None, :]
+    padding = valid_q[:, :, None] & valid_k[:, None, :]
+    candidates = [(False, -1, padding), (True, -1, padding & (rank_k <= diag))]
+    if isinstance(sliding_window, int) and sliding_window > 0:
+        left = sliding_window - 1  # transformers: key j is in the window of query i iff j > i - w
+        candidates.append((True, left, candidates[1][2] & (rank_k >= diag - left)))
+    for causal, window_left, expected in candidates:
+        if torch.equal(expected, allowed):
+            if bool(valid_q.all()) and bool(valid_k.all()):
+                return causal, window_left, None, None
+            return causal, window_left, valid_q, valid_k
+    if sliding_window:
+        raise _unsupported(f"a mask that is not padding combined with full, causal or "
+                           f"sliding-window ({sliding_window}) attention, aligned to each "
+                           f"sequence's end (with a sliding window, pad on the left: the "
+                           f"padding rows of right padding see part of a window)")
+    raise _unsupported("a mask that is not padding combined with full or causal attention "
+                       "(a sliding window with no sliding_window argument, packed sequences, "
+                       "chunks, or a custom pattern)")
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _run(q, k, v, causal, window_left, valid_q, valid_k, **kwargs):
+    """q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D) views -> o: (B, Nq, H, D)."""
+    window = (window_left, -1)
+    if valid_q is None and valid_k is None:
+        return attention(q, k, v, causal=causal, window_size=window, **kwargs)
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    if valid_q is None:
+        valid_q = torch.ones(batch, seqlen_q, dtype=torch.bool, device=q.device)
+    if valid_k is None:
+        valid_k = torch.ones(batch, seqlen_k, dtype=torch.bool, device=q.device)
+    valid_q, valid_k = valid_q.to(q.device), valid_k.to(q.device)
+    rows_q = valid_q.flatten().nonzero().squeeze(1)  # indices into (B * Nq)
+    rows_k = valid_k.flatten().nonzero().squeeze(1)
+    lengths_q, lengths_k = valid_q.sum(-1), valid_k.sum(-1)
+    cu_seqlens_q = F.pad(lengths_q.cumsum(0), (1, 0)).to(torch.int32)
+    cu_seqlens_k = F.pad(lengths_k.cumsum(0), (1, 0)).to(torch.int32)
+    o = attention_varlen(
+        q.reshape(batch * seqlen_q, nheads, headdim).index_select(0, rows_q),  # (total_q, H, D)
+        k.reshape(batch * seqlen_k, -1, headdim).index_select(0, rows_k),      # (total_k, Hkv, D)
+        v.reshape(batch * seqlen_k, -1, headdim).index_select(0, rows_k),
+        cu_seqlens_q, cu_seqlens_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
+        window_size=window, **kwargs)
+    # padded query rows: 0
+    return o.new_zeros(batch * seqlen_q, nheads, headdim).index_copy(0, rows_q, o).view(
+        batch, seqlen_q, nheads, headdim)
+
+
+def longflash_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                                dropout=0.0, softcap=None, sliding_window=None, is_causal=None,
+                                **kwargs):
+    """The "LongFlash" entry of transformers' AttentionInterface.
+
+    query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_kv, seqlen_k,
+    headdim), nheads % nheads_kv == 0. attention_mask: a `PaddingMask`, a 4D mask or None
+    (see the module docstring). scaling: default 1 / sqrt(headdim). dropout: the
+    probability the model passes (0 outside training). softcap: tanh soft-capping of the
+    scores (Gemma 2), None for none.
+    Returns (attn_output (batch, seqlen_q, nheads, headdim), None).
+    """
+    for name in ("s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(f"the argument {name} (attention sinks or an attention bias)")
+    if getattr(module, "sinks", None) is not None:
+        raise _unsupported("attention sinks (module.sinks)")
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        window_left = sliding_window - 1 if causal and sliding_window else -1
+        plan = (bool(causal), window_left, None, None)
+    elif isinstance(attention_mask, PaddingMask):
+        plan = _plan_padding(attention_mask, query.shape[0], seqlen_q, seqlen_k, query.device)
+    elif isinstance(attention_mask, torch.Tensor):
+        plan = _plan_dense(attention_mask, query.shape[0], seqlen_q, seqlen_k, sliding_window)
+    else:
+        raise _unsupported(f"a mask of type {type(attention_mask).__name__} (another "
+                           f"implementation's mask)")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
+    o = _run(q, k, v, *plan, softmax_scale=scaling, dropout_p=float(dropout),
+             softcap=float(softcap or 0.0), backend=_backend)
+    return o, None
+
+
+def register(backend="auto", name=NAME):
+    """Register LongFlash in transformers; models then take attn_implementation=name.
+
+    backend: passed to every `longflash.attention` call ("auto": Triton kernels for CUDA
+        tensors, the blockwise PyTorch path on CPU). Registering again replaces it.
+    name: default "LongFlash". It must not contain "flash" in lowercase: transformers
+        (5.x) takes any such name for a FlashAttention kernel and tries to load it from
+        the Hugging Face hub, so attn_implementation="longflash" cannot work.
+    Returns the name.
+    """
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(name, str) or not name or "flash" in name or "/" in name:
+        raise ValueError(f"name must be a non-empty str without the substring 'flash' (taken "
+                         f"by transformers for FlashAttention kernels) and without '/' (hub "
+                         f"kernels), got {name!r}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("longflash.integrations.transformers needs transformers >= 5.0: "
+                          "pip install 'longflash[transformers]'") from e
+    _backend = backend
+    AttentionInterface.register(name, longflash_attention_forward)
+    AttentionMaskInterface.register(name, longflash_mask)
+    return name

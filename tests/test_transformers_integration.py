@@ -1,0 +1,197 @@
+"""LongFlash inside Hugging Face transformers models: attn_implementation="LongFlash".
+
+Tiny randomly initialised models, nothing downloaded. For each architecture and padding,
+the logits and every parameter gradient of the LongFlash model (float32) are compared by
+the project's rule (`check_close`): the low-precision computation that sets the tolerance
+is the same model with attn_implementation="eager" in float32; the float64 reference is
+the same model with attn_implementation="sdpa" in float64 (eager itself cannot be the
+reference: in float64 its additive mask, finfo(float64).min, overflows to -inf on the
+fully masked rows of left padding, and their NaN spreads to every position in the next
+layer; sdpa's boolean mask does not). Padded positions are left out of the comparison and of the
+loss: there eager averages over masked keys and LongFlash gives 0 (see the integration's
+docstring); no valid position depends on them.
+"""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded; make sure of it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers not installed: pip install .[transformers]")
+
+import longflash.integrations.transformers as lf_hf  # noqa: E402
+from conftest import check_close  # noqa: E402
+
+NAME = lf_hf.register(backend="torch")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread is faster, and on a loaded machine intra-op threads
+    spend milliseconds per matmul waiting for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64)
+CONFIGS = {
+    "llama-gqa": lambda: transformers.LlamaConfig(num_key_value_heads=2, **SMALL),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4,
+                                            n_positions=64, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                            attn_pdrop=0.0),
+    # a window shorter than the sequence: the mask is read as a causal sliding window
+    "mistral-window4": lambda: transformers.MistralConfig(num_key_value_heads=1, sliding_window=4,
+                                                          **SMALL),
+}
+
+
+def make_models(arch, dtypes=(torch.float64, torch.float32, torch.float32),
+                impls=("sdpa", "eager", NAME)):
+    """The same random weights under each (dtype, attn_implementation). Each model gets its
+    own config object: a model writes its attention implementation into its config."""
+    torch.manual_seed(0)
+    models = []
+    for dtype, impl in zip(dtypes, impls):
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](),
+                                                              attn_implementation=impl,
+                                                              dtype=dtype)
+        assert model.config._attn_implementation == impl
+        if models:
+            model.load_state_dict(models[0].state_dict())
+        models.append(model.eval())
+    return models
+
+
+def make_batch(padding, batch=3, seqlen=13):
+    """input_ids (batch, seqlen), attention_mask (or None) and position_ids."""
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, 100, (batch, seqlen), generator=gen)
+    if padding == "none":
+        return input_ids, None, None
+    lengths = [seqlen, seqlen - 4, 4][:batch]
+    mask = torch.zeros(batch, seqlen, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if padding == "left":
+            mask[b, seqlen - n:] = 1
+        else:
+            mask[b, :n] = 1
+    input_ids = input_ids.masked_fill(mask == 0, 0)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them
+    return input_ids, mask, position_ids
+
+
+def logits_and_grads(model, input_ids, mask, position_ids, weight, valid):
+    model.zero_grad()
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+    loss = (logits * weight.to(logits.dtype) * valid[..., None]).sum()
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach()[valid], grads
+
+
+CASES = [(arch, padding) for arch in CONFIGS for padding in ("none", "left", "right")
+         if (arch, padding) != ("mistral-window4", "right")]  # raises: see below
+
+
+@pytest.mark.parametrize("arch, padding", CASES, ids=[f"{a}-{p}" for a, p in CASES])
+def test_matches_eager(arch, padding):
+    ref64, eager32, longflash32 = make_models(arch)
+    input_ids, mask, position_ids = make_batch(padding)
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    weight = torch.randn(*input_ids.shape, 100, generator=torch.Generator().manual_seed(2),
+                         dtype=torch.float64)
+    ref, ref_grads = logits_and_grads(ref64, input_ids, mask, position_ids, weight, valid)
+    low, low_grads = logits_and_grads(eager32, input_ids, mask, position_ids, weight, valid)
+    out, out_grads = logits_and_grads(longflash32, input_ids, mask, position_ids, weight, valid)
+    check_close(f"{arch}-{padding} logits", out, low, ref)
+    assert out_grads.keys() == ref_grads.keys() and len(ref_grads) > 10
+    for name in ref_grads:
+        check_close(f"d {name}", out_grads[name], low_grads[name], ref_grads[name])
+
+
+def test_triton_backend_left_padding():
+    """The same comparison through backend="auto": the Triton kernels (interpreted on CPU)."""
+    try:
+        lf_hf.register(backend="auto")
+        test_matches_eager("llama-gqa", "left")
+    finally:
+        lf_hf.register(backend="torch")
+
+
+def test_generate_left_padding_with_cache():
+    """Greedy decoding with a KV cache: prefill on a left-padded batch, then one query per
+    step (query offset from the cache); tokens and step logits equal eager's (float32)."""
+    eager, longflash = make_models("llama-gqa", (torch.float32,) * 2, ("eager", NAME))
+    input_ids, mask, _ = make_batch("left", seqlen=9)
+    runs = [m.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=5,
+                       do_sample=False, pad_token_id=0, output_logits=True,
+                       return_dict_in_generate=True) for m in (eager, longflash)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for ref, out in zip(runs[0].logits, runs[1].logits):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_4d_padding_mask_is_read_exactly():
+    """A user's additive 4D mask (0 / dtype min) equal to causal x left padding is accepted."""
+    ref64, eager32, longflash32 = make_models("llama-gqa")
+    input_ids, mask, position_ids = make_batch("left")
+    seqlen = input_ids.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
+    allowed = causal & mask.bool()[:, None, :]  # (B, Nq, Nk)
+    valid = mask.bool()
+    outs = []
+    for model, dtype in ((ref64, torch.float64), (eager32, torch.float32),
+                         (longflash32, torch.float32)):
+        mask4d = torch.zeros(allowed.shape, dtype=dtype).masked_fill(
+            ~allowed, torch.finfo(dtype).min)[:, None]
+        outs.append(model(input_ids=input_ids, attention_mask=mask4d,
+                          position_ids=position_ids).logits.detach()[valid])
+    check_close("4D mask logits", outs[2], outs[1], outs[0])
+
+
+def _longflash_model():
+    return make_models("llama-gqa", (torch.float32,), (NAME,))[0]
+
+
+def test_unsupported_masks_raise():
+    model = _longflash_model()
+    input_ids, _, _ = make_batch("none", batch=2, seqlen=8)
+    # a pattern that is not padding x causal / full / window: every row sees key 0 and itself
+    pattern = torch.eye(8, dtype=torch.bool)
+    pattern[:, 0] = True
+    with pytest.raises(NotImplementedError, match="not padding combined"):
+        model(input_ids=input_ids, attention_mask=pattern.expand(2, 1, 8, 8))
+    bias = torch.zeros(2, 1, 8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -1e9)
+    bias[:, :, :, 0] = -0.5  # a real-valued bias is not a mask
+    with pytest.raises(NotImplementedError, match="attention bias"):
+        model(input_ids=input_ids, attention_mask=bias)
+    # right padding with a sliding window: padding rows see part of a window
+    longflash_window = make_models("mistral-window4", (torch.float32,), (NAME,))[0]
+    input_ids_right, mask, _ = make_batch("right")
+    with pytest.raises(NotImplementedError, match="pad on the left"):
+        longflash_window(input_ids=input_ids_right, attention_mask=mask)
+    # packed sequences, detected by transformers from position_ids that restart (without a cache)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+
+
+def test_register_rejects_flash_names():
+    with pytest.raises(ValueError, match="flash"):
+        lf_hf.register(name="longflash")
+    with pytest.raises(ValueError, match="backend"):
+        lf_hf.register(backend="cuda")
+
+
+def test_import_longflash_does_not_import_transformers():
+    code = ("import sys, longflash, longflash.integrations, longflash.integrations.transformers;"
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
