@@ -42,8 +42,9 @@ KEY_COLUMNS = [c for c in COLUMNS
                if c not in ("value", "unit", "p20", "p80", "status")] + ["device"]
 
 PROVIDERS = ["longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
-             "flex", "sdpa_cpu"]
-MODES = ["fwd", "bwd", "fwd_bwd"]
+             "flex", "sdpa_cpu",
+             "ceiling"]  # the machine's ceilings measured in the same run (a matmul, a copy)
+MODES = ["fwd", "bwd", "fwd_bwd", "train_step", "train"]  # train*: a whole model (RQ4)
 STATUSES = ["ok", "oom", "error", "unsupported"]
 # Metrics are open: experiments document their own names in their docstring.
 STANDARD_METRICS = ["time_ms", "tflops", "peak_mem_mb"]

@@ -1,0 +1,578 @@
+"""RQ1, speedup and memory: LongFlash against the attention users already have.
+
+    python -m experiments.speedup                 # CPU default (below): about 15 min, 1 core
+    python -m experiments.speedup --full          # the GPU sweep (FULL), H100 / H200
+    python -m experiments.speedup --quick --out /tmp/s.csv   # tiny shapes, seconds (tests)
+    python -m experiments.speedup --full --headdims 256 --resume   # a slice; rows merge by key
+
+Every provider available on the machine is measured in the same process and run, on the
+same inputs (random normal, never zeros), each in its own layout, built outside the
+measured call:
+  longflash       longflash.attention: the Triton kernels on a GPU (backend "triton"), the
+                  blockwise PyTorch path on a CPU (backend "torch").
+  standard        the materializing reference, longflash.attention_ref in the input dtype
+                  (upcast=False): scores, mask, probabilities and log-sum-exp are N x N.
+  sdpa_math, sdpa_flash (FlashAttention-2), sdpa_efficient, sdpa_cudnn
+                  torch.nn.functional.scaled_dot_product_attention with one backend forced
+                  by torch.nn.attention.sdpa_kernel.                        (GPU)
+  flex            torch.compile(flex_attention), with a causal BlockMask when causal. (GPU)
+  sdpa_cpu        scaled_dot_product_attention on CPU tensors, PyTorch's own choice of
+                  kernel (its fused CPU flash kernel for these inputs).      (CPU)
+A provider that this torch, this device or this shape does not offer is a row with status
+"unsupported" (for example: no sdpa_kernel, "No viable backend", a Triton kernel out of
+shared memory); out of memory is "oom"; anything else "error" (its message is in the log).
+
+Sweep (as in the FlashAttention papers). Part "batch": tokens per batch fixed (batch =
+tokens_per_batch // seqlen), hidden size fixed (nheads = hidden // headdim). Part "long":
+batch 1 (nheads = long_hidden // headdim), longer sequences, for the providers that fit.
+Each (seqlen, headdim, causal) is one group; modes run in the order fwd, fwd_bwd, bwd.
+  CPU (default): float32, one torch thread; batch part 4096 tokens, hidden 128, seqlen
+      512..4096, headdim 64 and 128, causal and not, all three modes; long part: seqlen 8K,
+      16K, 32K, one head of headdim 64, causal, modes fwd and fwd_bwd. Peak memory under a
+      budget of --cpu-mem-budget-mb (default 8000 MiB), so that standard attention at long
+      sequences becomes an "oom" row, measured, instead of a crash. One thread because the
+      machine this was sized for has two cores shared with other work: with two threads,
+      an OpenMP thread waiting for a descheduled partner made times vary tenfold; and the
+      memory child runs single-threaded anyway (experiments.measure).
+  GPU (--full): bfloat16; batch part 16K tokens, hidden 2048, seqlen 512..16K, headdim 64,
+      128, 256, causal and not, all modes; long part: seqlen 32K, 64K, 128K, hidden 2048 at
+      headdim 128 (16 heads), causal, all modes. Groups run headdim 128 first (batch, then
+      long), then 64, then 256; results are written after every group, so a run stopped by
+      its budget (--budget-s, 570 s with --full) keeps what it measured, and --resume skips
+      what the file already holds.
+
+Modes: fwd = the forward pass of training (inputs require grad, so the graph is built);
+bwd = the backward pass alone, torch.autograd.grad of an output computed beforehand
+(retain_graph), as FlashAttention's benchmarks time it; fwd_bwd = both. A mode whose
+prerequisite failed (fwd_bwd after fwd, bwd after fwd_bwd) takes its status without running.
+
+Rows (results/speedup/<device>.csv, device "cpu" or the GPU's, e.g. "h100"; experiment
+"speedup"; extra columns: part ("batch", "long", "ceiling"), load_avg_1m (the machine's
+1-minute load average when the group started), size (ceilings only)):
+  time_ms (ms)        median with p20/p80 (experiments.measure.time_ms: do_bench on CUDA,
+                      which flushes L2 between calls; wall clock on CPU).
+  tflops (TFLOP/s)    experiments.results.flops(...) / time, FlashAttention's convention
+                      (forward 4*B*H*N^2*D, causal halved, backward 2.5x); p20/p80 from the
+                      p80/p20 times.
+  peak_mem_mb (MiB)   peak memory above what was allocated when the measured call started
+                      (the inputs; for bwd also the forward's output and saved tensors):
+                      experiments.measure.peak_memory_mb, on CPU in a forked child capped at
+                      the memory budget (an over-budget call fails there: "oom"), then timed.
+  frac_matmul (ratio) tflops / matmul_tflops of this run (same dtype).
+  frac_copy (ratio)   (minimal bytes / time) / copy_gbps of this run, minimal bytes = the
+                      tensors a kernel must read and write once: fwd q, k, v, o (4 tensors),
+                      bwd q, k, v, o, do, dq, dk, dv (8), fwd_bwd 12; lse not counted.
+  ceilings, provider "ceiling", mode "fwd", measured at the start of the run:
+    matmul_tflops     a square matmul in the run's dtype (seqlen_q = seqlen_k = headdim = n).
+    copy_gbps         a device-to-device copy of one tensor, bytes read + written per second
+                      (seqlen_q = seqlen_k = elements).
+The log (<out>.log) has every row, every failure's message, the load average at the start,
+after each group and at the end; <out>.json the resolved configuration.
+"""
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():
+    # Autotuning results cached on disk (Triton >= 3.3; read when the kernels are defined),
+    # so that a resumed run (--resume) does not tune the same shapes again.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+
+import longflash  # noqa: E402
+from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
+from experiments.results import cpu_name, flops, tflops, write_results  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
+                 "sdpa_cudnn", "flex")
+CPU_PROVIDERS = ("longflash", "sdpa_cpu", "standard")
+SDPA_BACKENDS = {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+MODE_ORDER = ("fwd", "fwd_bwd", "bwd")              # each mode's prerequisite comes first
+IO_TENSORS = {"fwd": 4, "bwd": 8, "fwd_bwd": 12}    # frac_copy's minimal traffic, in tensors
+# Messages of a peer that cannot run a configuration (not a bug of this script).
+UNSUPPORTED = ("no viable backend", "no available kernel", "outofresources", "out of resource",
+               "no valid triton configs", "does not support")
+
+
+@dataclass
+class Config:
+    dtype: str = "float32"
+    providers: tuple = CPU_PROVIDERS
+    tokens_per_batch: int = 4096          # part batch: batch = tokens_per_batch // seqlen
+    hidden: int = 128                     # part batch: nheads = hidden // headdim
+    seqlens: tuple = (512, 1024, 2048, 4096)
+    headdims: tuple = (64, 128)           # also the order in which groups run
+    causals: tuple = (False, True)
+    modes: tuple = ("fwd", "bwd", "fwd_bwd")
+    long_seqlens: tuple = (8192, 16384, 32768)   # part long: batch 1
+    long_hidden: int = 64                 # part long: nheads = long_hidden // headdim
+    long_headdims: tuple = (64,)
+    long_causals: tuple = (True,)
+    long_modes: tuple = ("fwd", "fwd_bwd")
+    warmup_ms: float = 25                 # time_ms: warm-up, then at least rep_ms and 5 calls
+    rep_ms: float = 200
+    long_warmup_ms: float = 0             # part long on CPU: 1 + 5 calls (seconds each)
+    long_rep_ms: float = 0
+    cpu_mem_budget_mb: float = 8000       # CPU: peak memory is measured under this cap
+    threads: int = 1                      # CPU: torch threads (0: torch's default)
+    ceiling_matmul_n: int = 2048          # matmul_tflops: n x n @ n x n
+    ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
+    budget_s: float = 0                   # > 0: start no group after this many seconds
+
+
+FULL = dict(  # the GPU sweep of the issue; see the module docstring
+    dtype="bfloat16", providers=GPU_PROVIDERS, tokens_per_batch=16384, hidden=2048,
+    seqlens=(512, 1024, 2048, 4096, 8192, 16384), headdims=(128, 64, 256),
+    long_seqlens=(32768, 65536, 131072), long_hidden=2048, long_headdims=(128,),
+    long_causals=(True,), long_modes=("fwd", "bwd", "fwd_bwd"), warmup_ms=10, rep_ms=50,
+    long_warmup_ms=10, long_rep_ms=50, ceiling_matmul_n=8192, ceiling_copy_mb=1024, budget_s=570)
+QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
+    tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
+    long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
+    ceiling_matmul_n=256, ceiling_copy_mb=16)
+
+
+class Unsupported(Exception):
+    """This provider does not exist on this device or in this torch."""
+
+
+# ----------------------------------------------------------------------------- providers
+
+def _sdpa_kernel(provider):
+    """torch.nn.attention.sdpa_kernel(backend) for a forced SDPA backend (torch >= 2.3)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        raise Unsupported(f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel") from e
+    backend = getattr(SDPBackend, SDPA_BACKENDS[provider], None)
+    if backend is None:
+        raise Unsupported(f"torch {torch.__version__} has no SDPBackend.{SDPA_BACKENDS[provider]}")
+    return lambda: sdpa_kernel(backend)
+
+
+_FLEX = {}
+
+
+def _flex(seqlen, causal, device):
+    """Compiled flex_attention (torch >= 2.5) and the BlockMask of this group (None: full)."""
+    if device != "cuda":
+        raise Unsupported("flex: compiled FlexAttention is measured on GPUs only (its backward "
+                          "does not run on CPU)")
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        raise Unsupported(f"torch {torch.__version__} has no FlexAttention") from e
+    if "fn" not in _FLEX:
+        # Every (shape, mask) compiles anew; the default limit of 8 would silently fall back
+        # to eager flex_attention, which is not what is meant to be measured.
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    mask = None
+    if causal:  # seqlen_q == seqlen_k here, so top-left and bottom-right alignment agree
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                 seqlen, seqlen, device=device)
+    return lambda q, k, v: _FLEX["fn"](q, k, v, block_mask=mask)
+
+
+def make_attention(provider, device, causal, seqlen):
+    """(attn, layout): attn(q, k, v) -> o, with q, k, v in layout "bnhd" (batch, seqlen, nheads,
+    headdim) or "bhnd" (batch, nheads, seqlen, headdim). Raises Unsupported."""
+    on_gpu = device == "cuda"
+    if provider == "longflash":
+        backend = "triton" if on_gpu else "torch"
+        return (lambda q, k, v: longflash.attention(q, k, v, causal=causal, backend=backend),
+                "bnhd")
+    if provider == "standard":
+        return (lambda q, k, v: longflash.attention_ref(q, k, v, causal=causal,
+                                                        upcast=False)[0], "bnhd")
+    if provider == "sdpa_cpu":
+        if on_gpu:
+            raise Unsupported("sdpa_cpu is PyTorch's SDPA on CPU tensors")
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                "bhnd")
+    if provider in SDPA_BACKENDS:
+        forced = _sdpa_kernel(provider)
+
+        def attn(q, k, v):
+            with forced():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return attn, "bhnd"
+    if provider == "flex":
+        return _flex(seqlen, causal, device), "bhnd"
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _release_free_memory():
+    """glibc keeps freed small blocks resident; a forked child would reuse them without its
+    resident set growing. malloc_trim(0) returns them, so each measurement starts clean."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _status(exc, provider):
+    """ok / oom / unsupported / error of a failed call (see the module docstring)."""
+    if is_oom(exc):
+        return "oom"
+    message = str(exc).lower()
+    if isinstance(exc, Unsupported) or (
+            provider != "longflash" and any(s in message for s in UNSUPPORTED)):
+        return "unsupported"
+    return "error"
+
+
+def _summary(exc):
+    """One line for the log: the last line of the message (a forked child's traceback ends
+    with the child's exception)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if not re.match(r"^[\w.]+(Error|Exception)\b", last):
+        last = f"{type(exc).__name__}: {last}"
+    return last[:300]
+
+
+def _mode_fn(attn, q, k, v, do, mode):
+    """The measured call of a mode. bwd: the forward runs here, once, outside the call."""
+    if mode == "fwd":
+        return lambda: attn(q, k, v)
+    if mode == "fwd_bwd":
+        return lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+    o = attn(q, k, v)
+    return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+
+def measure(attn, inputs, mode, device, cfg, long_part, provider, fwd_bwd_fits=False):
+    """(status, peak_mb, (median, p20, p80) ms, message) of one provider and mode.
+
+    On CPU every call runs first in a child under the memory budget and only then, once it
+    is known to fit, in this process (timing). The forward of bwd runs in this process
+    before any measurement, so unless fwd_bwd is known to fit, that is checked first."""
+    q, k, v, do = inputs
+    warmup, rep = ((cfg.long_warmup_ms, cfg.long_rep_ms) if long_part
+                   else (cfg.warmup_ms, cfg.rep_ms))
+    peak, times, failure = math.nan, (math.nan,) * 3, None
+    try:
+        if device == "cpu" and mode == "bwd" and not fwd_bwd_fits:
+            peak_memory_mb(_mode_fn(attn, q, k, v, do, "fwd_bwd"), device,
+                           limit_mb=cfg.cpu_mem_budget_mb)
+        fn = _mode_fn(attn, q, k, v, do, mode)
+        if device == "cuda":
+            fn()  # warm-up before the memory measurement: compilation, autotuning
+            peak = peak_memory_mb(fn, device)
+        else:
+            _release_free_memory()
+            peak = peak_memory_mb(fn, device, limit_mb=cfg.cpu_mem_budget_mb)
+        times = time_ms(fn, device, warmup=warmup, rep=rep)
+    except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
+        failure = (_status(e, provider), _summary(e))
+    # Here the exception and its frames (which hold a failed call's tensors) are gone, and
+    # fn (the forward of bwd) is dropped on return: only then can the cache be emptied.
+    fn = None
+    if failure and device == "cuda":
+        torch.cuda.empty_cache()
+    if failure:
+        return failure[0], peak, (math.nan,) * 3, failure[1]
+    return "ok", peak, times, ""
+
+
+def ceilings(cfg, device):
+    """Rows of the machine's ceilings in this run: matmul_tflops and copy_gbps."""
+    dtype = getattr(torch, cfg.dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    n = cfg.ceiling_matmul_n
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    mm = time_ms(lambda: a @ b, device, warmup=cfg.warmup_ms, rep=max(cfg.rep_ms, 100))
+    elements = cfg.ceiling_copy_mb * 2**20 // torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(elements, device=device, dtype=dtype, generator=gen)
+    y = torch.empty_like(x)
+    cp = time_ms(lambda: y.copy_(x), device, warmup=cfg.warmup_ms, rep=max(cfg.rep_ms, 100))
+    moved = 2 * x.numel() * x.element_size()  # read + write
+    base = dict(experiment="speedup", provider="ceiling", mode="fwd", dtype=cfg.dtype, batch=1,
+                nheads=1, nheads_kv=1, causal=False, status="ok", part="ceiling")
+    flop = 2.0 * n**3
+    return [
+        dict(base, seqlen_q=n, seqlen_k=n, headdim=n, metric="matmul_tflops",
+             value=tflops(flop, mm[0]), unit="TFLOP/s", p20=tflops(flop, mm[2]),
+             p80=tflops(flop, mm[1]), size=f"{n}x{n}x{n}"),
+        dict(base, seqlen_q=elements, seqlen_k=elements, headdim=1, metric="copy_gbps",
+             value=gbps(moved, cp[0]), unit="GB/s", p20=gbps(moved, cp[2]),
+             p80=gbps(moved, cp[1]), size=f"{cfg.ceiling_copy_mb} MiB"),
+    ]
+
+
+def gbps(nbytes, ms):
+    """GB/s (1e9 bytes per second) of nbytes moved in ms milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+# ----------------------------------------------------------------------------- sweep
+
+def groups(cfg):
+    """(part, seqlen, headdim, causal) in run order: per headdim, part batch then part long."""
+    out = []
+    for headdim in cfg.headdims:
+        out += [("batch", n, headdim, c) for n in cfg.seqlens for c in cfg.causals]
+        if headdim in cfg.long_headdims:
+            out += [("long", n, headdim, c) for n in cfg.long_seqlens for c in cfg.long_causals]
+    out += [("long", n, d, c) for d in cfg.long_headdims if d not in cfg.headdims
+            for n in cfg.long_seqlens for c in cfg.long_causals]
+    return out
+
+
+def _inputs(batch, seqlen, nheads, headdim, dtype, device, seed):
+    """q, k, v, do in both layouts: {"bnhd": [...], "bhnd": [...]}, leaves that require grad
+    (do does not). Random normal: never time on zeros."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bnhd = [torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype,
+                        generator=gen) for _ in range(4)]
+    bhnd = [x.transpose(1, 2).contiguous() for x in bnhd]  # (B, H, N, D)
+    return {layout: [x.requires_grad_(i < 3) for i, x in enumerate(xs)]
+            for layout, xs in (("bnhd", bnhd), ("bhnd", bhnd))}
+
+
+def _warm_up(device):
+    """Load what each provider loads on its first call (code, thread pools), on a few tokens,
+    so that it is not counted as the first measurement's memory or time."""
+    x = torch.randn(1, 64, 1, 16, device=device, requires_grad=True)
+    longflash.attention(x, x, x, backend="torch").sum().backward()
+    longflash.attention_ref(x, x, x, upcast=False)[0].sum().backward()
+    y = x.detach().transpose(1, 2).contiguous().requires_grad_()
+    F.scaled_dot_product_attention(y, y, y, is_causal=True).sum().backward()
+
+
+_LOG = None
+
+
+def log(message):
+    print(message, flush=True)
+    if _LOG:
+        with open(_LOG, "a") as f:
+            f.write(message + "\n")
+
+
+def device_tag():
+    """"cpu", or the GPU's model in lower case: "NVIDIA H100 80GB HBM3" -> "h100"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    match = re.search(r"\b([A-Z]\d{2,3})\b", name)
+    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
+
+
+def _existing_keys(path):
+    """Keys of the time_ms rows already in path (for --resume)."""
+    if not os.path.exists(path):
+        return set()
+    import pandas as pd
+    df = pd.read_csv(path)
+    df = df[df["metric"] == "time_ms"]
+    cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]
+    return {tuple(str(x) for x in row) for row in df[cols].itertuples(index=False)}
+
+
+def run(cfg, device, out, resume=False):
+    dtype = getattr(torch, cfg.dtype)
+    start = time.perf_counter()
+    if device == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    threads = torch.get_num_threads()
+    log(f"load average at start: {os.getloadavg()} on {len(os.sched_getaffinity(0))} cores, "
+        f"torch threads {threads}")
+    _warm_up("cpu")
+    ceiling_rows = ceilings(cfg, device)
+    for r in ceiling_rows:
+        r["load_avg_1m"] = os.getloadavg()[0]
+        log(f"ceiling {r['metric']}: {r['value']:.4g} {r['unit']} ({r['size']}, {cfg.dtype})")
+    write_results(ceiling_rows, out)
+    matmul, copy = (ceiling_rows[0]["value"], ceiling_rows[1]["value"])
+    done = _existing_keys(out) if resume else set()
+
+    plan = groups(cfg)
+    total = sum(len(cfg.providers) * len(cfg.long_modes if p == "long" else cfg.modes)
+                for p, *_ in plan)
+    count = 0
+    for g, (part, seqlen, headdim, causal) in enumerate(plan):
+        elapsed = time.perf_counter() - start
+        if cfg.budget_s and elapsed > cfg.budget_s:
+            log(f"budget of {cfg.budget_s:.0f} s spent after {elapsed:.0f} s: not run: "
+                + ", ".join(f"{p} N={n} D={d} {'causal' if c else 'full'}"
+                            for p, n, d, c in plan[g:]))
+            break
+        long_part = part == "long"
+        batch = 1 if long_part else max(1, cfg.tokens_per_batch // seqlen)
+        nheads = max(1, (cfg.long_hidden if long_part else cfg.hidden) // headdim)
+        modes = [m for m in MODE_ORDER if m in (cfg.long_modes if long_part else cfg.modes)]
+        load = os.getloadavg()[0]
+        base = dict(experiment="speedup", dtype=cfg.dtype, batch=batch, seqlen_q=seqlen,
+                    seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
+                    causal=causal, part=part, load_avg_1m=load)
+        inputs = _inputs(batch, seqlen, nheads, headdim, dtype, device, seed=seqlen + headdim)
+        rows = []
+        for provider in cfg.providers:
+            inherited = None  # the status a failed mode passes on to the modes that need it
+            fwd_bwd_fits = False
+            try:
+                attn, layout = make_attention(provider, device, causal, seqlen)
+            except Unsupported as e:
+                attn, inherited = None, ("unsupported", str(e))
+            for mode in modes:
+                count += 1
+                key = tuple(str(x) for x in (provider, mode, cfg.dtype, batch, seqlen, nheads,
+                                             headdim, causal))
+                if key in done:
+                    continue
+                if inherited:
+                    status, peak, times, message = inherited[0], math.nan, (math.nan,) * 3, \
+                        f"not run: {inherited[1]}"
+                else:
+                    status, peak, times, message = measure(attn, inputs[layout], mode, device,
+                                                           cfg, long_part, provider, fwd_bwd_fits)
+                    fwd_bwd_fits |= mode == "fwd_bwd" and status == "ok"
+                    if status != "ok":
+                        inherited = (status, f"{mode} was {status}")
+                new = _rows(base, provider, mode, status, peak, times, matmul, copy,
+                            inputs["bnhd"][0])
+                rows += new
+                log(f"[{count:4d}/{total}] {time.perf_counter() - start:6.0f} s  {part:5} "
+                    f"B={batch:<3d} N={seqlen:<6d} H={nheads:<3d} D={headdim:<3d} "
+                    f"{'causal' if causal else 'full  '} {provider:<14} {mode:<7} "
+                    f"{times[0]:10.3f} ms {new[2]['value']:8.3f} TFLOP/s {peak:9.1f} MiB  "
+                    f"[{status}]" + (f"  {message}" if message else ""))
+            attn = None
+        del inputs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if rows:
+            write_results(rows, out)
+        log(f"group {g + 1}/{len(plan)} done at {time.perf_counter() - start:.0f} s, "
+            f"load average {os.getloadavg()[0]:.2f}")
+    log(f"load average at end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s in all")
+
+
+def _rows(base, provider, mode, status, peak, times, matmul, copy, q):
+    """The five metric rows of one provider and mode (NaN values unless status is ok)."""
+    med, p20, p80 = times
+    ok = status == "ok"
+    fl = flops(base["batch"], base["seqlen_q"], base["seqlen_k"], base["nheads"],
+               base["headdim"], base["causal"], mode)
+    nan = math.nan
+    t = (lambda x: tflops(fl, x)) if ok else (lambda x: nan)
+    io_bytes = IO_TENSORS[mode] * q.numel() * q.element_size()
+    row = dict(base, provider=provider, mode=mode, status=status)
+    # Memory measured before a failure in timing keeps its value; none where it cannot be
+    # measured (peak_memory_mb gives NaN on CPUs of other operating systems).
+    peak_status = "ok" if math.isfinite(peak) else status if status != "ok" else "unsupported"
+    return [
+        dict(row, metric="peak_mem_mb", value=peak, unit="MiB", p20=nan, p80=nan,
+             status=peak_status),
+        dict(row, metric="time_ms", value=med, unit="ms", p20=p20, p80=p80),
+        dict(row, metric="tflops", value=t(med), unit="TFLOP/s", p20=t(p80), p80=t(p20)),
+        dict(row, metric="frac_matmul", value=t(med) / matmul, unit="ratio", p20=nan, p80=nan),
+        dict(row, metric="frac_copy", value=gbps(io_bytes, med) / copy if ok else nan, unit="ratio",
+             p20=nan, p80=nan),
+    ]
+
+
+def summary(out, device):
+    """A short table, last: median fwd_bwd time and peak memory per provider and seqlen."""
+    import pandas as pd
+    df = pd.read_csv(out)
+    df = df[(df["experiment"] == "speedup") & (df["mode"] == "fwd_bwd") & (df["causal"])]
+    if df.empty:
+        return
+    d = df["headdim"].iloc[0]
+    df = df[df["headdim"] == d]
+    for metric in ("time_ms", "peak_mem_mb"):
+        table = df[df["metric"] == metric].pivot_table(
+            index="provider", columns="seqlen_q", values="value", aggfunc="first")
+        log(f"\n{metric}, causal, forward+backward, headdim {d} ({device}):\n"
+            f"{table.round(1).to_string()}")
+
+
+def main():
+    global _LOG
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Providers, sweep and metrics: see the module "
+                                     "docstring.")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the GPU sweep (FULL)")
+    size.add_argument("--quick", action="store_true", help="tiny shapes, seconds (QUICK)")
+    parser.add_argument("--out", help="results CSV (default results/speedup/<device>.csv); the "
+                        "log and the configuration are written beside it")
+    parser.add_argument("--cpu-mem-budget-mb", type=float,
+                        help=f"CPU memory budget per measured call (default "
+                        f"{Config.cpu_mem_budget_mb:.0f}): above it a call is an 'oom' row")
+    parser.add_argument("--threads", type=int, help="CPU: torch threads (default "
+                        f"{Config.threads}; 0: torch's default)")
+    parser.add_argument("--providers", help="comma-separated subset or superset of the "
+                        "device's providers")
+    parser.add_argument("--headdims", help="comma-separated head dims (both parts)")
+    parser.add_argument("--seqlens", help="comma-separated sequence lengths of part batch")
+    parser.add_argument("--long-seqlens", help="comma-separated sequence lengths of part long "
+                        "('' for none)")
+    parser.add_argument("--budget-s", type=float, help="start no group after this many "
+                        "seconds (default: none on CPU, 570 with --full)")
+    parser.add_argument("--resume", action="store_true", help="skip measurements whose "
+                        "time_ms row is already in the output file")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.full and device != "cuda":
+        parser.error("--full is the GPU sweep, and there is no CUDA device here")
+    cfg = Config(**(FULL if args.full else QUICK if args.quick else {}))
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    if args.cpu_mem_budget_mb is not None:
+        cfg = replace(cfg, cpu_mem_budget_mb=args.cpu_mem_budget_mb)
+    if args.threads is not None:
+        cfg = replace(cfg, threads=args.threads)
+    if args.providers:
+        cfg = replace(cfg, providers=tuple(args.providers.split(",")))
+    if args.headdims:
+        cfg = replace(cfg, headdims=ints(args.headdims),
+                      long_headdims=tuple(d for d in cfg.long_headdims
+                                          if d in ints(args.headdims)))
+    if args.seqlens is not None:
+        cfg = replace(cfg, seqlens=ints(args.seqlens))
+    if args.long_seqlens is not None:
+        cfg = replace(cfg, long_seqlens=ints(args.long_seqlens))
+    if args.budget_s is not None:
+        cfg = replace(cfg, budget_s=args.budget_s)
+    unknown = [p for p in cfg.providers if p not in GPU_PROVIDERS + CPU_PROVIDERS]
+    if unknown:
+        parser.error(f"--providers: unknown {unknown}; choose from "
+                     f"{sorted(set(GPU_PROVIDERS + CPU_PROVIDERS))}")
+    warnings.filterwarnings("ignore", message=r".*(kernel not used|not compiled with).*")
+
+    out = args.out or os.path.join(ROOT, "results", "speedup", f"{device_tag()}.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    _LOG = os.path.splitext(out)[0] + ".log"
+    command = shlex.join(getattr(sys, "orig_argv", sys.argv))
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(dict(asdict(cfg), device=device, command=command), f, indent=1)
+    name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n"
+        f"speedup on {name}, torch {torch.__version__}\n{cfg}")
+    run(cfg, device, out, resume=args.resume)
+    summary(out, device)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""RQ1's benchmark, end to end on tiny shapes: experiments/speedup.py --quick writes one row per
+provider, mode, configuration and metric, in the results schema, with the right statuses; an
+over-budget configuration is an "oom" row. No timing is asserted."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from experiments import speedup
+from experiments.results import COLUMNS, KEY_COLUMNS, PROVENANCE_COLUMNS, flops, tflops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROVIDERS = ["longflash", "sdpa_cpu", "standard", "sdpa_efficient", "flex"]
+METRICS = {"time_ms", "tflops", "peak_mem_mb", "frac_matmul", "frac_copy"}
+BUDGET_MB = 64  # standard attention at 2048 tokens, 2 heads: 32 MiB per N x N matrix, several
+
+
+def run_quick(out, *extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
+    return subprocess.run([sys.executable, "-m", "experiments.speedup", "--quick", "--out",
+                           str(out), "--cpu-mem-budget-mb", str(BUDGET_MB), "--providers",
+                           ",".join(PROVIDERS), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("speedup") / "cpu.csv"
+    proc = run_quick(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, pd.read_csv(out), proc.stdout
+
+
+def test_schema_and_one_row_per_measurement(quick):
+    out, df, _ = quick
+    assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
+    assert not df.duplicated(KEY_COLUMNS).any()
+    assert set(df["experiment"]) == {"speedup"}
+    assert set(df["part"]) == {"batch", "long", "ceiling"}
+    cfg = speedup.Config(**speedup.QUICK)
+    runs = df[df["provider"] != "ceiling"]
+    groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
+    expected = len(PROVIDERS) * (len(cfg.seqlens) * len(cfg.causals) * len(cfg.modes)
+                                 + len(cfg.long_seqlens) * len(cfg.long_modes))
+    assert groups.ngroups == expected
+    assert all(set(g["metric"]) == METRICS and len(g) == len(METRICS) for _, g in groups)
+    # part batch: tokens per batch fixed; part long: batch 1
+    batch = runs[runs["part"] == "batch"]
+    assert (batch["batch"] * batch["seqlen_q"] == cfg.tokens_per_batch).all()
+    assert (runs[runs["part"] == "long"]["batch"] == 1).all()
+    assert (batch["nheads"] * batch["headdim"] == cfg.hidden).all()
+    assert os.path.exists(out.with_suffix(".log")) and os.path.exists(out.with_suffix(".json"))
+    assert "load average at start" in out.with_suffix(".log").read_text()
+
+
+def test_statuses(quick):
+    _, df, _ = quick
+    status = lambda p: set(df[df["provider"] == p]["status"])  # noqa: E731
+    assert status("longflash") == status("sdpa_cpu") == {"ok"}
+    assert status("sdpa_efficient") == status("flex") == {"unsupported"}  # not on a CPU
+    std = df[df["provider"] == "standard"]
+    over = std["seqlen_q"] == max(speedup.QUICK["long_seqlens"])
+    assert set(std[~over]["status"]) == {"ok"}
+    # Over the budget: an oom row for every metric and mode, with no value, not a crash.
+    assert set(std[over]["status"]) == {"oom"}
+    assert std[over]["value"].isna().all()
+    assert set(std[over]["mode"]) == set(speedup.Config(**speedup.QUICK).long_modes)
+
+
+def test_values_are_consistent(quick):
+    _, df, _ = quick
+    ok = df[df["status"] == "ok"]
+    ceiling = ok[ok["provider"] == "ceiling"].set_index("metric")["value"]
+    assert ceiling["matmul_tflops"] > 0 and ceiling["copy_gbps"] > 0
+    key = ["part", "provider", "mode", "batch", "seqlen_q", "nheads", "headdim", "causal"]
+    wide = ok[ok["provider"] != "ceiling"].pivot_table(index=key, columns="metric",
+                                                      values="value", aggfunc="first")
+    wide = wide.reset_index()
+    assert len(wide) and wide[list(METRICS)].notna().all().all()
+    for _, r in wide.iterrows():
+        fl = flops(r["batch"], r["seqlen_q"], r["seqlen_q"], r["nheads"], r["headdim"],
+                   bool(r["causal"]), r["mode"])
+        assert math.isclose(r["tflops"], tflops(fl, r["time_ms"]), rel_tol=1e-9)
+        assert math.isclose(r["frac_matmul"], r["tflops"] / ceiling["matmul_tflops"],
+                            rel_tol=1e-9)
+        assert r["time_ms"] > 0 and r["peak_mem_mb"] >= 0 and r["frac_copy"] > 0
+    times = ok[ok["metric"] == "time_ms"]
+    assert ((times["p20"] <= times["value"]) & (times["value"] <= times["p80"])).all()
+    rates = ok[ok["metric"] == "tflops"]
+    assert ((rates["p20"] <= rates["value"]) & (rates["value"] <= rates["p80"])).all()
+
+
+def test_resume_measures_nothing_twice(quick, tmp_path):
+    out, df, _ = quick
+    copy = tmp_path / "cpu.csv"
+    df.to_csv(copy, index=False)
+    proc = run_quick(copy, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    again = pd.read_csv(copy)
+    assert len(again) == len(df)
+    runs = lambda d: d[d["provider"] != "ceiling"].sort_values(KEY_COLUMNS)  # noqa: E731
+    assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
+
+
+@pytest.mark.parametrize("message, provider, status", [
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "standard",
+     "oom"),
+    ("No viable backend for scaled_dot_product_attention was found.", "sdpa_cudnn",
+     "unsupported"),
+    ("No available kernel. Aborting execution.", "sdpa_flash", "unsupported"),
+    ("out of resource: shared memory, Required: 262144, Hardware limit: 232448", "flex",
+     "unsupported"),
+    ("out of resource: shared memory", "longflash", "error"),  # our own kernel: a bug
+    ("shape mismatch", "sdpa_math", "error"),
+])
+def test_status_of_a_failure(message, provider, status):
+    assert speedup._status(RuntimeError(message), provider) == status
+
+
+def test_groups_run_in_the_stated_order():
+    cfg = speedup.Config(**speedup.FULL)
+    plan = speedup.groups(cfg)
+    assert plan[0][:3] == ("batch", 512, 128)
+    first_long = next(i for i, g in enumerate(plan) if g[0] == "long")
+    assert all(g[2] == 128 for g in plan[:first_long + len(cfg.long_seqlens)])
+    assert len(plan) == (len(cfg.seqlens) * len(cfg.headdims) * len(cfg.causals)
+                         + len(cfg.long_seqlens) * len(cfg.long_headdims))
