@@ -48,7 +48,8 @@ prerequisite failed (fwd_bwd after fwd, bwd after fwd_bwd) takes its status with
 
 Rows (results/speedup/<device>.csv, device "cpu" or the GPU's, e.g. "h100"; experiment
 "speedup"; extra columns: part ("batch", "long", "ceiling"), load_avg_1m (the machine's
-1-minute load average when the group started), size (ceilings only)):
+1-minute load average when the group started), threads and mem_budget_mb (CPU: torch
+threads, the memory budget in MiB; empty on GPU), size (ceilings only)):
   time_ms (ms)        median with p20/p80 (experiments.measure.time_ms: do_bench on CUDA,
                       which flushes L2 between calls; wall clock on CPU).
   tflops (TFLOP/s)    experiments.results.flops(...) / time, FlashAttention's convention
@@ -397,9 +398,12 @@ def run(cfg, device, out, resume=False):
     log(f"load average at start: {os.getloadavg()} on {len(os.sched_getaffinity(0))} cores, "
         f"torch threads {threads}")
     _warm_up("cpu")
+    # The conditions of the run, in every row: the notebook reads nothing but the CSV.
+    machine = dict(threads=threads if device == "cpu" else math.nan,
+                   mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = ceilings(cfg, device)
     for r in ceiling_rows:
-        r["load_avg_1m"] = os.getloadavg()[0]
+        r.update(machine, load_avg_1m=os.getloadavg()[0])
         log(f"ceiling {r['metric']}: {r['value']:.4g} {r['unit']} ({r['size']}, {cfg.dtype})")
     write_results(ceiling_rows, out)
     matmul, copy = (ceiling_rows[0]["value"], ceiling_rows[1]["value"])
@@ -423,7 +427,7 @@ def run(cfg, device, out, resume=False):
         load = os.getloadavg()[0]
         base = dict(experiment="speedup", dtype=cfg.dtype, batch=batch, seqlen_q=seqlen,
                     seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
-                    causal=causal, part=part, load_avg_1m=load)
+                    causal=causal, part=part, load_avg_1m=load, **machine)
         inputs = _inputs(batch, seqlen, nheads, headdim, dtype, device, seed=seqlen + headdim)
         rows = []
         for provider in cfg.providers:
