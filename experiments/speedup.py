@@ -48,8 +48,9 @@ prerequisite failed (fwd_bwd after fwd, bwd after fwd_bwd) takes its status with
 
 Rows (results/speedup/<device>.csv, device "cpu" or the GPU's, e.g. "h100"; experiment
 "speedup"; extra columns: part ("batch", "long", "ceiling"), load_avg_1m (the machine's
-1-minute load average when the group started), threads and mem_budget_mb (CPU: torch
-threads, the memory budget in MiB; empty on GPU), size (ceilings only)):
+1-minute load average when the group started), cores (CPU cores this process may use),
+threads and mem_budget_mb (CPU: torch threads, the memory budget in MiB; empty on GPU),
+size (ceilings only)):
   time_ms (ms)        median with p20/p80 (experiments.measure.time_ms: do_bench on CUDA,
                       which flushes L2 between calls; wall clock on CPU).
   tflops (TFLOP/s)    experiments.results.flops(...) / time, FlashAttention's convention
@@ -399,7 +400,8 @@ def run(cfg, device, out, resume=False):
         f"torch threads {threads}")
     _warm_up("cpu")
     # The conditions of the run, in every row: the notebook reads nothing but the CSV.
-    machine = dict(threads=threads if device == "cpu" else math.nan,
+    machine = dict(cores=len(os.sched_getaffinity(0)),
+                   threads=threads if device == "cpu" else math.nan,
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = ceilings(cfg, device)
     for r in ceiling_rows:
