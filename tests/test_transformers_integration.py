@@ -44,8 +44,8 @@ SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_l
 CONFIGS = {
     "llama-gqa": lambda: transformers.LlamaConfig(num_key_value_heads=2, **SMALL),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4,
-                                            n_positions=64, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                                            attn_pdrop=0.0),
+                                            n_positions=64, bos_token_id=1, eos_token_id=2,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     # a window shorter than the sequence: the mask is read as a causal sliding window
     "mistral-window4": lambda: transformers.MistralConfig(num_key_value_heads=1, sliding_window=4,
                                                           **SMALL),

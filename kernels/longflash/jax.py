@@ -1,0 +1,568 @@
+"""LongFlash for JAX: exact attention with a custom VJP, blockwise in linear memory.
+
+    import longflash.jax
+    o = longflash.jax.attention(q, k, v, causal=True)   # q: (batch, seqlen, nheads, headdim)
+    dq, dk, dv = jax.grad(lambda q, k, v: longflash.jax.attention(q, k, v).sum(),
+                          argnums=(0, 1, 2))(q, k, v)
+
+The algorithm is `blockwise.py`'s, written with jax.lax, with the same names (read
+that file first): a query block of block_m rows walks over the key blocks of block_n
+columns, keeping the running row maximum m_i, sum l_i and unnormalized output acc
+(online softmax), and saves the log-sum-exp lse of each row. `jax.custom_vjp` saves only
+(q, k, v, o, lse) for the backward pass, which recomputes each block of probabilities
+from lse: delta = rowsum(o * do), then dK/dV one key block at a time over the query
+blocks that see it, then dQ one query block at a time. Nothing of size
+seqlen_q x seqlen_k is ever formed: the query (key) blocks run sequentially under
+`lax.map`, the inner loops are `lax.fori_loop`s whose bounds come from the same block
+ranges as every other implementation (`_common.key_range`, `_common.query_range`), so
+causal attention skips the blocks above the diagonal, and only the blocks that straddle
+it (or the sequence end) are masked. Sequences are padded to whole blocks; the mask
+covers the padding, and outputs are sliced back. Accumulators are float32 (float64 for
+float64 inputs, with jax_enable_x64); matmuls use Precision.HIGHEST, so float32 inputs
+are not rounded to TF32 / bfloat16 on accelerators.
+
+backend="auto" calls the project's Triton kernels (`flash_triton.py`: _attn_fwd,
+_attn_bwd_preprocess, _attn_bwd_dkdv, _attn_bwd_dq) through jax_triton.triton_call when
+the arrays are on a GPU, a suitable jax_triton is importable and the dtype is not
+float64; otherwise the blockwise JAX path above. THE GPU PATH IS UNTESTED: no GPU was
+available; it has never run. It is written against jax-triton's current triton_call
+(out_type=, kernel parameters bound by name, the outputs filling the parameters left
+out), which is newer than the 0.3.1 release on PyPI: the kernels' outputs sit between
+their inputs, which 0.3.1's positional call cannot express, so with 0.3.1 "auto" takes
+the blockwise path. It uses one fixed tile per kernel (the autotuner is bypassed). The
+blockwise path is tested on CPU against a float64 reference (tests/test_jax.py).
+
+Install: pip install "longflash[jax]" (jax >= 0.4.30). For the GPU path also jax with
+CUDA and jax-triton from its repository (github.com/jax-ml/jax-triton).
+"""
+
+import functools
+import inspect
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._common import LN2, LOG2E, key_range, query_range, visible
+
+BLOCK_M = 128  # the blockwise PyTorch path's tiles: on a CPU each tile is one batched matmul
+BLOCK_N = 256
+MAX_HEADDIM = 256
+BACKENDS = ("auto", "triton", "jax")
+_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+_HIGHEST = lax.Precision.HIGHEST
+
+
+class _Config(NamedTuple):
+    """Static (hashable) options of one call; causal is window_right = 0 as in _common."""
+    causal: bool
+    softmax_scale: float
+    block_m: int
+    block_n: int
+    backend: str  # "triton" or "jax", resolved
+
+    @property
+    def window(self):
+        return -1, 0 if self.causal else -1
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, backend):
+    """Validate everything before any work; return (q, k, v) as jax arrays and the config."""
+    arrays = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(f"{name} must be a jax.Array (or numpy array), got "
+                            f"{type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim), "
+                             f"got shape {tuple(x.shape)}")
+        if x.dtype not in [jnp.dtype(d) for d in _DTYPES]:
+            raise TypeError(f"{name} has dtype {x.dtype}; accepted: float16, bfloat16, float32, "
+                            f"float64 (with jax_enable_x64)")
+        arrays.append(jnp.asarray(x))
+    q, k, v = arrays
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_kv, headdim),"
+                         f" got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, _, nheads, headdim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
+    if k.shape[3] != headdim:
+        raise ValueError(f"q and k must have the same headdim, got {headdim} and {k.shape[3]}")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    nheads_kv = k.shape[2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
+                         f"({nheads_kv}) (GQA / MQA)")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(headdim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a positive float or None, got "
+                        f"{type(softmax_scale).__name__}")
+    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, "
+                         f"got {softmax_scale}")
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"{name} must be a positive int, got {block!r}")
+    return q, k, v, _Config(causal, float(softmax_scale), block_m, block_n,
+                            _resolve_backend(backend, q))
+
+
+def _on_gpu(x):
+    if isinstance(x, jax.core.Tracer):  # inside jit: where the computation will run
+        return jax.default_backend() == "gpu"
+    return all(d.platform == "gpu" for d in x.devices())
+
+
+@functools.cache
+def _has_jax_triton():
+    """jax_triton importable (it needs a CUDA jaxlib) with the triton_call that binds kernel
+    parameters by name (out_type=; after the 0.3.1 release): the kernels' outputs sit
+    between their inputs, which the positional triton_call of 0.3.1 cannot express."""
+    try:
+        import jax_triton
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return "out_type" in inspect.signature(jax_triton.triton_call).parameters
+
+
+def _resolve_backend(backend, q):
+    """'auto' -> the Triton kernels for GPU arrays when jax_triton is importable (not for
+    float64), else the blockwise JAX path."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    usable = q.dtype != jnp.float64 and _on_gpu(q) and _has_jax_triton()
+    if backend == "auto":
+        return "triton" if usable else "jax"
+    if backend == "triton" and not usable:
+        raise ValueError("backend='triton' needs GPU arrays (not float64) and jax_triton with "
+                         "triton_call(out_type=...) (newer than 0.3.1); use backend='jax' for "
+                         "the blockwise path")
+    return backend
+
+
+# ----------------------------------------------------------------------------- blockwise path
+
+def _accumulator_dtype(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _pad_to(x, axis, length, value=0.0):
+    """Pad axis of x with value up to length."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _grouped(x, nheads_kv):
+    """(batch, seqlen, nheads, headdim) -> (batch, nheads_kv, group, seqlen, headdim)."""
+    batch, seqlen, nheads, headdim = x.shape
+    return x.reshape(batch, seqlen, nheads_kv, nheads // nheads_kv, headdim).transpose(
+        0, 2, 3, 1, 4)
+
+
+def _ungrouped(x):
+    """(batch, nheads_kv, group, seqlen, headdim) -> (batch, seqlen, nheads, headdim)."""
+    batch, nheads_kv, group, seqlen, headdim = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(batch, seqlen, nheads_kv * group, headdim)
+
+
+class _Ctx(NamedTuple):
+    """Shapes and options shared by the loops of one call (all static)."""
+    seqlen_q: int
+    seqlen_k: int
+    block_m: int
+    block_n: int
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    dtype: object  # accumulator dtype
+
+
+def _context(q, k, cfg):
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    # Tiles no larger than the sequences: a short sequence is one block, without padding.
+    block_m = min(cfg.block_m, max(seqlen_q, 1))
+    block_n = min(cfg.block_n, max(seqlen_k, 1))
+    return _Ctx(seqlen_q, seqlen_k, block_m, block_n, cfg.softmax_scale, *cfg.window,
+                _accumulator_dtype(q.dtype))
+
+
+def _ranges(ctx, keys):
+    """(n_blocks, 4) int32: (lo, mid_lo, mid_hi, hi) of each query block (keys=True, for the
+    forward and dQ) or key block (keys=False, for dK/dV), from the shared range functions."""
+    window = (ctx.window_left, ctx.window_right)
+    if keys:
+        rows = [key_range(start_m, ctx.block_m, ctx.block_n, ctx.seqlen_q, ctx.seqlen_k, *window)
+                for start_m in range(0, max(ctx.seqlen_q, 1), ctx.block_m)]
+    else:
+        rows = [query_range(start_n, ctx.block_m, ctx.block_n, ctx.seqlen_q, ctx.seqlen_k,
+                            *window) for start_n in range(0, max(ctx.seqlen_k, 1), ctx.block_n)]
+    return jnp.asarray(np.array(rows, dtype=np.int32).reshape(-1, 4))
+
+
+def _blocks(x, axis, block):
+    """Split axis (a multiple of block) into (n_blocks, ...) leading blocks for lax.map."""
+    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocks(x, axis):
+    """Inverse of _blocks: (n_blocks, ..., block, ...) -> (..., n_blocks * block, ...)."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _scores(q_i, k_j, start_m, start_n, ctx, masked):
+    """One tile of scores in log2 units (B, Hkv, G, BM, BN); masked tiles also hide the
+    padding rows and columns past the sequence ends."""
+    s = jnp.einsum("bhgmd,bhnd->bhgmn", q_i, k_j, precision=_HIGHEST) * ctx.softmax_scale
+    if masked:
+        i = start_m + jnp.arange(q_i.shape[-2])[:, None]
+        j = start_n + jnp.arange(k_j.shape[-2])[None, :]
+        mask = visible(i, j, ctx.seqlen_q, ctx.seqlen_k, ctx.window_left, ctx.window_right)
+        mask = mask & (i < ctx.seqlen_q) & (j < ctx.seqlen_k)
+        s = jnp.where(mask, s, -jnp.inf)
+    return s * LOG2E
+
+
+def _block_loop(lo, hi, block, body, carry):
+    """body over the blocks [lo, hi) of a range (lo a multiple of block)."""
+    return lax.fori_loop(lo // block, (hi + block - 1) // block, body, carry)
+
+
+def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx):
+    def body(n, carry):
+        acc, l_i, m_i = carry
+        start_n = n * ctx.block_n
+        k_j = lax.dynamic_slice_in_dim(k, start_n, ctx.block_n, axis=2)  # (B, Hkv, BN, D)
+        v_j = lax.dynamic_slice_in_dim(v, start_n, ctx.block_n, axis=2)
+        # -- compute scores --
+        qk = _scores(q_i, k_j, start_m, start_n, ctx, masked)
+        # -- online softmax: new row max, rescale what was accumulated --
+        m_ij = jnp.maximum(m_i, qk.max(-1))
+        m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)  # rows that saw no key yet
+        p = jnp.exp2(qk - m_safe[..., None])
+        alpha = jnp.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum("bhgmn,bhnd->bhgmd", p, v_j,
+                                                  precision=_HIGHEST)
+        return acc, l_i, m_ij
+    return _block_loop(lo, hi, ctx.block_n, body, (acc, l_i, m_i))
+
+
+def _forward_dense(q, k, v, cfg):
+    """o (B, Nq, H, D) in q's dtype and lse (B, H, Nq) in the accumulator dtype."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k.shape[2]
+    ctx = _context(q, k, cfg)
+    padded_q = -(-max(seqlen_q, 1) // ctx.block_m) * ctx.block_m
+    padded_k = -(-max(ctx.seqlen_k, 1) // ctx.block_n) * ctx.block_n
+    q5 = _pad_to(_grouped(q, nheads_kv).astype(ctx.dtype), 3, padded_q)  # (B, Hkv, G, Nq, D)
+    k4 = _pad_to(k.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)  # (B, Hkv, Nk, D)
+    v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
+
+    def query_block(args):
+        start_m, q_i, (lo, mid_lo, mid_hi, hi) = args
+        m_i = jnp.full(q_i.shape[:-1], -jnp.inf, ctx.dtype)
+        l_i = jnp.zeros(q_i.shape[:-1], ctx.dtype)
+        acc = jnp.zeros(q_i.shape, ctx.dtype)
+        for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k4, v4, start_m, a, b, masked,
+                                            ctx)
+        # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
+        l_safe = jnp.where(l_i == 0, 1.0, l_i)
+        o_i = acc / l_safe[..., None]
+        lse_i = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+        return o_i, lse_i
+
+    starts_m = jnp.arange(0, padded_q, ctx.block_m)
+    o5, lse4 = lax.map(query_block, (starts_m, _blocks(q5, 3, ctx.block_m), _ranges(ctx, True)))
+    o5, lse4 = _unblocks(o5, 3)[..., :seqlen_q, :], _unblocks(lse4, 3)[..., :seqlen_q]
+    return _ungrouped(o5).astype(q.dtype), lse4.reshape(batch, nheads, seqlen_q)
+
+
+def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked):
+    """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
+    return jnp.exp2(_scores(q_i, k_j, start_m, start_n, ctx, masked) - lse2_i[..., None])
+
+
+def _grad_scores(p, dp, delta_i, ctx):
+    """dL/d(q k^T): dS = p * (dP - delta), times the scale."""
+    return p * (dp - delta_i[..., None]) * ctx.softmax_scale
+
+
+def _backward_dense(do, dlse, q, k, v, o, lse, cfg):
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k.shape[2]
+    ctx = _context(q, k, cfg)
+    block_m, block_n = ctx.block_m, ctx.block_n
+    padded_q = -(-max(seqlen_q, 1) // block_m) * block_m
+    padded_k = -(-max(ctx.seqlen_k, 1) // block_n) * block_n
+    # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
+    delta = (do.astype(ctx.dtype) * o.astype(ctx.dtype)).sum(-1).transpose(0, 2, 1)  # (B, H, Nq)
+    delta = delta - dlse.astype(ctx.dtype)
+    # lse = -inf marks a row that saw no key; +inf makes its probabilities exactly 0 (and
+    # the padding rows get +inf too).
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(ctx.dtype) * LOG2E
+    lse2 = _pad_to(lse2.reshape(batch, nheads_kv, -1, seqlen_q), 3, padded_q, jnp.inf)
+    delta = _pad_to(delta.reshape(batch, nheads_kv, -1, seqlen_q), 3, padded_q)
+    q5 = _pad_to(_grouped(q, nheads_kv).astype(ctx.dtype), 3, padded_q)  # (B, Hkv, G, Nq, D)
+    do5 = _pad_to(_grouped(do, nheads_kv).astype(ctx.dtype), 3, padded_q)
+    k4 = _pad_to(k.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)  # (B, Hkv, Nk, D)
+    v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
+
+    # -- dK, dV: one key block at a time, over the query blocks that see it --
+    def key_block(args):
+        start_n, k_j, v_j, (lo, mid_lo, mid_hi, hi) = args
+
+        def body(masked):
+            def step(m, carry):
+                dk_j, dv_j = carry
+                start_m = m * block_m
+                q_i, do_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
+                             for x in (q5, do5))
+                lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
+                                   for x in (lse2, delta))
+                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked)
+                # sum over the group's heads, which share this key head
+                dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
+                dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
+                ds = _grad_scores(p, dp, delta_i, ctx)
+                dk_j += jnp.einsum("bhgmn,bhgmd->bhnd", ds, q_i, precision=_HIGHEST)
+                return dk_j, dv_j
+            return step
+
+        carry = (jnp.zeros_like(k_j), jnp.zeros_like(v_j))  # (B, Hkv, BN, D)
+        for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
+            carry = _block_loop(a, b, block_m, body(masked), carry)
+        return carry
+
+    starts_n = jnp.arange(0, padded_k, block_n)
+    dk4, dv4 = lax.map(key_block, (starts_n, _blocks(k4, 2, block_n), _blocks(v4, 2, block_n),
+                                   _ranges(ctx, False)))
+    dk = _unblocks(dk4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)  # (B, Nk, Hkv, D)
+    dv = _unblocks(dv4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)
+
+    # -- dQ: one query block at a time, over the key blocks it sees --
+    def query_block(args):
+        start_m, q_i, do_i, lse2_i, delta_i, (lo, mid_lo, mid_hi, hi) = args
+
+        def body(masked):
+            def step(n, dq_i):
+                start_n = n * block_n
+                k_j = lax.dynamic_slice_in_dim(k4, start_n, block_n, axis=2)
+                v_j = lax.dynamic_slice_in_dim(v4, start_n, block_n, axis=2)
+                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked)
+                dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
+                ds = _grad_scores(p, dp, delta_i, ctx)
+                return dq_i + jnp.einsum("bhgmn,bhnd->bhgmd", ds, k_j, precision=_HIGHEST)
+            return step
+
+        dq_i = jnp.zeros_like(q_i)
+        for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
+            dq_i = _block_loop(a, b, block_n, body(masked), dq_i)
+        return dq_i
+
+    starts_m = jnp.arange(0, padded_q, block_m)
+    dq5 = lax.map(query_block, (starts_m, *(_blocks(x, 3, block_m) for x in (q5, do5, lse2, delta)),
+                                _ranges(ctx, True)))
+    dq = _ungrouped(_unblocks(dq5, 3)[..., :seqlen_q, :])
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ----------------------------------------------------------------------------- Triton path
+
+def _triton_launch(q, k, cfg):
+    """Strides-free scalars shared by the three kernels, as flash_triton._launch_args."""
+    import triton
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    window_left, window_right = cfg.window
+    return dict(
+        stride_lb=nheads * seqlen_q, stride_lh=seqlen_q, stride_ab=0, stride_ah=0,
+        nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)),
+        window_left=window_left, window_right=window_right,
+        qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale, softcap=0.0,
+        dropout_p=0.0, seed_lo=0, seed_hi=0,
+        HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, IS_VARLEN=False,
+        HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+        INPUT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims
+        BLOCK_M=64 if headdim <= 128 else 32, BLOCK_N=64 if headdim <= 128 else 32,
+        num_warps=4, num_stages=2)
+
+
+def _triton_strides(name, x):
+    """(batch, seqlen, head) strides of a contiguous (batch, seqlen, nheads, headdim) array."""
+    _, seqlen, nheads, headdim = x.shape
+    return {f"stride_{name}b": seqlen * nheads * headdim, f"stride_{name}n": nheads * headdim,
+            f"stride_{name}h": headdim}
+
+
+def _triton_unused():
+    """Valid pointers for the disabled ALiBi and varlen arguments; never read."""
+    return dict(ALIBI=jnp.zeros((1,), jnp.float32), CU_Q=jnp.zeros((2,), jnp.int32),
+                CU_K=jnp.zeros((2,), jnp.int32))
+
+
+def _triton_forward(q, k, v, cfg):
+    import jax_triton
+    import triton
+
+    from . import flash_triton
+
+    batch, seqlen_q, nheads, _ = q.shape
+    launch = _triton_launch(q, k, cfg)
+    o, lse = jax_triton.triton_call(
+        kernel=flash_triton._attn_fwd.fn,  # the kernel under the autotuner
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32)),
+        grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
+        Q=q, K=k, V=v, **_triton_unused(), **_triton_strides("q", q), **_triton_strides("k", k),
+        **_triton_strides("v", v), **_triton_strides("o", q), **launch)
+    return o, lse
+
+
+def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
+    import jax_triton
+    import triton
+
+    from . import flash_triton
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    launch = _triton_launch(q, k, cfg)
+    # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
+    delta = jax_triton.triton_call(
+        kernel=flash_triton._attn_bwd_preprocess,
+        out_type=jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+        grid=(triton.cdiv(seqlen_q, 128), batch * nheads),
+        O=o, DO=do, CU_Q=_triton_unused()["CU_Q"], **_triton_strides("o", o),
+        **_triton_strides("do", do), stride_lb=launch["stride_lb"], stride_lh=launch["stride_lh"],
+        nheads=nheads, seqlen_q=seqlen_q, IS_VARLEN=False, HEAD_DIM=headdim,
+        BLOCK_D=launch["BLOCK_D"], BLOCK_M=128, num_warps=4, num_stages=1)
+    delta = delta - dlse.astype(jnp.float32)
+    tensors = dict(Q=q, K=k, V=v, DO=do, LSE=lse, Delta=delta, **_triton_unused())
+    strides = {**_triton_strides("q", q), **_triton_strides("k", k), **_triton_strides("v", v),
+               **_triton_strides("do", do)}
+    dk, dv = jax_triton.triton_call(
+        kernel=flash_triton._attn_bwd_dkdv.fn,
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=(triton.cdiv(seqlen_k, launch["BLOCK_N"]), batch * nheads_kv),
+        **tensors, **strides, **_triton_strides("dk", k), **_triton_strides("dv", v), **launch)
+    dq = jax_triton.triton_call(
+        kernel=flash_triton._attn_bwd_dq.fn,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
+        **tensors, **strides, **_triton_strides("dq", q), **launch)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
+def _forward(q, k, v, cfg):
+    if 0 in q.shape[:2] or 0 in k.shape[:2]:  # empty: o = 0, lse = -inf (no key seen)
+        batch, seqlen_q, nheads, _ = q.shape
+        return (jnp.zeros(q.shape, q.dtype),
+                jnp.full((batch, nheads, seqlen_q), -jnp.inf, _accumulator_dtype(q.dtype)))
+    return (_triton_forward if cfg.backend == "triton" else _forward_dense)(q, k, v, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, cfg):
+    return _forward(q, k, v, cfg)
+
+
+def _attention_fwd(q, k, v, cfg):
+    o, lse = _forward(q, k, v, cfg)
+    return (o, lse), (q, k, v, o, lse)  # saved for backward: O(seqlen), nothing N x N
+
+
+def _attention_bwd(cfg, residuals, cotangents):
+    q, k, v, o, lse = residuals
+    do, dlse = cotangents
+    if 0 in q.shape[:2] or 0 in k.shape[:2]:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    backward = _triton_backward if cfg.backend == "triton" else _backward_dense
+    return backward(do, dlse, q, k, v, o, lse, cfg)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention_jit = jax.jit(_attention, static_argnums=3)
+
+
+def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
+              block_n=BLOCK_N, backend="auto"):
+    """Exact softmax attention, computed block by block; differentiable (custom VJP).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim)
+        k, v: (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA:
+            query head h uses key/value head h // (nheads // nheads_kv))
+        causal: bottom-right aligned, as longflash.attention and FlashAttention 2.1+: query i
+            sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
+                1 1 1 1 0
+                1 1 1 1 1
+            A row that sees no key (seqlen_q > seqlen_k) gives output 0, lse -inf and zero
+            gradients.
+        softmax_scale: default 1 / sqrt(headdim).
+        return_lse: also return the log-sum-exp of each row (gradients flow through it).
+        block_m, block_n: query and key tile sizes of the blockwise path (default 128, 256;
+            capped at the sequence lengths). Memory beyond inputs and outputs is
+            O(batch * nheads * block_m * block_n).
+        backend: "auto" (the Triton kernels through jax_triton for GPU arrays when it is
+            installed, UNTESTED; the blockwise JAX path otherwise), "triton" or "jax".
+    Returns:
+        o: (batch, seqlen_q, nheads, headdim), dtype of q
+        lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
+            natural log
+    dtypes: float16, bfloat16, float32, float64 (jax_enable_x64). headdim 1..256.
+    Bad input raises ValueError / TypeError naming the argument, before any work.
+    Works under jax.jit, jax.grad and jax.vjp (the blockwise path also under jax.vmap).
+    """
+    q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
+                                 backend)
+    o, lse = _attention_jit(q, k, v, cfg)
+    return (o, lse) if return_lse else o
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None):
+    """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
+    dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
+    the tests (run in float64) and the naive baseline."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+    k = jnp.repeat(k, nheads // nheads_kv, axis=2)  # (B, Nk, H, D)
+    v = jnp.repeat(v, nheads // nheads_kv, axis=2)
+    scores = jnp.einsum("bihd,bjhd->bhij", q, k, precision=_HIGHEST) * scale  # (B, H, Nq, Nk)
+    if causal:
+        i = jnp.arange(seqlen_q)[:, None]
+        j = jnp.arange(seqlen_k)[None, :]
+        scores = jnp.where(visible(i, j, seqlen_q, seqlen_k, -1, 0), scores, -jnp.inf)
+    # softmax with the row max subtracted; a row that sees no key gets p = 0, lse = -inf
+    # (written so that no NaN arises, in values or in gradients)
+    m = lax.stop_gradient(scores.max(-1, keepdims=True))
+    e = jnp.exp(scores - jnp.where(jnp.isneginf(m), 0.0, m))
+    l = e.sum(-1, keepdims=True)  # noqa: E741
+    l_safe = jnp.where(l == 0, 1.0, l)
+    p = e / l_safe
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+    o = jnp.einsum("bhij,bjhd->bihd", p, v, precision=_HIGHEST)
+    return o.astype(q.dtype), lse

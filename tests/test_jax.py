@@ -1,0 +1,215 @@
+"""longflash.jax: the blockwise JAX path (custom VJP) against a materializing reference.
+
+Values (o, lse) and gradients (dq, dk, dv of sum(o * w) + sum(lse * w_lse), random w) by
+the project's rule (`check_close`): the float32 result's max error against the float64
+reference is at most twice that of the float32 reference plus a rounding floor. Small
+tiles (32 x 16) so that these odd lengths span several blocks and end in partial ones.
+Runs on CPU. The GPU path (jax_triton.triton_call of the Triton kernels) cannot run
+here; `test_triton_path_arguments` checks its launch arguments by running the same
+kernels through Triton's interpreter in place of jax_triton.
+"""
+
+import inspect
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax", reason="JAX not installed: pip install .[jax]")
+import jax.numpy as jnp  # noqa: E402
+
+import longflash.jax as lj  # noqa: E402
+from conftest import INTERPRET, check_close  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def x64():
+    """float64 for the reference, only while these tests run."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal)
+CASES = [
+    (2, 17, 17, 4, 2, 40, True),
+    (1, 113, 203, 6, 2, 64, False),
+    (1, 203, 113, 4, 4, 40, True),  # seqlen_q > seqlen_k: the first 90 rows see no key
+    (1, 1, 17, 2, 1, 64, True),
+]
+
+
+def case_id(case):
+    b, nq, nk, h, hkv, d, causal = case
+    return f"B{b}-Nq{nq}-Nk{nk}-H{h}/{hkv}-D{d}" + ("-causal" if causal else "")
+
+
+def make_inputs(case, seed=0):
+    b, nq, nk, h, hkv, d, _ = case
+    rng = np.random.default_rng(seed)
+    shapes = [(b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, d), (b, nq, h, d), (b, h, nq)]
+    return [jnp.asarray(rng.standard_normal(s), jnp.float64) for s in shapes]
+
+
+def values_and_grads(fn, q, k, v, do, dlse):
+    """(o, lse, dq, dk, dv) of fn, forward and backward compiled together (one compile)."""
+    def run(q, k, v, do, dlse):
+        (o, lse), vjp = jax.vjp(fn, q, k, v)
+        dlse = jnp.where(jnp.isinf(lse), 0.0, dlse).astype(lse.dtype)  # rows that see no key
+        return (o, lse, *vjp((do.astype(o.dtype), dlse)))
+    return jax.jit(run)(q, k, v, do, dlse)
+
+
+def to_torch(x):
+    return torch.from_numpy(np.array(x))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_matches_reference(case):
+    causal = case[-1]
+    q, k, v, do, dlse = make_inputs(case)
+    ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=causal)  # noqa: E731
+    blockwise = lambda q, k, v: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
+                                             block_m=32, block_n=16, backend="jax")
+    lowp = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref64 = values_and_grads(ref, q, k, v, do, dlse)
+    ref32 = values_and_grads(ref, *lowp, do, dlse)
+    out = values_and_grads(blockwise, *lowp, do, dlse)
+    assert out[0].dtype == jnp.float32 and out[1].shape == (case[0], case[3], case[1])
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref32, ref64):
+        check_close(f"{case_id(case)} {name}", to_torch(a), to_torch(b), to_torch(r))
+
+
+def test_float64_is_exact():
+    """In float64 the blockwise path agrees with the reference to rounding (1e-12)."""
+    case = (1, 33, 47, 4, 2, 40, True)
+    q, k, v, do, dlse = make_inputs(case, seed=1)
+    ref = values_and_grads(lambda q, k, v: lj.attention_ref(q, k, v, causal=True),
+                           q, k, v, do, dlse)
+    out = values_and_grads(lambda q, k, v: lj.attention(q, k, v, causal=True, return_lse=True,
+                                                        block_m=32, block_n=16), q, k, v, do, dlse)
+    for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref):
+        assert a.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-12,
+                                   err_msg=name)
+
+
+def test_inside_jit_and_default_blocks():
+    """Called from a user's jit (tracers in), default tiles: the same as called eagerly."""
+    q, k, v, _, _ = make_inputs((2, 17, 17, 4, 2, 40, True))
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    eager = lj.attention(q, k, v, causal=True)
+    jitted = jax.jit(lambda q, k, v: lj.attention(q, k, v, causal=True))(q, k, v)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_keys():
+    q = jnp.ones((1, 3, 2, 8), jnp.float32)
+    k = v = jnp.ones((1, 0, 2, 8), jnp.float32)
+    (o, lse), vjp = jax.vjp(lambda q, k, v: lj.attention(q, k, v, return_lse=True), q, k, v)
+    assert not np.asarray(o).any() and np.isneginf(np.asarray(lse)).all()
+    dq, _, _ = vjp((jnp.ones_like(o), jnp.zeros_like(lse)))
+    assert not np.asarray(dq).any()
+
+
+def temp_bytes(fn, *shapes):
+    """Scratch memory XLA plans for fn (compiled, not run)."""
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_linear_memory():
+    """Forward + backward at N = 4096: no N x N buffer (64 MiB in float32) in the blockwise
+    path; the materializing reference needs at least one."""
+    n, d = 4096, 64
+    shape = (1, n, 1, d)
+    matrix = n * n * 4
+
+    def loss(attn):
+        return jax.grad(lambda q, k, v: attn(q, k, v).sum(), argnums=(0, 1, 2))
+
+    blockwise = temp_bytes(loss(lambda q, k, v: lj.attention(q, k, v, causal=True,
+                                                             backend="jax")), shape, shape, shape)
+    reference = temp_bytes(loss(lambda q, k, v: lj.attention_ref(q, k, v, causal=True)[0]),
+                           shape, shape, shape)
+    print(f"scratch at N={n}: blockwise {blockwise / 2**20:.1f} MiB, "
+          f"reference {reference / 2**20:.1f} MiB, one N x N matrix {matrix / 2**20:.0f} MiB")
+    assert reference >= matrix
+    assert blockwise < matrix / 8
+
+
+def ones(*shape, dtype=np.float32):
+    return np.ones(shape, dtype)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(q=ones(2, 3, 4)), ValueError, "q must have 4 dimensions"),
+    (dict(k=[[1.0]]), TypeError, "k must be a jax.Array"),
+    (dict(v=ones(1, 5, 2, 8, dtype=np.int32)), TypeError, "v has dtype int32"),
+    (dict(q=ones(1, 4, 2, 8, dtype=np.float16)), TypeError, "same dtype"),
+    (dict(v=ones(1, 6, 2, 8)), ValueError, "k and v must have the same shape"),
+    (dict(q=ones(2, 4, 2, 8)), ValueError, "same batch size"),
+    (dict(q=ones(1, 4, 2, 16)), ValueError, "same headdim"),
+    (dict(q=ones(1, 4, 3, 8)), ValueError, "multiple of nheads_kv"),
+    (dict(q=ones(1, 4, 2, 300), k=ones(1, 5, 2, 300), v=ones(1, 5, 2, 300)), ValueError,
+     "headdim must be between"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive"),
+    (dict(softmax_scale="1"), TypeError, "softmax_scale must be"),
+    (dict(block_m=0), ValueError, "block_m must be a positive int"),
+    (dict(block_n=16.0), ValueError, "block_n must be a positive int"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(backend="triton"), ValueError, "backend='triton' needs GPU arrays"),
+])
+def test_bad_input(kwargs, error, match):
+    args = {**dict(q=ones(1, 4, 2, 8), k=ones(1, 5, 2, 8), v=ones(1, 5, 2, 8)), **kwargs}
+    with pytest.raises(error, match=match):
+        lj.attention(**args)
+
+
+def _interpreted_triton_call(*args, kernel, out_type, grid, num_warps=None, num_stages=None,
+                             **kwargs):
+    """Stand-in for jax_triton.triton_call (its keyword form): checks that every kernel
+    parameter is named except the outputs, which fill the rest in order, then runs the
+    kernel under TRITON_INTERPRET=1 on CPU copies of the arrays."""
+    import triton.language as tl
+    assert not args, "launch arguments are passed by name"
+    params = inspect.signature(kernel.fn).parameters.values()
+    constexpr = {p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")}
+    names = [p.name for p in params]
+    assert set(kwargs) <= set(names), f"not parameters of {kernel}: {set(kwargs) - set(names)}"
+    assert constexpr <= set(kwargs), f"constexprs not given: {constexpr - set(kwargs)}"
+    missing = [n for n in names if n not in kwargs and n not in constexpr]
+    outs = out_type if isinstance(out_type, tuple) else (out_type,)
+    assert len(missing) == len(outs), f"outputs {missing} for {len(outs)} out_type entries"
+    outputs = {n: torch.full(o.shape, float("nan"), dtype=getattr(torch, np.dtype(o.dtype).name))
+               for n, o in zip(missing, outs)}
+    inputs = {n: torch.from_numpy(np.array(x)) if isinstance(x, jax.Array) else x
+              for n, x in kwargs.items()}
+    kernel[grid](**inputs, **outputs)
+    results = tuple(jnp.asarray(outputs[n].numpy()) for n in missing)
+    return results if isinstance(out_type, tuple) else results[0]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the kernels under TRITON_INTERPRET=1 (no GPU)")
+def test_triton_path_arguments(monkeypatch):
+    """The GPU path's launches (names, strides, lse and delta layouts, GQA grid) give the
+    blockwise path's results when the kernels run in Triton's interpreter. jax_triton
+    itself and GPU compilation remain untested."""
+    monkeypatch.setitem(sys.modules, "jax_triton",
+                        types.SimpleNamespace(triton_call=_interpreted_triton_call))
+    case = (2, 17, 33, 4, 2, 40, True)
+    q, k, v, do, dlse = (x.astype(jnp.float32) for x in make_inputs(case, seed=2))
+    cfg = lj._Config(True, 40 ** -0.5, 32, 16, "triton")
+    o, lse = lj._triton_forward(q, k, v, cfg)
+    grads = lj._triton_backward(do, dlse, q, k, v, o, lse, cfg)
+    cfg = cfg._replace(backend="jax")
+    o_ref, lse_ref = lj._forward_dense(q, k, v, cfg)
+    grads_ref = lj._backward_dense(do, dlse, q, k, v, o_ref, lse_ref, cfg)
+    for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads),
+                          (o_ref, lse_ref, *grads_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
