@@ -25,9 +25,9 @@ endif
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # One command per research question; each writes results/<rq>/<device>.csv.
-NOTEBOOKS := notebooks/io_complexity.ipynb notebooks/scaling.ipynb
+NOTEBOOKS := notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
 
-.PHONY: test reproduce experiments demo env figures paper io-complexity variants scaling
+.PHONY: test reproduce experiments demo env figures paper io-complexity variants scaling long-context
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
@@ -52,6 +52,9 @@ io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
 SCALING_LONG_BUDGET_S ?= 1800
 scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 512K tokens; GPU: --full)
 	$(PYTHON) -m experiments.scaling $(if $(shell nvidia-smi -L 2>/dev/null),--full,--long-budget-s $(SCALING_LONG_BUDGET_S))
+
+long-context: $(ENV_READY)  # RQ4: max context, memory model + 7B projection, quality, MQAR (CPU: about 35 min; GPU: --full, untested)
+	$(PYTHON) -m experiments.long_context_training $(if $(shell nvidia-smi -L 2>/dev/null),--full,--quality-provider sdpa_cpu)
 
 variants: $(ENV_READY)  # sliding-window cost against sequence length
 	$(PYTHON) -m experiments.variants $(if $(shell nvidia-smi -L 2>/dev/null),--full)
