@@ -97,13 +97,17 @@ def test_float64_is_exact():
                                    err_msg=name)
 
 
-def test_inside_jit_and_default_blocks():
-    """Called from a user's jit (tracers in), default tiles: the same as called eagerly."""
+def test_inside_jit_and_vmap():
+    """Called from a user's jit and vmap (tracers in), default tiles: the same results as
+    called eagerly, one batch entry at a time."""
     q, k, v, _, _ = make_inputs((2, 17, 17, 4, 2, 40, True))
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     eager = lj.attention(q, k, v, causal=True)
     jitted = jax.jit(lambda q, k, v: lj.attention(q, k, v, causal=True))(q, k, v)
     np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-6, atol=1e-6)
+    mapped = jax.vmap(lambda q, k, v: lj.attention(q[None], k[None], v[None], causal=True)[0])
+    np.testing.assert_allclose(np.asarray(mapped(q, k, v)), np.asarray(eager), rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_empty_keys():

@@ -534,7 +534,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             natural log
     dtypes: float16, bfloat16, float32, float64 (jax_enable_x64). headdim 1..256.
     Bad input raises ValueError / TypeError naming the argument, before any work.
-    Works under jax.jit, jax.grad and jax.vjp (the blockwise path also under jax.vmap).
+    Works under jax.jit, jax.vmap, jax.grad and jax.vjp (the blockwise path; the Triton
+    path has no batching rule).
     """
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
                                  backend)
