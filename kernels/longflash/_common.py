@@ -2,6 +2,7 @@
 the dropout random numbers, output allocation."""
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -12,6 +13,54 @@ LN2 = math.log(2.0)
 # Tests set this to True: every output is then allocated full of NaN, so an element that
 # a kernel forgets to write shows up as NaN instead of as stale memory.
 POISON_OUTPUTS = False
+
+
+MAX_HEADDIM = 256
+
+
+# -- validation shared by the PyTorch and JAX front ends (shapes as tuples, plain Python) --
+
+def check_shapes(q_shape, k_shape, v_shape):
+    """q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim)
+    with nheads % nheads_kv == 0. Returns (nheads, nheads_kv, headdim); raises naming the
+    argument otherwise."""
+    if tuple(k_shape) != tuple(v_shape):
+        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_kv, headdim),"
+                         f" got {tuple(k_shape)} and {tuple(v_shape)}")
+    batch, _, nheads, headdim = q_shape
+    if k_shape[0] != batch:
+        raise ValueError(f"q and k must have the same batch size, got {batch} and {k_shape[0]}")
+    if k_shape[3] != headdim:
+        raise ValueError(f"q and k must have the same headdim, got {headdim} and {k_shape[3]}")
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    nheads_kv = k_shape[2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
+                         f"({nheads_kv}) (GQA / MQA)")
+    return nheads, nheads_kv, headdim
+
+
+def check_bools(**flags):
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
+def check_real(name, x, accepted):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {accepted}, got {type(x).__name__}")
+
+
+def resolve_softmax_scale(softmax_scale, headdim):
+    """softmax_scale as a float: default 1 / sqrt(headdim); must be positive and finite."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    check_real("softmax_scale", softmax_scale, "a positive float or None")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, "
+                         f"got {softmax_scale}")
+    return float(softmax_scale)
 
 
 def accumulator_dtype(dtype):

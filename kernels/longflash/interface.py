@@ -10,17 +10,16 @@ captures forward and backward without graph breaks.
 
 import importlib.util
 import math
-import numbers
 import os
 from typing import Optional
 
 import torch
 
 from . import blockwise
-from ._common import Options, empty_outputs
+from ._common import (Options, check_bools, check_real, check_shapes, empty_outputs,
+                      resolve_softmax_scale)
 
 BACKENDS = ("auto", "triton", "torch")
-MAX_HEADDIM = 256
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Read once at import: Triton itself decides at import time whether to interpret.
@@ -59,31 +58,9 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, "
                          f"{v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_kv, headdim),"
-                         f" got {tuple(k.shape)} and {tuple(v.shape)}")
-    _, _, nheads, headdim = q.shape
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
-                         f"{k.shape[0]}")
-    if k.shape[3] != headdim:
-        raise ValueError(f"q and k must have the same headdim, got {headdim} and {k.shape[3]}")
-    if not 1 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
-    nheads_kv = k.shape[2]
-    if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
-                         f"({nheads_kv}) (GQA / MQA)")
-    for name, flag in (("causal", causal), ("deterministic", deterministic)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(headdim)
-    else:
-        _check_real("softmax_scale", softmax_scale, "a positive float or None")
-        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-            raise ValueError(f"softmax_scale must be a positive finite float or None, "
-                             f"got {softmax_scale}")
+    nheads, _, _ = check_shapes(q.shape, k.shape, v.shape)
+    check_bools(causal=causal, deterministic=deterministic)
+    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
@@ -99,10 +76,10 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
                              f"got {tuple(alibi_slopes.shape)}")
         if alibi_slopes.device != q.device:
             raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
-    _check_real("softcap", softcap, "a float >= 0")
+    check_real("softcap", softcap, "a float >= 0")
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite float >= 0 (0: no softcap), got {softcap}")
-    _check_real("dropout_p", dropout_p, "a float in [0, 1)")
+    check_real("dropout_p", dropout_p, "a float in [0, 1)")
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -111,11 +88,6 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
         raise TypeError(f"generator must be a torch.Generator or None, "
                         f"got {type(generator).__name__}")
     return float(softmax_scale), _resolve_backend(backend, q)
-
-
-def _check_real(name, x, accepted):
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be {accepted}, got {type(x).__name__}")
 
 
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

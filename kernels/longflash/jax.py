@@ -46,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import LN2, LOG2E, key_range, query_range, visible
+from ._common import (LN2, LOG2E, check_bools, check_shapes, key_range, query_range,
+                      resolve_softmax_scale, visible)
 
 BLOCK_M = 128  # the blockwise PyTorch path's tiles: on a CPU each tile is one batched matmul
 BLOCK_N = 256
-MAX_HEADDIM = 256
 BACKENDS = ("auto", "triton", "jax")
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _HIGHEST = lax.Precision.HIGHEST
@@ -88,31 +88,9 @@ def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, 
     q, k, v = arrays
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_kv, headdim),"
-                         f" got {tuple(k.shape)} and {tuple(v.shape)}")
-    batch, _, nheads, headdim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"q and k must have the same batch size, got {batch} and {k.shape[0]}")
-    if k.shape[3] != headdim:
-        raise ValueError(f"q and k must have the same headdim, got {headdim} and {k.shape[3]}")
-    if not 1 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
-    nheads_kv = k.shape[2]
-    if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
-                         f"({nheads_kv}) (GQA / MQA)")
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(headdim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a positive float or None, got "
-                        f"{type(softmax_scale).__name__}")
-    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite float or None, "
-                         f"got {softmax_scale}")
+    check_shapes(q.shape, k.shape, v.shape)
+    check_bools(causal=causal, return_lse=return_lse)
+    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     for name, block in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"{name} must be a positive int, got {block!r}")
