@@ -60,14 +60,16 @@ size (ceilings only)):
                       (the inputs; for bwd also the forward's output and saved tensors):
                       experiments.measure.peak_memory_mb, on CPU in a forked child capped at
                       the memory budget (an over-budget call fails there: "oom"), then timed.
-  frac_matmul (ratio) tflops / matmul_tflops of this run (same dtype).
-  frac_copy (ratio)   (minimal bytes / time) / copy_gbps of this run, minimal bytes = the
-                      tensors a kernel must read and write once: fwd q, k, v, o (4 tensors),
-                      bwd q, k, v, o, do, dq, dk, dv (8), fwd_bwd 12; lse not counted.
-  ceilings, provider "ceiling", mode "fwd", measured at the start of the run:
+  ceilings, provider "ceiling", mode "fwd", measured at the start and at the end of the
+  run; a row keeps the better of the two medians (on a shared machine one of them can be
+  disturbed; both are in the log):
     matmul_tflops     a square matmul in the run's dtype (seqlen_q = seqlen_k = headdim = n).
     copy_gbps         a device-to-device copy of one tensor, bytes read + written per second
                       (seqlen_q = seqlen_k = elements).
+  The notebook reports each provider as a fraction of them: tflops / matmul_tflops, and
+  (minimal bytes / time) / copy_gbps, where the minimal bytes are the tensors a kernel must
+  read and write once (fwd q, k, v, o; bwd q, k, v, o, do, dq, dk, dv; fwd_bwd both; lse
+  not counted).
 The log (<out>.log) has every row, every failure's message, the load average at the start,
 after each group and at the end; <out>.json the resolved configuration.
 """
@@ -105,7 +107,6 @@ CPU_PROVIDERS = ("longflash", "sdpa_cpu", "standard")
 SDPA_BACKENDS = {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION",
                  "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 MODE_ORDER = ("fwd", "fwd_bwd", "bwd")              # each mode's prerequisite comes first
-IO_TENSORS = {"fwd": 4, "bwd": 8, "fwd_bwd": 12}    # frac_copy's minimal traffic, in tensors
 # Messages of a peer that cannot run a configuration (not a bug of this script).
 UNSUPPORTED = ("no viable backend", "no available kernel", "outofresources", "out of resource",
                "no valid triton configs", "does not support")
@@ -134,6 +135,7 @@ class Config:
     threads: int = 1                      # CPU: torch threads (0: torch's default)
     ceiling_matmul_n: int = 2048          # matmul_tflops: n x n @ n x n
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
+    ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
 
 
@@ -142,11 +144,12 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     seqlens=(512, 1024, 2048, 4096, 8192, 16384), headdims=(128, 64, 256),
     long_seqlens=(32768, 65536, 131072), long_hidden=2048, long_headdims=(128,),
     long_causals=(True,), long_modes=("fwd", "bwd", "fwd_bwd"), warmup_ms=10, rep_ms=50,
-    long_warmup_ms=10, long_rep_ms=50, ceiling_matmul_n=8192, ceiling_copy_mb=1024, budget_s=570)
+    long_warmup_ms=10, long_rep_ms=50, ceiling_matmul_n=8192, ceiling_copy_mb=1024,
+    ceiling_rep_ms=200, budget_s=570)
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
-    ceiling_matmul_n=256, ceiling_copy_mb=16)
+    ceiling_matmul_n=256, ceiling_copy_mb=16, ceiling_rep_ms=50)
 
 
 class Unsupported(Exception):
@@ -301,11 +304,11 @@ def ceilings(cfg, device):
     gen = torch.Generator(device=device).manual_seed(1)
     n = cfg.ceiling_matmul_n
     a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=gen) for _ in range(2))
-    mm = time_ms(lambda: a @ b, device, warmup=cfg.warmup_ms, rep=max(cfg.rep_ms, 100))
+    mm = time_ms(lambda: a @ b, device, warmup=cfg.warmup_ms, rep=cfg.ceiling_rep_ms)
     elements = cfg.ceiling_copy_mb * 2**20 // torch.empty((), dtype=dtype).element_size()
     x = torch.randn(elements, device=device, dtype=dtype, generator=gen)
     y = torch.empty_like(x)
-    cp = time_ms(lambda: y.copy_(x), device, warmup=cfg.warmup_ms, rep=max(cfg.rep_ms, 100))
+    cp = time_ms(lambda: y.copy_(x), device, warmup=cfg.warmup_ms, rep=cfg.ceiling_rep_ms)
     moved = 2 * x.numel() * x.element_size()  # read + write
     base = dict(experiment="speedup", provider="ceiling", mode="fwd", dtype=cfg.dtype, batch=1,
                 nheads=1, nheads_kv=1, causal=False, status="ok", part="ceiling")
@@ -403,12 +406,8 @@ def run(cfg, device, out, resume=False):
     machine = dict(cores=len(os.sched_getaffinity(0)),
                    threads=threads if device == "cpu" else math.nan,
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
-    ceiling_rows = ceilings(cfg, device)
-    for r in ceiling_rows:
-        r.update(machine, load_avg_1m=os.getloadavg()[0])
-        log(f"ceiling {r['metric']}: {r['value']:.4g} {r['unit']} ({r['size']}, {cfg.dtype})")
+    ceiling_rows = measure_ceilings(cfg, device, machine, "start")
     write_results(ceiling_rows, out)
-    matmul, copy = (ceiling_rows[0]["value"], ceiling_rows[1]["value"])
     done = _existing_keys(out) if resume else set()
 
     plan = groups(cfg)
@@ -454,8 +453,7 @@ def run(cfg, device, out, resume=False):
                     fwd_bwd_fits |= mode == "fwd_bwd" and status == "ok"
                     if status != "ok":
                         inherited = (status, f"{mode} was {status}")
-                new = _rows(base, provider, mode, status, peak, times, matmul, copy,
-                            inputs["bnhd"][0])
+                new = _rows(base, provider, mode, status, peak, times)
                 rows += new
                 log(f"[{count:4d}/{total}] {time.perf_counter() - start:6.0f} s  {part:5} "
                     f"B={batch:<3d} N={seqlen:<6d} H={nheads:<3d} D={headdim:<3d} "
@@ -470,18 +468,28 @@ def run(cfg, device, out, resume=False):
             write_results(rows, out)
         log(f"group {g + 1}/{len(plan)} done at {time.perf_counter() - start:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f}")
+    end = measure_ceilings(cfg, device, machine, "end")
+    write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)], out)
     log(f"load average at end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s in all")
 
 
-def _rows(base, provider, mode, status, peak, times, matmul, copy, q):
-    """The five metric rows of one provider and mode (NaN values unless status is ok)."""
+def measure_ceilings(cfg, device, machine, when):
+    rows = ceilings(cfg, device)
+    for r in rows:
+        r.update(machine, load_avg_1m=os.getloadavg()[0])
+        log(f"ceiling at the {when}: {r['metric']} {r['value']:.4g} {r['unit']} "
+            f"(p20 {r['p20']:.4g}, p80 {r['p80']:.4g}; {r['size']}, {cfg.dtype})")
+    return rows
+
+
+def _rows(base, provider, mode, status, peak, times):
+    """The three metric rows of one provider and mode (NaN values unless status is ok)."""
     med, p20, p80 = times
     ok = status == "ok"
     fl = flops(base["batch"], base["seqlen_q"], base["seqlen_k"], base["nheads"],
                base["headdim"], base["causal"], mode)
     nan = math.nan
     t = (lambda x: tflops(fl, x)) if ok else (lambda x: nan)
-    io_bytes = IO_TENSORS[mode] * q.numel() * q.element_size()
     row = dict(base, provider=provider, mode=mode, status=status)
     # Memory measured before a failure in timing keeps its value; none where it cannot be
     # measured (peak_memory_mb gives NaN on CPUs of other operating systems).
@@ -491,9 +499,6 @@ def _rows(base, provider, mode, status, peak, times, matmul, copy, q):
              status=peak_status),
         dict(row, metric="time_ms", value=med, unit="ms", p20=p20, p80=p80),
         dict(row, metric="tflops", value=t(med), unit="TFLOP/s", p20=t(p80), p80=t(p20)),
-        dict(row, metric="frac_matmul", value=t(med) / matmul, unit="ratio", p20=nan, p80=nan),
-        dict(row, metric="frac_copy", value=gbps(io_bytes, med) / copy if ok else nan, unit="ratio",
-             p20=nan, p80=nan),
     ]
 
 

@@ -15,7 +15,7 @@ from experiments.results import COLUMNS, KEY_COLUMNS, PROVENANCE_COLUMNS, flops,
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVIDERS = ["longflash", "sdpa_cpu", "standard", "sdpa_efficient", "flex"]
-METRICS = {"time_ms", "tflops", "peak_mem_mb", "frac_matmul", "frac_copy"}
+METRICS = {"time_ms", "tflops", "peak_mem_mb"}
 BUDGET_MB = 64  # standard attention at 2048 tokens, 2 heads: 32 MiB per N x N matrix, several
 
 
@@ -54,7 +54,9 @@ def test_schema_and_one_row_per_measurement(quick):
     assert (runs[runs["part"] == "long"]["batch"] == 1).all()
     assert (batch["nheads"] * batch["headdim"] == cfg.hidden).all()
     assert os.path.exists(out.with_suffix(".log")) and os.path.exists(out.with_suffix(".json"))
-    assert "load average at start" in out.with_suffix(".log").read_text()
+    log = out.with_suffix(".log").read_text()
+    assert "load average at start" in log and "load average at end" in log
+    assert "ceiling at the start" in log and "ceiling at the end" in log
 
 
 def test_statuses(quick):
@@ -85,9 +87,7 @@ def test_values_are_consistent(quick):
         fl = flops(r["batch"], r["seqlen_q"], r["seqlen_q"], r["nheads"], r["headdim"],
                    bool(r["causal"]), r["mode"])
         assert math.isclose(r["tflops"], tflops(fl, r["time_ms"]), rel_tol=1e-9)
-        assert math.isclose(r["frac_matmul"], r["tflops"] / ceiling["matmul_tflops"],
-                            rel_tol=1e-9)
-        assert r["time_ms"] > 0 and r["peak_mem_mb"] >= 0 and r["frac_copy"] > 0
+        assert r["time_ms"] > 0 and r["peak_mem_mb"] >= 0
     times = ok[ok["metric"] == "time_ms"]
     assert ((times["p20"] <= times["value"]) & (times["value"] <= times["p80"])).all()
     rates = ok[ok["metric"] == "tflops"]
