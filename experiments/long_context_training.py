@@ -1,7 +1,7 @@
 """RQ4, long-context training: how much longer a context fits in the same memory with an exact
 IO-aware attention, and whether the longer context helps.
 
-    python -m experiments.long_context_training --quality-provider sdpa_cpu   # CPU (~30 min)
+    python -m experiments.long_context_training --quality-provider sdpa_cpu   # CPU (~35 min)
     python -m experiments.long_context_training --parts max_context,memory_model
     python -m experiments.long_context_training --quick --out /tmp/l.csv   # tiny, for the tests
     python -m experiments.long_context_training --full               # GPU sizes (UNTESTED)
