@@ -25,7 +25,7 @@ endif
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # One command per research question; each writes results/<rq>/<device>.csv.
-NOTEBOOKS := notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
+NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper io-complexity variants scaling long-context
 test: $(ENV_READY)
@@ -45,6 +45,9 @@ demo: $(ENV_READY)
 	$(PYTHON) -m experiments.demo
 
 env: $(ENV_READY)
+
+speedup: $(ENV_READY)  # RQ1: every attention provider in one run (CPU: about 25 min on a busy 2-core machine; GPU: --full, untested)
+	$(PYTHON) -m experiments.speedup $(if $(shell nvidia-smi -L 2>/dev/null),--full)
 
 io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
 	$(PYTHON) -m experiments.io_complexity --full

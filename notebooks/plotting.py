@@ -65,3 +65,42 @@ def write_macros(rq, values, source):
     path = os.path.join(GENERATED, f"{rq}.tex")
     atomic_write(path, write)
     return path
+
+
+# -- shared by the figures that compare attention providers (RQ1) ------------------------------
+
+PROVIDER_STYLE = {  # one color, marker and name per provider, the same in every figure
+    "longflash": dict(color="C3", marker="o", label="LongFlash"),
+    "standard": dict(color="0.35", marker="s", label="standard (materializing)"),
+    "sdpa_math": dict(color="C7", marker="v", label="SDPA math"),
+    "sdpa_flash": dict(color="C0", marker="^", label="SDPA flash (FlashAttention-2)"),
+    "sdpa_efficient": dict(color="C2", marker="D", label="SDPA memory-efficient"),
+    "sdpa_cudnn": dict(color="C4", marker="P", label="SDPA cuDNN"),
+    "flex": dict(color="C1", marker="X", label="FlexAttention (compiled)"),
+    "sdpa_cpu": dict(color="C0", marker="^", label="SDPA (PyTorch CPU kernel)"),
+}
+
+
+def tokens(n):
+    """A sequence length as the papers write it: 512, 2K, 128K, 1M (powers of two)."""
+    n = int(n)
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n // 2**20}M"
+    if n >= 2**10 and n % 2**10 == 0:
+        return f"{n // 2**10}K"
+    return str(n)
+
+
+def seqlen_axis(ax, seqlens):
+    """x axis in sequence length, log base 2, one labelled tick per length measured."""
+    from matplotlib.ticker import NullLocator
+    seqlens = sorted(set(int(n) for n in seqlens))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [tokens(n) for n in seqlens])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("sequence length (tokens)")
+
+
+def latex_number(x, digits=1):
+    """x with `digits` decimals and thousands separators that survive LaTeX: 12{,}345.6."""
+    return f"{x:,.{digits}f}".replace(",", "{,}")
