@@ -21,6 +21,16 @@ START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 # (part, claim with {Macro} placeholders, device macro or text, results file)
 ROWS = [
+    ("RQ1 speed and memory",
+     "forward+backward at 16K tokens (batch 1, causal, d = {SpeedupCpuMemHeaddimSixteenK}): "
+     "{SpeedupCpuMemLongflashSixteenK} MiB above the inputs vs {SpeedupCpuMemStandardSixteenK} "
+     "MiB for standard attention ({SpeedupCpuMemSavedSixteenK}x less), which exceeds the "
+     "{SpeedupCpuMemBudgetMiB} MiB budget at {SpeedupCpuStandardOomFwdBwd}; time: typically "
+     "{SpeedupCpuOverStandardTypical}x as fast as standard attention, "
+     "{SpeedupCpuOverSdpaCpuTypical}x as fast as PyTorch's fused CPU SDPA",
+     "{SpeedupCpuDevice} CPU, {SpeedupCpuThreads} thread, {SpeedupCpuDtype}, blockwise PyTorch "
+     "path; no GPU comparison yet",
+     "results/speedup/cpu.csv"),
     ("RQ2 IO complexity",
      "HBM traffic of the forward pass {IoRatioFwd}x below standard attention ({IoRatioCausalFwd}x "
      "causal) at N = {IoSweepN}, d = {IoSweepD}, M = {IoSweepM} elements; grows as "
@@ -33,6 +43,14 @@ ROWS = [
      "{RingLongMaxErr}; weak-scaling FLOP efficiency {RingWeakZigzagTwo} (zigzag) at 2 ranks",
      "{RingCpu} CPU, {RingCores} cores, gloo ranks emulated on one machine",
      "results/scaling/cpu.csv"),
+    ("RQ4 long-context training",
+     "longest trainable context of a {LctModelA} GPT under {LctBudgetA} MiB: {LctMaxLfA} tokens "
+     "with LongFlash vs {LctMaxStdA} with standard attention ({LctRatioStdA}x) and {LctMaxSdpaA} "
+     "with PyTorch SDPA ({LctRatioSdpaA}x); projected, not measured: a 7B model on 80 GB GPUs "
+     "with activation checkpointing reaches {LctProjLfCkpt} tokens vs {LctProjStdCkpt} with "
+     "materialized attention",
+     "{LctCpu} CPU, one full training step (forward, backward, AdamW) per probe",
+     "results/long_context_training/cpu.csv"),
 ]
 
 
