@@ -77,7 +77,7 @@ from longflash.models.gpt import GPT, GPTConfig
 from longflash.nn import attention_function
 from experiments import byte_data
 from experiments.measure import is_oom, peak_memory_mb
-from experiments.results import cpu_name, write_results
+from experiments.results import Log, cpu_name, device_tag, write_results
 
 try:
     from tqdm.auto import tqdm
@@ -211,14 +211,7 @@ def train_step(model, opt, x, y, cfg):
 
 # ----------------------------------------------------------------------------- rows, log
 
-_LOG = None
-
-
-def log(message):
-    print(message, flush=True)
-    if _LOG:
-        with open(_LOG, "a") as f:
-            f.write(message + "\n")
+log = Log()  # the raw log beside the results; set log.path in main
 
 
 def row(cfg, part, provider, model, seqlen, batch, metric, value, unit, status="ok",
@@ -593,15 +586,7 @@ def part_mqar(cfg, resume):
 
 # ----------------------------------------------------------------------------- main
 
-def _device_tag():
-    if not torch.cuda.is_available():
-        return "cpu"
-    match = re.search(r"\b([A-Z]\d{2,3})\b", torch.cuda.get_device_name())
-    return match.group(1).lower() if match else "gpu"
-
-
 def main(argv=None):
-    global _LOG
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Parts and metrics: see the module docstring.")
     parser.add_argument("--full", action="store_true", help="GPU sizes (FULL; untested)")
@@ -632,9 +617,9 @@ def main(argv=None):
     if cfg.device == "cuda" and not torch.cuda.is_available():
         parser.error("--full needs a GPU, and there is none here")
     out = args.out or os.path.join(ROOT, "results", "long_context_training",
-                                   f"{_device_tag()}.csv")
+                                   f"{device_tag()}.csv")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    _LOG = os.path.splitext(out)[0] + ".log"
+    log.path = os.path.splitext(out)[0] + ".log"
     command = shlex.join(getattr(sys, "orig_argv", sys.argv))
     with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the resolved config
         json.dump(dict(asdict(cfg), parts=parts, command=command), f, indent=1)

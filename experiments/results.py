@@ -24,6 +24,7 @@ import glob
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -63,6 +64,30 @@ def cpu_name():
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_tag():
+    """The results file stem of this machine: "cpu", or the GPU's model in lower case
+    ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    match = re.search(r"\b([A-Z]\d{2,3})\b", name)
+    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
+
+
+class Log:
+    """log(message) prints it and, once log.path is set, appends it to that file (the raw log
+    beside a results CSV). Forked processes inherit the path."""
+
+    def __init__(self, path=None):
+        self.path = path
+
+    def __call__(self, message):
+        print(message, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(message + "\n")
 
 
 def _git(*args):

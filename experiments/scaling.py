@@ -61,7 +61,6 @@ import datetime
 import json
 import math
 import os
-import re
 import shlex
 import sys
 import tempfile
@@ -75,7 +74,7 @@ import torch.distributed as dist
 import longflash
 from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
 from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms
-from experiments.results import cpu_name, flops, tflops, write_results
+from experiments.results import Log, cpu_name, device_tag, flops, tflops, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_BACKEND = "torch"  # the blockwise PyTorch path, even where TRITON_INTERPRET=1 is set
@@ -477,14 +476,7 @@ def _gpu_long(cfg):
 
 # ----------------------------------------------------------------------------- main
 
-_LOG = None  # the log file beside the results; forked ranks inherit it
-
-
-def log(message):
-    print(message, flush=True)
-    if _LOG:
-        with open(_LOG, "a") as f:
-            f.write(message + "\n")
+log = Log()  # the raw log beside the results; set log.path in main
 
 
 def _on_device(rows, device):
@@ -493,14 +485,6 @@ def _on_device(rows, device):
         for row in rows:
             row["device"] = cpu_name()
     return rows
-
-
-def _device_tag():
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    match = re.search(r"\b([A-Z]\d{2,3})\b", name)  # "NVIDIA H100 80GB HBM3" -> "h100"
-    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
 
 
 def _failed(cfg, parts, world_size, error):
@@ -522,7 +506,6 @@ def _write(rows, path):
 
 
 def main():
-    global _LOG
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Parts and metrics: see the module docstring.")
     parser.add_argument("--full", action="store_true", help="GPU machine sizes (FULL)")
@@ -547,9 +530,9 @@ def main():
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
     if cfg.block_device == "cuda" and not torch.cuda.is_available():
         parser.error("--full times the blocks on a GPU, and there is none here")
-    out = args.out or os.path.join(ROOT, "results", "scaling", f"{_device_tag()}.csv")
+    out = args.out or os.path.join(ROOT, "results", "scaling", f"{device_tag()}.csv")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    _LOG = os.path.splitext(out)[0] + ".log"
+    log.path = os.path.splitext(out)[0] + ".log"
     command = shlex.join(getattr(sys, "orig_argv", sys.argv))
     with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the resolved config
         json.dump(dict(asdict(cfg), parts=parts, command=command), f, indent=1)

@@ -98,7 +98,7 @@ if torch.cuda.is_available():
 
 import longflash  # noqa: E402
 from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
-from experiments.results import cpu_name, flops, tflops, write_results  # noqa: E402
+from experiments.results import Log, cpu_name, device_tag, flops, tflops, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
@@ -363,23 +363,7 @@ def _warm_up(device):
     F.scaled_dot_product_attention(y, y, y, is_causal=True).sum().backward()
 
 
-_LOG = None
-
-
-def log(message):
-    print(message, flush=True)
-    if _LOG:
-        with open(_LOG, "a") as f:
-            f.write(message + "\n")
-
-
-def device_tag():
-    """"cpu", or the GPU's model in lower case: "NVIDIA H100 80GB HBM3" -> "h100"."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    match = re.search(r"\b([A-Z]\d{2,3})\b", name)
-    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
+log = Log()  # the raw log beside the results; set log.path in main
 
 
 def _existing_keys(path):
@@ -519,7 +503,6 @@ def summary(out, device):
 
 
 def main():
-    global _LOG
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Providers, sweep and metrics: see the module "
                                      "docstring.")
@@ -573,7 +556,7 @@ def main():
 
     out = args.out or os.path.join(ROOT, "results", "speedup", f"{device_tag()}.csv")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    _LOG = os.path.splitext(out)[0] + ".log"
+    log.path = os.path.splitext(out)[0] + ".log"
     command = shlex.join(getattr(sys, "orig_argv", sys.argv))
     with open(os.path.splitext(out)[0] + ".json", "w") as f:
         json.dump(dict(asdict(cfg), device=device, command=command), f, indent=1)

@@ -66,7 +66,7 @@ def test_write_keeps_given_provenance_and_extra_columns(tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(provider="flash3"), r"provider 'flash3' is not one of \['longflash'"),
-    (dict(mode="forward"), r"mode 'forward' is not one of \['fwd', 'bwd', 'fwd_bwd'\]"),
+    (dict(mode="forward"), r"mode 'forward' is not one of \['fwd', 'bwd', 'fwd_bwd'"),
     (dict(status="crashed"), r"status 'crashed' is not one of \['ok', 'oom'"),
     (dict(value=float("nan")), r"status 'ok' needs a finite value"),
     (dict(value=float("inf")), r"status 'ok' needs a finite value"),

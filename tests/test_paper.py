@@ -68,10 +68,11 @@ def test_every_figure_names_its_notebook():
             if not m:
                 continue
             comments = " ".join(lines[max(0, n - 3):n])
-            notebook = re.search(r"%\s*(notebooks/\S+\.ipynb)", comments)
+            notebook = re.search(r"%[^%]*?(notebooks/\S+\.ipynb)", comments)
             assert notebook, f"{os.path.basename(path)}:{n + 1}: no notebook named above {m[2]}"
             assert os.path.exists(os.path.join(ROOT, notebook.group(1))), notebook.group(1)
-            figure = glob.glob(os.path.join(ROOT, "figures", m.group(2) + ".*"))
+            stem = os.path.splitext(m.group(2))[0] if m.group(2).endswith(".pdf") else m.group(2)
+            figure = glob.glob(os.path.join(ROOT, "figures", stem + ".pdf"))
             assert figure, f"figures/{m.group(2)} does not exist"
 
 
