@@ -61,12 +61,9 @@ Parts and metrics:
 """
 
 import argparse
-import datetime
-import json
 import math
 import os
 import re
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -77,7 +74,7 @@ from longflash.models.gpt import GPT, GPTConfig
 from longflash.nn import attention_function
 from experiments import byte_data
 from experiments.measure import is_oom, peak_memory_mb
-from experiments.results import Log, cpu_name, device_tag, write_results
+from experiments.results import Log, cpu_name, start_run, write_results
 
 try:
     from tqdm.auto import tqdm
@@ -616,14 +613,8 @@ def main(argv=None):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         parser.error("--full needs a GPU, and there is none here")
-    out = args.out or os.path.join(ROOT, "results", "long_context_training",
-                                   f"{device_tag()}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    log.path = os.path.splitext(out)[0] + ".log"
-    command = shlex.join(getattr(sys, "orig_argv", sys.argv))
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the resolved config
-        json.dump(dict(asdict(cfg), parts=parts, command=command), f, indent=1)
-    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n"
+    out, command = start_run(
+        "long_context_training", args.out, log, dict(asdict(cfg), parts=parts),
         f"long_context_training on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, parts {parts}\n{cfg}")
     runners = dict(max_context=lambda: part_max_context(cfg),

@@ -21,6 +21,7 @@ so re-running a configuration never duplicates it. A failed configuration is a r
 
 import datetime
 import glob
+import json
 import math
 import os
 import platform
@@ -90,6 +91,30 @@ class Log:
                 f.write(message + "\n")
 
 
+def this_command():
+    # orig_argv keeps "python3 -m experiments.speedup ..."; argv would show the file path.
+    return shlex.join(getattr(sys, "orig_argv", sys.argv))
+
+
+def start_run(rq, out, log, config, header):
+    """Open one run of experiment `rq`: the results CSV `out` (default
+    results/<rq>/<device>.csv), with the raw log (<stem>.log, appended) and the resolved
+    config (<stem>.json, written atomically) beside it. Sets log.path, logs a header line with
+    the time and the command, then `header`. Returns (out, command)."""
+    out = out or os.path.join(_REPO, "results", rq, f"{device_tag()}.csv")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    stem = os.path.splitext(out)[0]
+    log.path = stem + ".log"
+    command = this_command()
+
+    def write_config(tmp):
+        with open(tmp, "w") as f:
+            json.dump(dict(config, command=command), f, indent=1)
+    atomic_write(stem + ".json", write_config)
+    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n{header}")
+    return out, command
+
+
 def _git(*args):
     """stdout of `git <args>` in the repository holding this file; None if git fails."""
     try:
@@ -115,8 +140,7 @@ def provenance(command=None):
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain")
     if command is None:
-        # orig_argv keeps "python3 -m experiments.speedup ..."; argv would show the file path.
-        command = shlex.join(getattr(sys, "orig_argv", sys.argv))
+        command = this_command()
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
         "torch": torch.__version__,

@@ -58,11 +58,8 @@ import argparse
 import contextlib
 import ctypes
 import datetime
-import json
 import math
 import os
-import shlex
-import sys
 import tempfile
 import time
 import warnings
@@ -74,7 +71,7 @@ import torch.distributed as dist
 import longflash
 from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
 from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms
-from experiments.results import Log, cpu_name, device_tag, flops, tflops, write_results
+from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_BACKEND = "torch"  # the blockwise PyTorch path, even where TRITON_INTERPRET=1 is set
@@ -530,15 +527,9 @@ def main():
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
     if cfg.block_device == "cuda" and not torch.cuda.is_available():
         parser.error("--full times the blocks on a GPU, and there is none here")
-    out = args.out or os.path.join(ROOT, "results", "scaling", f"{device_tag()}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    log.path = os.path.splitext(out)[0] + ".log"
-    command = shlex.join(getattr(sys, "orig_argv", sys.argv))
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:  # the resolved config
-        json.dump(dict(asdict(cfg), parts=parts, command=command), f, indent=1)
-    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n"
-        f"scaling on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), torch "
-        f"{torch.__version__}, parts {parts}\n{cfg}")
+    out, _ = start_run("scaling", args.out, log, dict(asdict(cfg), parts=parts),
+                       f"scaling on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), torch "
+                       f"{torch.__version__}, parts {parts}\n{cfg}")
 
     world_sizes = sorted(set(cfg.exact_ranks if "exactness" in parts else ())
                          | set(cfg.memory_ranks if "memory" in parts else ())

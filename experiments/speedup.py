@@ -77,13 +77,9 @@ after each group and at the end; <out>.json the resolved configuration.
 import argparse
 import contextlib
 import ctypes
-import datetime
-import json
 import math
 import os
 import re
-import shlex
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -98,7 +94,7 @@ if torch.cuda.is_available():
 
 import longflash  # noqa: E402
 from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
-from experiments.results import Log, cpu_name, device_tag, flops, tflops, write_results  # noqa: E402
+from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
@@ -554,15 +550,9 @@ def main():
                      f"{sorted(set(GPU_PROVIDERS + CPU_PROVIDERS))}")
     warnings.filterwarnings("ignore", message=r".*(kernel not used|not compiled with).*")
 
-    out = args.out or os.path.join(ROOT, "results", "speedup", f"{device_tag()}.csv")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    log.path = os.path.splitext(out)[0] + ".log"
-    command = shlex.join(getattr(sys, "orig_argv", sys.argv))
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump(dict(asdict(cfg), device=device, command=command), f, indent=1)
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
-    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n"
-        f"speedup on {name}, torch {torch.__version__}\n{cfg}")
+    out, _ = start_run("speedup", args.out, log, dict(asdict(cfg), device=device),
+                       f"speedup on {name}, torch {torch.__version__}\n{cfg}")
     run(cfg, device, out, resume=args.resume)
     summary(out, device)
     log(f"wrote {out}")
