@@ -1,6 +1,7 @@
 # LongFlash entry points. A new user needs two commands (README):
 #   make reproduce   the main job: every experiment at the size this machine can do (CPU: well
 #                    under an hour; full sizes on a GPU), then the figures, then the paper PDF
+#                    (make reproduce QUICK=1: the same chain at tiny sizes, minutes)
 #   make test        the test suite
 # Each sets itself up. If the current python3 already has what LongFlash needs
 # (for example a GPU machine with torch and triton installed and no network),
@@ -27,15 +28,18 @@ export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH
 # One command per research question; each writes results/<rq>/<device>.csv.
 NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
 
-.PHONY: test reproduce experiments demo env figures paper speedup io-complexity variants scaling \
-        long-context
+.PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
+        scaling long-context
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
 # One experiment after the other (timings must not share the machine), then the notebooks,
-# then LaTeX. On a CPU, RQ3's long-sequence part gets 5 minutes here (`make scaling`: 30).
-# Measured on an idle 2-core CPU (AMD EPYC): 26 minutes end to end.
-reproduce: $(ENV_READY)
+# then LaTeX (installed first if missing, so a missing TeX stops the run before the
+# experiments, not after them). On a CPU, RQ3's long-sequence part gets 5 minutes here
+# (`make scaling`: 30). QUICK=1 runs the same chain at tiny sizes (about 5 minutes: it proves
+# the pipeline, its numbers mean nothing; CI runs it). Each machine writes its own results
+# files and the figures draw the most recent run of each device class (results/README.md).
+reproduce: $(ENV_READY) latex
 	$(MAKE) experiments SCALING_LONG_BUDGET_S=300
 	$(MAKE) figures
 	$(MAKE) paper
@@ -48,21 +52,25 @@ demo: $(ENV_READY)
 
 env: $(ENV_READY)
 
-speedup: $(ENV_READY)  # RQ1: every attention provider in one run (CPU: about 25 min on a busy 2-core machine; GPU: --full, untested)
-	$(PYTHON) -m experiments.speedup $(if $(shell nvidia-smi -L 2>/dev/null),--full)
+# The size of each experiment: QUICK=1 tiny, on a GPU machine the GPU sizes, else the CPU's.
+GPU := $(shell nvidia-smi -L 2>/dev/null)
+size = $(if $(QUICK),$(1),$(if $(GPU),$(2),$(3)))
+
+speedup: $(ENV_READY)  # RQ1: every attention provider in one run (CPU: about 25 min on a busy 2-core machine; GPU: --full)
+	$(PYTHON) -m experiments.speedup $(call size,--quick,--full,)
 
 io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
-	$(PYTHON) -m experiments.io_complexity --full
+	$(PYTHON) -m experiments.io_complexity $(call size,,--full,--full)
 
 SCALING_LONG_BUDGET_S ?= 1800
 scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 512K tokens; GPU: --full)
-	$(PYTHON) -m experiments.scaling $(if $(shell nvidia-smi -L 2>/dev/null),--full,--long-budget-s $(SCALING_LONG_BUDGET_S))
+	$(PYTHON) -m experiments.scaling $(call size,--quick,--full,--long-budget-s $(SCALING_LONG_BUDGET_S))
 
-long-context: $(ENV_READY)  # RQ4: max context, memory model + 7B projection, quality, MQAR (CPU: about 35 min; GPU: --full, untested)
-	$(PYTHON) -m experiments.long_context_training $(if $(shell nvidia-smi -L 2>/dev/null),--full,--quality-provider sdpa_cpu)
+long-context: $(ENV_READY)  # RQ4: max context, memory model + 7B projection, quality, MQAR (CPU: about 35 min; GPU: --full)
+	$(PYTHON) -m experiments.long_context_training $(call size,--quick,--full,--quality-provider sdpa_cpu)
 
 variants: $(ENV_READY)  # sliding-window cost against sequence length
-	$(PYTHON) -m experiments.variants $(if $(shell nvidia-smi -L 2>/dev/null),--full)
+	$(PYTHON) -m experiments.variants $(call size,--quick,--full,)
 
 figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
 	$(PYTHON) notebooks/run_notebooks.py $(NOTEBOOKS)
@@ -70,11 +78,21 @@ figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures
 
 # paper/main.pdf from the committed (or just regenerated) figures and paper/generated/.
 # -Werror: an undefined reference or citation fails the build, like a LaTeX error.
-paper:
-	@command -v latexmk >/dev/null || { echo "make paper needs LaTeX: apt-get install -y \
-	texlive-latex-base texlive-latex-recommended texlive-latex-extra \
-	texlive-fonts-recommended texlive-science latexmk"; exit 1; }
+paper: latex
 	cd paper && latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error -Werror main.tex
+
+# LaTeX for the paper: installed with apt (sudo when not root) if latexmk is missing.
+LATEX_PACKAGES := texlive-latex-base texlive-latex-recommended texlive-latex-extra \
+	texlive-fonts-recommended texlive-science latexmk
+latex:
+	@command -v latexmk >/dev/null || { \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  command -v apt-get >/dev/null && { [ -z "$$sudo" ] || command -v sudo >/dev/null; } || { \
+	    echo "The paper needs LaTeX: install latexmk and $(LATEX_PACKAGES), then rerun."; \
+	    exit 1; }; \
+	  echo "Installing LaTeX for the paper: $$sudo apt-get install -y $(LATEX_PACKAGES)"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq \
+	    $(LATEX_PACKAGES) >/dev/null; }
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv

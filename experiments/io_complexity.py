@@ -60,7 +60,7 @@ import longflash
 from experiments import io_model as io
 from experiments.io_model import Shape, Tiles, block_sizes, runnable
 from experiments.io_sim import simulate
-from experiments.results import write_results
+from experiments.results import default_out, write_results
 
 PROVIDERS, MODES = ("longflash", "standard"), ("fwd", "bwd")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -79,7 +79,7 @@ class Config:
     # simulator on odd shapes: (seqlen_q, seqlen_k, headdim, nheads, nheads_kv, BLOCK_M, BLOCK_N)
     sim_shapes: tuple = ((97, 160, 24, 4, 2, 32, 16), (160, 97, 24, 4, 2, 16, 32),
                          (113, 113, 40, 2, 1, 16, 16))
-    out: str = "results/io_complexity/cpu.csv"
+    out: str = ""  # default results/io_complexity/<device>.csv (experiments.results.default_out)
 
 
 FULL = dict(sim_sweeps=Config.sim_sweeps + ((256, 32),),
@@ -335,7 +335,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="more and larger simulator checks")
-    parser.add_argument("--out", default=Config.out, help="results CSV (default %(default)s)")
+    parser.add_argument("--out", default="", help="results CSV (default results/io_complexity/<device>.csv)")
     parser.add_argument("--ncu-plan", metavar="CSV",
                         help="write the Nsight Compute plan for a GPU run to CSV and exit")
     parser.add_argument("--ncu-target", metavar="JSON",
@@ -354,7 +354,7 @@ def main(argv=None):
         print(f"{len(plan)} configurations -> {args.ncu_plan}")
         return
 
-    cfg = replace(Config(), out=args.out, **(FULL if args.full else {}))
+    cfg = replace(Config(), out=args.out or default_out("io_complexity"), **(FULL if args.full else {}))
     torch.set_num_threads(1)  # the simulator's tiles are tiny: threads only add overhead
     lines = [f"config: {json.dumps(asdict(cfg))}"]
 

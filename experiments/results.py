@@ -38,7 +38,7 @@ import torch
 COLUMNS = ["experiment", "provider", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "nheads",
            "nheads_kv", "headdim", "causal", "metric", "value", "unit", "p20", "p80", "status"]
 PROVENANCE_COLUMNS = ["device", "torch", "triton", "python", "git_commit", "git_dirty",
-                      "timestamp", "command"]
+                      "git_dirty_files", "timestamp", "command"]
 # Rows with equal keys are the same measurement (on the same device); the rest is its outcome.
 KEY_COLUMNS = [c for c in COLUMNS
                if c not in ("value", "unit", "p20", "p80", "status")] + ["device"]
@@ -52,11 +52,24 @@ STATUSES = ["ok", "oom", "error", "unsupported"]
 STANDARD_METRICS = ["time_ms", "tflops", "peak_mem_mb"]
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where experiments write and notebooks read: results/ of this tree, or $LONGFLASH_RESULTS (a
+# scratch copy, for tests and dry runs).
+RESULTS_DIR = os.environ.get("LONGFLASH_RESULTS") or os.path.join(_REPO, "results")
 
 
 # -- provenance --------------------------------------------------------------------------------
 
+# Tests and emulations can name the device their rows are attributed to (for example a second
+# CPU model); real runs never set it.
+DEVICE_ENV = "LONGFLASH_DEVICE_NAME"
+DRY_RUN_PREFIX = "dry run"  # rows of a dry run (a GPU campaign rehearsed on a CPU) start so
+
+
 def cpu_name():
+    """The CPU model ("AMD EPYC 7B13"); $LONGFLASH_DEVICE_NAME overrides it on a machine
+    without a GPU."""
+    if os.environ.get(DEVICE_ENV) and not torch.cuda.is_available():
+        return os.environ[DEVICE_ENV]
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -67,14 +80,40 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
-def device_tag():
-    """The results file stem of this machine: "cpu", or the GPU's model in lower case
-    ("NVIDIA H100 80GB HBM3" -> "h100")."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    match = re.search(r"\b([A-Z]\d{2,3})\b", name)
-    return (match.group(1) if match else re.sub(r"\W+", "_", name)).lower()
+def device_name():
+    """The device rows are measured on: the CUDA device's name if there is one, else the CPU
+    model ("NVIDIA H100 80GB HBM3", "AMD EPYC 7B13"); $LONGFLASH_DEVICE_NAME overrides."""
+    if os.environ.get(DEVICE_ENV):
+        return os.environ[DEVICE_ENV]
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
+
+
+def device_tag(name=None):
+    """The results file stem of one machine, from its device name (default device_name()):
+    a GPU is its model in lower case ("NVIDIA H100 80GB HBM3" -> "h100", a PCIe card
+    "h100-pcie"); a CPU is "cpu-" and its model ("AMD EPYC 7B13" -> "cpu-amd-epyc-7b13");
+    a dry run is "dryrun". Each machine writes its own file, so a rerun on another machine
+    never mixes its rows into the committed ones (results/README.md)."""
+    name = device_name() if name is None else name
+    if name.lower().startswith(DRY_RUN_PREFIX):
+        return "dryrun"
+    if name.startswith("NVIDIA") or (name == device_name() and torch.cuda.is_available()):
+        match = re.search(r"\b([A-Z]{1,2}\d{2,4})\b", name)
+        tag = match.group(1).lower() if match else _slug(name)
+        return tag + ("-pcie" if "pcie" in name.lower() else "")
+    return "cpu-" + _slug(re.sub(r"\((R|TM|tm|r)\)|\bCPU\b|@", " ", name))
+
+
+def _slug(text):
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def device_class(tag):
+    """What a results file is compared within: "cpu" for every CPU model, the GPU's tag
+    ("h100") for a GPU, None for a dry run (never read by the notebooks)."""
+    if tag == "dryrun":
+        return None
+    return "cpu" if tag.startswith("cpu") else tag
 
 
 class Log:
@@ -96,12 +135,18 @@ def this_command():
     return shlex.join(getattr(sys, "orig_argv", sys.argv))
 
 
+def default_out(rq):
+    """results/<rq>/<device_tag()>.csv (under RESULTS_DIR): where experiment `rq` writes on
+    this machine."""
+    return os.path.join(RESULTS_DIR, rq, f"{device_tag()}.csv")
+
+
 def start_run(rq, out, log, config, header):
     """Open one run of experiment `rq`: the results CSV `out` (default
     results/<rq>/<device>.csv), with the raw log (<stem>.log, appended) and the resolved
     config (<stem>.json, written atomically) beside it. Sets log.path, logs a header line with
     the time and the command, then `header`. Returns (out, command)."""
-    out = out or os.path.join(_REPO, "results", rq, f"{device_tag()}.csv")
+    out = out or default_out(rq)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     stem = os.path.splitext(out)[0]
     log.path = stem + ".log"
@@ -124,13 +169,30 @@ def _git(*args):
     return out.stdout if out.returncode == 0 else None
 
 
+# The code whose changes a result depends on. Everything else in the tree is either an output
+# of the experiments (results/, figures/, paper/generated/, the README's generated table,
+# executed notebooks) or never runs in an experiment (tests, paper text), so it is no dirt.
+CODE_PATHS = ("kernels", "experiments", "pyproject.toml", "Makefile", "environment.yml")
+
+
+def dirty_code_files():
+    """Files under CODE_PATHS that differ from the commit (modified, staged or untracked),
+    sorted; None if git fails."""
+    status = _git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
+    if status is None:
+        return None
+    return sorted(line[3:].split(" -> ")[-1] for line in status.splitlines() if line.strip())
+
+
 def provenance(command=None):
     """Where and how a result was produced: a dict with one entry per PROVENANCE_COLUMNS.
 
-    device: the CUDA device name if CUDA is available, else the CPU model. An experiment that
-    measures on the CPU of a GPU machine puts its own `device` in the rows (it is kept).
-    git_dirty: True if `git status --porcelain` lists anything (untracked files included),
-    "unknown" if git fails. command: default the command line of this process.
+    device: device_name(). An experiment that measures on the CPU of a GPU machine puts its
+    own `device` in the rows (it is kept).
+    git_dirty: True if the code that ran (CODE_PATHS) differs from git_commit, "unknown" if
+    git fails; git_dirty_files names those files (";"-separated, empty when clean). Outputs of
+    the experiments and notebooks never count. command: default the command line of this
+    process.
     """
     try:
         import triton
@@ -138,16 +200,17 @@ def provenance(command=None):
     except Exception:  # not installed, or broken on this platform
         triton_version = "none"
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain")
+    dirty = dirty_code_files()
     if command is None:
         command = this_command()
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name(),
+        "device": device_name(),
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
         "git_commit": commit.strip() if commit else "unknown",
-        "git_dirty": bool(status.strip()) if status is not None else "unknown",
+        "git_dirty": bool(dirty) if dirty is not None else "unknown",
+        "git_dirty_files": ";".join(dirty or []),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }

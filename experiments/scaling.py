@@ -115,7 +115,7 @@ FULL = dict(  # a GPU machine with 16 cores: gloo ranks on its CPU, blocks on it
     block_tokens_per_rank=8192, long_ranks=16, long_budget_s=480.0, gpu_long_seqlen=2**20)
 QUICK = dict(
     shape=(1, 2, 1, 16), exact_ranks=(1, 2), exact_tokens_per_rank=16, exact_dtypes=("float32",),
-    tokens_per_rank=64, memory_ranks=(1, 2), weak_ranks=(1, 2), block_shape=(1, 2, 1, 16),
+    tokens_per_rank=64, memory_ranks=(1, 2), weak_ranks=(1, 2, 4), block_shape=(1, 2, 1, 16),
     block_tokens_per_rank=64, projection_ranks=(1, 2, 64), long_ranks=2, long_seqlens=(256, 512),
     long_budget_s=30.0, long_check_rows=4)
 PARTS = ("exactness", "memory", "weak", "blocks", "projection", "long")

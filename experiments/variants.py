@@ -2,6 +2,7 @@
 
     python -m experiments.variants            # CPU default: blockwise path, a few minutes
     python -m experiments.variants --full     # GPU sizes (Triton kernels), up to 64K tokens
+    python -m experiments.variants --quick    # tiny sizes, seconds (the pipeline, in CI)
 
 With a window of fixed width the kernels skip every key block outside it, so the
 work per query block is constant and the total grows like N * window instead of
@@ -28,7 +29,7 @@ if not torch.cuda.is_available():
 import longflash  # noqa: E402
 from longflash import flash_triton  # noqa: E402
 from experiments.measure import is_oom, time_ms  # noqa: E402
-from experiments.results import write_results  # noqa: E402
+from experiments.results import default_out, write_results  # noqa: E402
 
 
 @dataclass
@@ -44,15 +45,18 @@ class Config:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="GPU sizes, up to 64K tokens")
-    parser.add_argument("--out", default=None, help="CSV path (default results/variants/<dev>.csv)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="GPU sizes, up to 64K tokens")
+    size.add_argument("--quick", action="store_true", help="tiny sizes, seconds (the pipeline)")
+    parser.add_argument("--out", default=None, help="CSV path (default results/variants/<device>.csv)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = Config(nheads=16, headdim=128, seqlens=tuple(2**i for i in range(10, 17))) \
-        if args.full else Config()
+        if args.full else Config(nheads=2, headdim=32, seqlens=(256, 512)) if args.quick \
+        else Config()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     backend = "triton" if device == "cuda" else "torch"
-    out = args.out or os.path.join("results", "variants", f"{'gpu' if device == 'cuda' else 'cpu'}.csv")
+    out = args.out or default_out("variants")
     rows = []
     for seqlen in cfg.seqlens:
         gen = torch.Generator(device=device).manual_seed(0)

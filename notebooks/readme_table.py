@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
-# (part, claim with {Macro} placeholders, device macro or text, results file)
+# (part, claim with {Macro} placeholders, device macro or text, results file macro)
 ROWS = [
     ("RQ1 speed and memory",
      "forward+backward at 16K tokens (batch 1, causal, d = {SpeedupCpuMemHeaddimSixteenK}): "
@@ -30,19 +30,19 @@ ROWS = [
      "{SpeedupCpuOverSdpaCpuTypical}x as fast as PyTorch's fused CPU SDPA",
      "{SpeedupCpuDevice} CPU, {SpeedupCpuThreads} thread, {SpeedupCpuDtype}, blockwise PyTorch "
      "path; no GPU comparison yet",
-     "results/speedup/cpu.csv"),
+     "{SpeedupResultsFile}"),
     ("RQ2 IO complexity",
      "HBM traffic of the forward pass {IoRatioFwd}x below standard attention ({IoRatioCausalFwd}x "
      "causal) at N = {IoSweepN}, d = {IoSweepD}, M = {IoSweepM} elements; grows as "
      "N^{IoExpNFwd}, d^{IoExpDFwd}, M^{IoExpMFwd} (bound: N^2 d^2 / M)",
      "counted in the two-level memory model, checked by a simulator; no GPU DRAM measurement yet",
-     "results/io_complexity/cpu.csv"),
+     "{IoComplexityResultsFile}"),
     ("RQ3 sequence parallelism",
      "exact causal attention (forward) over {RingLongTokensExact} tokens through a ring of "
      "{RingLongRanks} ranks in {RingLongSeconds} s, {RingLongPeakMiB} MiB per rank, max error "
      "{RingLongMaxErr}; weak-scaling FLOP efficiency {RingWeakZigzagTwo} (zigzag) at 2 ranks",
      "{RingCpu} CPU, {RingCores} cores, gloo ranks emulated on one machine",
-     "results/scaling/cpu.csv"),
+     "{ScalingResultsFile}"),
     ("RQ4 long-context training",
      "longest trainable context of a {LctModelA} GPT under {LctBudgetA} MiB: {LctMaxLfA} tokens "
      "with LongFlash vs {LctMaxStdA} with standard attention ({LctRatioStdA}x) and {LctMaxSdpaA} "
@@ -50,7 +50,7 @@ ROWS = [
      "with activation checkpointing reaches {LctProjLfCkpt} tokens vs {LctProjStdCkpt} with "
      "materialized attention",
      "{LctCpu} CPU, one full training step (forward, backward, AdamW) per probe",
-     "results/long_context_training/cpu.csv"),
+     "{LongContextTrainingResultsFile}"),
 ]
 
 
@@ -71,6 +71,7 @@ def latex_to_text(value):
     """The plain-text form of a macro's value: 2{,}048 -> 2,048; 101\\% -> 101%;
     3.3\\times 10^{-8} -> 3.3e-08 style; 2^{16} -> 2^16."""
     value = value.replace("{,}", ",").replace("\\%", "%").replace("\\,", " ")
+    value = re.sub(r"\\([&#_])", r"\1", value)  # escaped characters: io\_complexity
     value = re.sub(r"\s*\\times\s*10\^\{(-?)(\d+)\}", lambda m: f"e{m.group(1) or '+'}"
                    f"{int(m.group(2)):02d}", value)
     value = re.sub(r"\^\{([^}]*)\}", r"^\1", value)
@@ -92,7 +93,7 @@ def table(macros):
              "| --- | --- | --- | --- |"]
     for part, claim, device, source in ROWS:
         lines.append(f"| {part} | {fill(claim, macros)} | {fill(device, macros)} | "
-                     f"`{source}` |")
+                     f"`{fill(source, macros)}` |")
     return "\n".join(lines)
 
 

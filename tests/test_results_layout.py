@@ -1,0 +1,152 @@
+"""One results file per machine, notebooks that draw one machine at a time, and git_dirty that
+means the code (issue: `make reproduce` failed on every machine but the one that made the
+committed results)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from experiments import results
+from experiments.results import device_class, device_tag
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "notebooks"))
+import plotting  # noqa: E402
+
+NOTEBOOKS = ["speedup", "io_complexity", "scaling", "long_context_training"]
+OTHER_CPU = "Other CPU 9000 @ 1.00GHz"
+GPU = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("name, tag, cls", [
+    ("AMD EPYC", "cpu-amd-epyc", "cpu"),
+    ("AMD EPYC 7B13 64-Core Processor", "cpu-amd-epyc-7b13-64-core-processor", "cpu"),
+    ("Intel(R) Xeon(R) Processor @ 2.80GHz", "cpu-intel-xeon-processor-2-80ghz", "cpu"),
+    ("NVIDIA H100 80GB HBM3", "h100", "h100"),
+    ("NVIDIA H100 PCIe", "h100-pcie", "h100-pcie"),
+    ("NVIDIA H200", "h200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100", "a100"),
+    ("dry run: Intel(R) Xeon(R) Processor", "dryrun", None),
+], ids=lambda x: str(x))
+def test_device_tag_and_class(name, tag, cls):
+    assert device_tag(name) == tag
+    assert device_class(tag) == cls
+
+
+def test_device_name_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("LONGFLASH_DEVICE_NAME", OTHER_CPU)
+    assert results.provenance()["device"] == OTHER_CPU
+    assert device_tag() == "cpu-other-9000-1-00ghz"
+
+
+def _git(repo, *args):
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+def test_git_dirty_ignores_outputs(monkeypatch, tmp_path):
+    for path in ("kernels/a.py", "experiments/b.py", "results/speedup/cpu-x.csv",
+                 "figures/f.pdf", "paper/generated/speedup.tex", "notebooks/n.ipynb", "README.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("v1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(results, "_REPO", str(tmp_path))
+    assert results.provenance()["git_dirty"] is False
+    # What experiments and notebooks write is no dirt ...
+    for path in ("results/speedup/cpu-x.csv", "figures/f.pdf", "paper/generated/speedup.tex",
+                 "notebooks/n.ipynb", "README.md"):
+        (tmp_path / path).write_text("v2\n")
+    (tmp_path / "results/speedup/cpu-x.log").write_text("new\n")
+    prov = results.provenance()
+    assert prov["git_dirty"] is False and prov["git_dirty_files"] == ""
+    # ... a changed or new file of the code is, and is named.
+    (tmp_path / "kernels/a.py").write_text("v2\n")
+    (tmp_path / "experiments/new.py").write_text("x\n")
+    prov = results.provenance()
+    assert prov["git_dirty"] is True
+    assert prov["git_dirty_files"] == "experiments/new.py;kernels/a.py"
+
+
+def _csv(path, device, timestamp):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([dict(device=device, timestamp=timestamp, value=1.0)]).to_csv(path, index=False)
+
+
+def test_select_runs_newest_per_class(monkeypatch, tmp_path):
+    _csv(tmp_path / "rq" / "cpu-amd-epyc.csv", "AMD EPYC", "2026-11-01T00:00:00+00:00")
+    _csv(tmp_path / "rq" / "cpu-intel-x.csv", "Intel X", "2026-11-20T00:00:00+00:00")
+    _csv(tmp_path / "rq" / "h100.csv", GPU, "2026-10-01T00:00:00+00:00")
+    _csv(tmp_path / "rq" / "dryrun.csv", "dry run: Intel X", "2026-12-01T00:00:00+00:00")
+    monkeypatch.delenv("LONGFLASH_DEVICES", raising=False)
+    runs = plotting.select_runs("rq", results=str(tmp_path))
+    assert list(runs) == ["cpu", "h100"]  # the CPU first; the dry run never
+    assert os.path.basename(runs["cpu"]) == "cpu-intel-x.csv"
+    monkeypatch.setenv("LONGFLASH_DEVICES", "cpu-amd-epyc")
+    assert os.path.basename(plotting.select_runs("rq", results=str(tmp_path))["cpu"]) \
+        == "cpu-amd-epyc.csv"
+
+
+def _run(args, env, timeout=600):
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, f"{args}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def _macros(path):
+    lines = open(path).read().splitlines()
+    return dict(line[len("\\newcommand{\\"):-1].split("}{", 1) for line in lines
+                if line.startswith("\\newcommand"))
+
+
+@pytest.mark.slow
+def test_notebooks_on_committed_results_plus_another_machine(tmp_path):
+    """The committed results, a quick rerun of every experiment from another CPU, and GPU-shaped
+    rows: every notebook runs, once per device class, and each output names one machine."""
+    before = subprocess.run(["git", "status", "--porcelain", "results", "figures", "paper"],
+                            cwd=ROOT, capture_output=True, text=True).stdout
+    res, fig, gen, nb = (tmp_path / d for d in ("results", "figures", "generated", "nb"))
+    shutil.copytree(os.path.join(ROOT, "results"), res)
+    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
+               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(fig),
+               LONGFLASH_GENERATED=str(gen), LONGFLASH_DEVICE_NAME=OTHER_CPU)
+    env.pop("LONGFLASH_DEVICES", None)
+    for experiment in ("speedup --quick", "io_complexity", "scaling --quick",
+                       "long_context_training --quick", "variants --quick"):
+        _run(["-m", f"experiments.{experiment.split()[0]}", *experiment.split()[1:]], env)
+    tag = device_tag(OTHER_CPU)
+    for rq in ("speedup", "io_complexity", "scaling", "long_context_training", "variants"):
+        mine = pd.read_csv(res / rq / f"{tag}.csv")
+        assert set(mine["device"]) == {OTHER_CPU}, rq  # the rerun has a file of its own
+        assert set(mine["git_dirty"]) <= {True, False}
+    # GPU-shaped rows (a copy of the quick RQ1 run, attributed to an H100) land as h100.csv.
+    gpu = pd.read_csv(res / "speedup" / f"{tag}.csv").assign(device=GPU)
+    gpu.to_csv(res / "speedup" / "h100.csv", index=False)
+
+    out = _run([os.path.join("notebooks", "run_notebooks.py"), "--out-dir", str(nb),
+                *[os.path.join("notebooks", f"{n}.ipynb") for n in NOTEBOOKS]], env, 1200)
+    assert "for device class h100" in out
+    for n in NOTEBOOKS:  # the CPU class drew the newest CPU run: the rerun, not the committed
+        macros = _macros(gen / f"{n}.tex")
+        assert macros[f"{plotting.camel(n)}ResultsDevice"] == OTHER_CPU, n
+        assert macros[f"{plotting.camel(n)}ResultsFile"] == f"results/{n}/{tag}.csv".replace(
+            "_", "\\_"), n
+    h100 = _macros(gen / "speedup_h100.tex")
+    assert h100["SpeedupHOneZeroZeroDevice"] == GPU
+    assert h100["HOneZeroZeroSpeedupResultsDevice"] == GPU
+    assert all(k.startswith(("SpeedupHOneZeroZero", "HOneZeroZero")) for k in h100)
+    assert "\\input{generated/speedup_h100}" in (gen / "devices.tex").read_text()
+    for name in ("speedup_tflops_cpu", "speedup_tflops_h100", "speedup_memory_h100",
+                 "scaling_weak", "io_complexity_sweeps", "long_context_max_context"):
+        assert (fig / f"{name}.pdf").exists() and (fig / f"{name}.png").exists(), name
+    assert (nb / "speedup.h100.ipynb").exists() and (nb / "speedup.ipynb").exists()
+    # The README table fills from these macros; the repository itself was not touched.
+    after = subprocess.run(["git", "status", "--porcelain", "results", "figures", "paper"],
+                           cwd=ROOT, capture_output=True, text=True).stdout
+    assert after == before
