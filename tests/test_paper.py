@@ -31,7 +31,8 @@ def sections():
 def generated_macros():
     macros = set()
     for path in glob.glob(os.path.join(PAPER, "generated", "*.tex")):
-        macros |= set(re.findall(r"\\newcommand\{\\(\w+)\}", read(path)))
+        if os.path.basename(path) != "not_measured.tex":  # the fallback must stay empty
+            macros |= set(re.findall(r"\\newcommand\{\\(\w+)\}", read(path)))
     return macros
 
 
@@ -71,6 +72,8 @@ def test_every_figure_names_its_notebook():
             notebook = re.search(r"%[^%]*?(notebooks/\S+\.ipynb)", comments)
             assert notebook, f"{os.path.basename(path)}:{n + 1}: no notebook named above {m[2]}"
             assert os.path.exists(os.path.join(ROOT, notebook.group(1))), notebook.group(1)
+            if "\\" in m.group(2):  # a GPU's figure, named by a macro once its results exist
+                continue
             stem = os.path.splitext(m.group(2))[0] if m.group(2).endswith(".pdf") else m.group(2)
             figure = glob.glob(os.path.join(ROOT, "figures", stem + ".pdf"))
             assert figure, f"figures/{m.group(2)} does not exist"
