@@ -100,7 +100,7 @@ class Budget:
 @dataclass
 class Step:
     name: str
-    argv: list               # after `python3`; "{out}", "{budget}" and "{dir}" are filled in
+    argv: list               # after `python3`; "{out}", "{budget}" and "{pre}" (results/gpu_campaign/<stem>-stageN) are filled in
     rq: str = ""             # results/<rq>/ that the step writes ("" for none)
     estimate_s: float = 30   # not started unless this much is left
     timeout_s: float = 600   # killed after this (or what is left of the budget)
@@ -124,10 +124,10 @@ def stage_steps(stage, dry):
             rq1 = ["--full", "--headdims", "128,64",
                    "--seqlens", "1024,2048,4096,8192,16384", "--long-seqlens", ""]
         return [
-            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{dir}/env.json"),
+            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
                  estimate_s=5, timeout_s=60, files=["env.json"]),
             Step("speedup", _py(*gc, "--probe", "speedup", "--probe-out",
-                                "{dir}/autotune.json", "--", *rq1, "--resume",
+                                "{pre}-autotune.json", "--", *rq1, "--resume",
                                 "--budget-s", "{budget}", "--out", "{out}"),
                  rq="speedup", estimate_s=60, reserve_s=100, files=["autotune.json"]),
             Step("pytest", _py("pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
@@ -147,10 +147,10 @@ def stage_steps(stage, dry):
             scaling = ["--full", "--parts", "long,blocks,projection,exactness",
                        "--long-budget-s", "150"]
         return [
-            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{dir}/env.json"),
+            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
                  estimate_s=5, timeout_s=60, files=["env.json"]),
             Step("speedup_long", _py(*gc, "--probe", "speedup", "--probe-out",
-                                     "{dir}/autotune-long.json", "--", *long_, "--resume",
+                                     "{pre}-autotune-long.json", "--", *long_, "--resume",
                                      "--budget-s", "{budget}", "--out", "{out}"),
                  rq="speedup", estimate_s=30, timeout_s=150, reserve_s=330,
                  files=["autotune-long.json"]),
@@ -159,7 +159,7 @@ def stage_steps(stage, dry):
             Step("ncu", _py(*gc, "--probe", "ncu", "--probe-out", "{out}"),
                  rq="io_complexity", estimate_s=30, timeout_s=100, needs="" if dry else "ncu"),
             Step("speedup_d256", _py(*gc, "--probe", "speedup", "--probe-out",
-                                     "{dir}/autotune-d256.json", "--", *d256, "--resume",
+                                     "{pre}-autotune-d256.json", "--", *d256, "--resume",
                                      "--budget-s", "{budget}", "--out", "{out}"),
                  rq="speedup", estimate_s=30, timeout_s=400, reserve_s=20,
                  files=["autotune-d256.json"]),
@@ -168,19 +168,20 @@ def stage_steps(stage, dry):
         lct = (["--quick", "--parts", "max_context,memory_model,exactness"] if dry
                else ["--full", "--parts", "max_context,memory_model,exactness"])
         return [
-            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{dir}/env.json"),
+            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
                  estimate_s=5, timeout_s=60, files=["env.json"]),
             Step("long_context", _py("experiments.long_context_training", *lct, "--out", "{out}"),
                  rq="long_context_training", estimate_s=60, timeout_s=270),
-            Step("variants", _py("experiments.variants", *([] if dry else ["--full"]),
+            Step("variants", _py("experiments.variants",
+                                 *(["--seqlens", "256,512"] if dry else ["--full"]),
                                  "--out", "{out}"),
                  rq="variants", estimate_s=20, timeout_s=90),
-            Step("hf", _py(*gc, "--probe", "hf", "--probe-out", "{dir}/hf.json"),
+            Step("hf", _py(*gc, "--probe", "hf", "--probe-out", "{pre}-hf.json"),
                  estimate_s=15, timeout_s=60, files=["hf.json"]),
-            Step("jax", _py(*gc, "--probe", "jax", "--probe-out", "{dir}/jax.json"),
+            Step("jax", _py(*gc, "--probe", "jax", "--probe-out", "{pre}-jax.json"),
                  estimate_s=10, timeout_s=60, files=["jax.json"]),
             Step("decoding", _py(*gc, "--probe", "decoding", "--probe-out",
-                                 "{dir}/decoding.json"),
+                                 "{pre}-decoding.json"),
                  estimate_s=10, timeout_s=60, files=["decoding.json"]),
         ]
     raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -263,8 +264,8 @@ def probe_ncu(out):
     from experiments.results import write_results
     dry = not torch.cuda.is_available()
     plan = [p for p in io_complexity.ncu_plan(
-        seqlens=(256,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
-        providers=("longflash", "sdpa_flash") if dry else ("longflash", "sdpa_flash", "standard"))
+        seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
+        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"))
         if p["mode"] == "fwd" and not p["causal"]
         and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
     ncu = shutil.which("ncu")
@@ -392,8 +393,8 @@ def probe_jax(path):
         out = lf_jax.attention(q, k, v, causal=True)
         import torch
         import longflash
-        ref = longflash.attention_ref(*(torch.from_numpy(np.asarray(x)).double()
-                                        for x in (q, k, v)), causal=True)
+        ref, _ = longflash.attention_ref(*(torch.from_numpy(np.array(x)).double()
+                                           for x in (q, k, v)), causal=True)
         diff = float(np.abs(np.asarray(out, np.float64) - ref.numpy()).max())
         rows.append(_row("max_abs_diff_default_backend", diff, "",
                          "ok" if diff < 1e-3 else "error", note))
@@ -425,8 +426,8 @@ def probe_decoding(path):
             fn = lambda: longflash.attention_with_kvcache(  # noqa: E731
                 q, k_cache, v_cache, cache_seqlens=seqlens)
             out = fn()
-            ref = longflash.attention_ref(q.double(), k_cache.double(), v_cache.double(),
-                                          causal=True)
+            ref, _ = longflash.attention_ref(q.double(), k_cache.double(), v_cache.double(),
+                                             causal=True)
             diff = (out.double() - ref).abs().max().item()
             med = time_ms(fn, device)[0]
             rows += [_row(f"time_ms_cache{cache_len}", med, "ms"),
@@ -566,10 +567,10 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
             shutil.copy2(repo_csv, out_csv)  # merge by key, --resume skips measured rows
         os.makedirs(os.path.dirname(out_csv), exist_ok=True)
         status, wall, note = run_step(step, budget, env, log,
-                                      dict(out=out_csv, dir=camp_dir))
+                                      dict(out=out_csv, pre=camp))
         records.append(dict(name=step.name, rq=step.rq, status=status, wall_s=wall, note=note))
         for fname in step.files:
-            p = os.path.join(camp_dir, fname)
+            p = f"{camp}-{fname}"
             if os.path.exists(p):
                 try:
                     with open(p) as f:
@@ -595,6 +596,8 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
                f"{'step':<14} {'status':<12} {'wall_s':>7}  note"]
     summary += [f"{r['name']:<14} {r['status']:<12} {r['wall_s']:>7.1f}  {r['note'][:80]}"
                 for r in records]
+    summary += [f"  {name}: {r['metric']} = {r['value']} [{r['status']}] {r['note'][:60]}"
+                for name, rs in probes.items() for r in rs]
     summary.append(f"unpack at the repository root: tar xzf {tar_path}")
     log("\n".join(summary))
     return tar_path, records

@@ -45,11 +45,15 @@ class Config:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="GPU sizes, up to 64K tokens")
+    parser.add_argument("--seqlens", help="comma-separated sequence lengths (a slice, or tiny "
+                        "ones for a dry run)")
     parser.add_argument("--out", default=None, help="CSV path (default results/variants/<dev>.csv)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = Config(nheads=16, headdim=128, seqlens=tuple(2**i for i in range(10, 17))) \
         if args.full else Config()
+    if args.seqlens:
+        cfg = Config(**{**cfg.__dict__, "seqlens": tuple(int(x) for x in args.seqlens.split(","))})
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     backend = "triton" if device == "cuda" else "torch"
     out = args.out or os.path.join("results", "variants", f"{'gpu' if device == 'cuda' else 'cpu'}.csv")
