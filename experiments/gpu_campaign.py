@@ -27,12 +27,13 @@ tiny sizes with the Triton interpreter):
                 projection (blocks, projection), ring steps emulated for exactness
      ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations crossing the L2
                 size (experiments.io_complexity's plan), beside the model's prediction
-  3  long_context  RQ4 (experiments.long_context_training --full): max trainable context per
-                attention implementation, the memory model, throughput
-     variants   experiments.variants --full
-     hf         a small random Llama: LongFlash logits against eager, one generate
+  3  hf         a small random Llama: LongFlash logits against eager, one generate
      jax        longflash.jax on the GPU (needs jax-triton; "unsupported" without it)
      decoding   longflash.attention_with_kvcache, if this version has it
+     variants   experiments.variants --full
+     long_context  RQ4 (experiments.long_context_training --full, parts max_context,
+                memory_model, exactness): max trainable context per attention implementation
+                under the card's memory, the memory model, exact training steps
 
 Outputs. The steps write into a scratch tree DIR/stageN/ whose paths mirror the repository
 (results/<rq>/<stem>.csv with their .log and .json, where <stem> is
@@ -129,7 +130,8 @@ def stage_steps(stage, dry):
             Step("speedup", _py(*gc, "--probe", "speedup", "--probe-out",
                                 "{pre}-autotune.json", "--", *rq1, "--resume",
                                 "--budget-s", "{budget}", "--out", "{out}"),
-                 rq="speedup", estimate_s=60, reserve_s=100, files=["autotune.json"]),
+                 rq="speedup", estimate_s=60, timeout_s=430, reserve_s=100,
+                 files=["autotune.json"]),
             Step("pytest", _py("pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
                                "tests/test_gpu.py"), estimate_s=20, timeout_s=150),
         ]
@@ -145,7 +147,7 @@ def stage_steps(stage, dry):
             d256 = ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
                     "--long-seqlens", ""]
             scaling = ["--full", "--parts", "long,blocks,projection,exactness",
-                       "--long-budget-s", "150"]
+                       "--long-budget-s", "120"]
         return [
             Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
                  estimate_s=5, timeout_s=60, files=["env.json"]),
@@ -155,9 +157,9 @@ def stage_steps(stage, dry):
                  rq="speedup", estimate_s=30, timeout_s=150, reserve_s=330,
                  files=["autotune-long.json"]),
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
-                 rq="scaling", estimate_s=60, timeout_s=210),
+                 rq="scaling", estimate_s=60, timeout_s=180),
             Step("ncu", _py(*gc, "--probe", "ncu", "--probe-out", "{out}"),
-                 rq="io_complexity", estimate_s=30, timeout_s=100, needs="" if dry else "ncu"),
+                 rq="io_complexity", estimate_s=30, timeout_s=90, needs="" if dry else "ncu"),
             Step("speedup_d256", _py(*gc, "--probe", "speedup", "--probe-out",
                                      "{pre}-autotune-d256.json", "--", *d256, "--resume",
                                      "--budget-s", "{budget}", "--out", "{out}"),
@@ -170,12 +172,6 @@ def stage_steps(stage, dry):
         return [
             Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
                  estimate_s=5, timeout_s=60, files=["env.json"]),
-            Step("long_context", _py("experiments.long_context_training", *lct, "--out", "{out}"),
-                 rq="long_context_training", estimate_s=60, timeout_s=270),
-            Step("variants", _py("experiments.variants",
-                                 *(["--seqlens", "256,512"] if dry else ["--full"]),
-                                 "--out", "{out}"),
-                 rq="variants", estimate_s=20, timeout_s=90),
             Step("hf", _py(*gc, "--probe", "hf", "--probe-out", "{pre}-hf.json"),
                  estimate_s=15, timeout_s=60, files=["hf.json"]),
             Step("jax", _py(*gc, "--probe", "jax", "--probe-out", "{pre}-jax.json"),
@@ -183,6 +179,12 @@ def stage_steps(stage, dry):
             Step("decoding", _py(*gc, "--probe", "decoding", "--probe-out",
                                  "{pre}-decoding.json"),
                  estimate_s=10, timeout_s=60, files=["decoding.json"]),
+            Step("variants", _py("experiments.variants",
+                                 *(["--seqlens", "256,512"] if dry else ["--full"]),
+                                 "--out", "{out}"),
+                 rq="variants", estimate_s=20, timeout_s=90),
+            Step("long_context", _py("experiments.long_context_training", *lct, "--out", "{out}"),
+                 rq="long_context_training", estimate_s=60, timeout_s=270),
         ]
     raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
 
