@@ -24,7 +24,8 @@ tiny sizes with the Triton interpreter):
      speedup_d256  RQ1 at head dim 256, 1K..16K tokens
      scaling    RQ3 (experiments.scaling --full): exact causal attention over 1,048,576
                 tokens on one GPU (part long), per-step ring block times and the alpha-beta
-                projection (blocks, projection), ring steps emulated for exactness
+                projection (blocks, projection)
+     scaling_exact  RQ3 part exactness: ring steps on gloo ranks against one-rank attention
      ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations crossing the L2
                 size (experiments.io_complexity's plan), beside the model's prediction
   3  hf         a small random Llama: LongFlash logits against eager, one generate
@@ -139,15 +140,18 @@ def stage_steps(stage, dry):
         if dry:
             long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512"]
             d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", ""]
-            scaling = ["--quick", "--parts", "exactness,blocks,projection,long",
+            scaling = ["--quick", "--parts", "long,blocks,projection",
                        "--long-seqlens", "256", "--long-budget-s", "20"]
+            exact = ["--quick", "--parts", "exactness"]
         else:
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
                      "--long-seqlens", "32768,65536,131072"]
             d256 = ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
                     "--long-seqlens", ""]
-            scaling = ["--full", "--parts", "long,blocks,projection,exactness",
-                       "--long-budget-s", "120"]
+            # the 1M-token run on the GPU is in part long; the CPU ring there gets one size
+            scaling = ["--full", "--parts", "long,blocks,projection",
+                       "--long-seqlens", "65536", "--long-budget-s", "60"]
+            exact = ["--full", "--parts", "exactness"]   # ring steps on gloo ranks (its CPU)
         return [
             Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
                  estimate_s=5, timeout_s=60, files=["env.json"]),
@@ -157,7 +161,9 @@ def stage_steps(stage, dry):
                  rq="speedup", estimate_s=30, timeout_s=150, reserve_s=330,
                  files=["autotune-long.json"]),
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
-                 rq="scaling", estimate_s=60, timeout_s=180),
+                 rq="scaling", estimate_s=60, timeout_s=150),
+            Step("scaling_exact", _py("experiments.scaling", *exact, "--out", "{out}"),
+                 rq="scaling", estimate_s=20, timeout_s=60),
             Step("ncu", _py(*gc, "--probe", "ncu", "--probe-out", "{out}"),
                  rq="io_complexity", estimate_s=30, timeout_s=90, needs="" if dry else "ncu"),
             Step("speedup_d256", _py(*gc, "--probe", "speedup", "--probe-out",
