@@ -115,9 +115,23 @@ def _py(*args):
     return ["-m", *args]
 
 
+def _probe(name, **kw):
+    """A probe of this module, writing results/gpu_campaign/<stem>-stageN-<name>.json."""
+    return Step(name, _py("experiments.gpu_campaign", "--probe", name, "--probe-out",
+                          f"{{pre}}-{name}.json"), files=[f"{name}.json"], **kw)
+
+
+def _speedup(name, argv, **kw):
+    """experiments.speedup with argv, resumed, within the budget; the autotuner's choices
+    to results/gpu_campaign/<stem>-stageN-autotune-<name>.json."""
+    fname = f"autotune-{name}.json"
+    return Step(name, _py("experiments.gpu_campaign", "--probe", "speedup", "--probe-out",
+                          f"{{pre}}-{fname}", "--", *argv, "--resume", "--budget-s", "{budget}",
+                          "--out", "{out}"), rq="speedup", files=[fname], **kw)
+
+
 def stage_steps(stage, dry):
     """The steps of one stage, GPU-sized or (dry) tiny."""
-    gc = ("experiments.gpu_campaign",)
     if stage == 1:
         if dry:
             rq1 = ["--quick", "--providers", "longflash,standard,sdpa_cpu,sdpa_flash,flex",
@@ -126,13 +140,8 @@ def stage_steps(stage, dry):
             rq1 = ["--full", "--headdims", "128,64",
                    "--seqlens", "1024,2048,4096,8192,16384", "--long-seqlens", ""]
         return [
-            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
-                 estimate_s=5, timeout_s=60, files=["env.json"]),
-            Step("speedup", _py(*gc, "--probe", "speedup", "--probe-out",
-                                "{pre}-autotune.json", "--", *rq1, "--resume",
-                                "--budget-s", "{budget}", "--out", "{out}"),
-                 rq="speedup", estimate_s=60, timeout_s=430, reserve_s=100,
-                 files=["autotune.json"]),
+            _probe("env", estimate_s=5, timeout_s=60),
+            _speedup("speedup", rq1, estimate_s=60, timeout_s=430, reserve_s=100),
             Step("pytest", _py("pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
                                "tests/test_gpu.py"), estimate_s=20, timeout_s=150),
         ]
@@ -153,38 +162,25 @@ def stage_steps(stage, dry):
                        "--long-seqlens", "65536", "--long-budget-s", "60"]
             exact = ["--full", "--parts", "exactness"]   # ring steps on gloo ranks (its CPU)
         return [
-            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
-                 estimate_s=5, timeout_s=60, files=["env.json"]),
-            Step("speedup_long", _py(*gc, "--probe", "speedup", "--probe-out",
-                                     "{pre}-autotune-long.json", "--", *long_, "--resume",
-                                     "--budget-s", "{budget}", "--out", "{out}"),
-                 rq="speedup", estimate_s=30, timeout_s=150, reserve_s=330,
-                 files=["autotune-long.json"]),
+            _probe("env", estimate_s=5, timeout_s=60),
+            _speedup("speedup_long", long_, estimate_s=30, timeout_s=150, reserve_s=330),
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
                  rq="scaling", estimate_s=60, timeout_s=150),
             Step("scaling_exact", _py("experiments.scaling", *exact, "--out", "{out}"),
                  rq="scaling", estimate_s=20, timeout_s=60),
-            Step("ncu", _py(*gc, "--probe", "ncu", "--probe-out", "{out}"),
-                 rq="io_complexity", estimate_s=30, timeout_s=90, needs="" if dry else "ncu"),
-            Step("speedup_d256", _py(*gc, "--probe", "speedup", "--probe-out",
-                                     "{pre}-autotune-d256.json", "--", *d256, "--resume",
-                                     "--budget-s", "{budget}", "--out", "{out}"),
-                 rq="speedup", estimate_s=30, timeout_s=400, reserve_s=20,
-                 files=["autotune-d256.json"]),
+            # without ncu, the probe itself writes one "unsupported" row per configuration
+            Step("ncu", _py("experiments.gpu_campaign", "--probe", "ncu", "--probe-out", "{out}"),
+                 rq="io_complexity", estimate_s=30, timeout_s=90),
+            _speedup("speedup_d256", d256, estimate_s=30, timeout_s=400, reserve_s=20),
         ]
     if stage == 3:
         lct = (["--quick", "--parts", "max_context,memory_model,exactness"] if dry
                else ["--full", "--parts", "max_context,memory_model,exactness"])
         return [
-            Step("env", _py(*gc, "--probe", "env", "--probe-out", "{pre}-env.json"),
-                 estimate_s=5, timeout_s=60, files=["env.json"]),
-            Step("hf", _py(*gc, "--probe", "hf", "--probe-out", "{pre}-hf.json"),
-                 estimate_s=15, timeout_s=60, files=["hf.json"]),
-            Step("jax", _py(*gc, "--probe", "jax", "--probe-out", "{pre}-jax.json"),
-                 estimate_s=10, timeout_s=60, files=["jax.json"]),
-            Step("decoding", _py(*gc, "--probe", "decoding", "--probe-out",
-                                 "{pre}-decoding.json"),
-                 estimate_s=10, timeout_s=60, files=["decoding.json"]),
+            _probe("env", estimate_s=5, timeout_s=60),
+            _probe("hf", estimate_s=15, timeout_s=60),
+            _probe("jax", estimate_s=10, timeout_s=60),
+            _probe("decoding", estimate_s=10, timeout_s=60),
             Step("variants", _py("experiments.variants",
                                  *(["--seqlens", "256,512"] if dry else ["--full"]),
                                  "--out", "{out}"),
