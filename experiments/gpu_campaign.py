@@ -36,7 +36,8 @@ tiny sizes with the Triton interpreter):
                 memory_model, exactness): max trainable context per attention implementation
                 under the card's memory, the memory model, exact training steps
 
-Outputs. The steps write into a scratch tree DIR/stageN/ whose paths mirror the repository
+Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
+DIR holds the archive alone) whose paths mirror the repository
 (results/<rq>/<stem>.csv with their .log and .json, where <stem> is
 experiments.results.device_tag(), or "dryrun" for a dry run); an existing results file of the
 repository is copied there first, so rows merge by key and --resume skips what is measured.
@@ -401,7 +402,9 @@ def probe_jax(path):
                                            for x in (q, k, v)), causal=True)
         diff = float(np.abs(np.asarray(out, np.float64) - ref.numpy()).max())
         rows.append(_row("max_abs_diff_default_backend", diff, "",
-                         "ok" if diff < 1e-3 else "error", note))
+                         # float32 matmuls on a GPU may run at TF32 precision
+                         "ok" if diff < (1e-2 if gpu else 1e-3) else "error",
+                         f"backend {'triton' if gpu and has_jt else 'jax (blockwise)'}, {note}"))
     except Exception as exc:  # noqa: BLE001
         rows.append(_row("max_abs_diff_default_backend", float("nan"), "", "error",
                          f"{type(exc).__name__}: {exc}"))
@@ -532,9 +535,10 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
 
     stem = "dryrun" if dry else device_tag()
     out_dir = os.path.abspath(out_dir)
-    scratch = os.path.join(out_dir, f"stage{stage}")
-    if os.path.exists(scratch):
-        shutil.rmtree(scratch)
+    os.makedirs(out_dir, exist_ok=True)
+    # Outside out_dir: the device machine brings back at most 8 files from it, so it holds
+    # the archive alone. Kept after the stage (its path is logged) for a look by hand.
+    scratch = tempfile.mkdtemp(prefix=f"gpu_campaign_stage{stage}_")
     camp_dir = os.path.join(scratch, "results", "gpu_campaign")
     os.makedirs(camp_dir)
     camp = os.path.join(camp_dir, f"{stem}-stage{stage}")
@@ -593,6 +597,8 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
     _dump(camp + ".json", config)
     tar_path = os.path.join(out_dir, f"stage{stage}.tar.gz")
     size = make_archive(scratch, tar_path)
+    if dry:
+        shutil.rmtree(scratch, ignore_errors=True)
     if size > ARCHIVE_LIMIT:
         log(f"WARNING: {tar_path} is {size / 2**20:.1f} MiB, over the 16 MiB the machine returns")
     summary = [f"stage {stage}{' (dry run)' if dry else ''}: {budget.elapsed():.0f} s of "
@@ -639,7 +645,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Stages and outputs: see the module docstring.")
     parser.add_argument("--stage", type=int, choices=(1, 2, 3))
-    parser.add_argument("--out", help="folder for stageN.tar.gz (and its scratch tree)")
+    parser.add_argument("--out", help="folder for stageN.tar.gz")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the Triton "
                         "interpreter; rows labelled 'dry run', files named dryrun.csv")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
