@@ -103,7 +103,9 @@ class Budget:
 @dataclass
 class Step:
     name: str
-    argv: list               # after `python3`; "{out}", "{budget}" and "{pre}" (results/gpu_campaign/<stem>-stageN) are filled in
+    # after `python3`; filled in: "{out}" (results/<rq>/<stem>.csv), "{budget}" (seconds the
+    # step may plan for), "{pre}" (results/gpu_campaign/<stem>-stageN, for probe files)
+    argv: list
     rq: str = ""             # results/<rq>/ that the step writes ("" for none)
     estimate_s: float = 30   # not started unless this much is left
     timeout_s: float = 600   # killed after this (or what is left of the budget)
