@@ -272,7 +272,8 @@ def probe_ncu(out):
     dry = not torch.cuda.is_available()
     plan = [p for p in io_complexity.ncu_plan(
         seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
-        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"))
+        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"),
+        nheads=1 if dry else 16)
         if p["mode"] == "fwd" and not p["causal"]
         and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
     ncu = shutil.which("ncu")
