@@ -600,8 +600,6 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
     _dump(camp + ".json", config)
     tar_path = os.path.join(out_dir, f"stage{stage}.tar.gz")
     size = make_archive(scratch, tar_path)
-    if dry:
-        shutil.rmtree(scratch, ignore_errors=True)
     if size > ARCHIVE_LIMIT:
         log(f"WARNING: {tar_path} is {size / 2**20:.1f} MiB, over the 16 MiB the machine returns")
     summary = [f"stage {stage}{' (dry run)' if dry else ''}: {budget.elapsed():.0f} s of "
@@ -613,6 +611,8 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
                 for name, rs in probes.items() for r in rs]
     summary.append(f"unpack at the repository root: tar xzf {tar_path}")
     log("\n".join(summary))
+    if dry:
+        shutil.rmtree(scratch, ignore_errors=True)
     return tar_path, records
 
 
