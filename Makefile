@@ -29,7 +29,7 @@ export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH
 NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
-        scaling long-context
+        scaling long-context gpu gpu-dry
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
@@ -71,6 +71,19 @@ long-context: $(ENV_READY)  # RQ4: max context, memory model + 7B projection, qu
 
 variants: $(ENV_READY)  # sliding-window cost against sequence length
 	$(PYTHON) -m experiments.variants $(call size,--quick,--full,)
+
+# The GPU campaign (experiments/GPU.md): three stages of under 9 minutes each, each leaving
+# OUT/stageN.tar.gz to unpack at the repository root. gpu-dry: all three on CPU at tiny sizes
+# (about 6 minutes on a busy 2-core machine), archives checked; CI runs it.
+STAGE ?= 1
+OUT ?= gpu-out
+gpu: $(ENV_READY)
+	$(PYTHON) -m experiments.gpu_campaign --stage $(STAGE) --out $(OUT)
+
+gpu-dry: $(ENV_READY)
+	set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
+	for s in 1 2 3; do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
+	$(PYTHON) -m experiments.gpu_campaign --check "$$d"/stage1.tar.gz "$$d"/stage2.tar.gz "$$d"/stage3.tar.gz
 
 figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
 	$(PYTHON) notebooks/run_notebooks.py $(NOTEBOOKS)

@@ -19,7 +19,7 @@ window_right, block_m, block_n):
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,12 +48,16 @@ def main():
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_true", help="GPU sizes, up to 64K tokens")
     size.add_argument("--quick", action="store_true", help="tiny sizes, seconds (the pipeline)")
+    parser.add_argument("--seqlens", help="comma-separated sequence lengths (a slice, or tiny "
+                        "ones for a dry run)")
     parser.add_argument("--out", default=None, help="CSV path (default results/variants/<device>.csv)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = Config(nheads=16, headdim=128, seqlens=tuple(2**i for i in range(10, 17))) \
         if args.full else Config(nheads=2, headdim=32, seqlens=(256, 512)) if args.quick \
         else Config()
+    if args.seqlens:
+        cfg = replace(cfg, seqlens=tuple(int(x) for x in args.seqlens.split(",")))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     backend = "triton" if device == "cuda" else "torch"
     out = args.out or default_out("variants")

@@ -1,0 +1,683 @@
+"""The GPU campaign: every GPU result of the paper in three stages of under 9 minutes each.
+
+    python3 -m experiments.gpu_campaign --stage 1 --out $OUT            # on the GPU machine
+    python3 -m experiments.gpu_campaign --stage 1 --out /tmp/c --dry-run  # CPU, tiny, in CI
+    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all three stages dry, archives checked)
+
+A GPU window here is at most 30 minutes, in runs of at most 10 minutes, on a bare machine that
+returns at most 8 files of 16 MiB (experiments/GPU.md). So each stage runs under its own wall
+budget (--budget-s, default 510 s including compilation and autotuning): a step is started
+only if its estimate fits in what is left, and its timeout is cut to what is left, so the stage
+ends in time and keeps what it measured. Each step is a subprocess with its own timeout: a
+crash or a hang is a row with status "error" (or "unsupported" for a missing tool) and a log
+line, never a lost stage.
+
+Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
+tiny sizes with the Triton interpreter):
+  1  env        device, versions, SM count, L2, memory, nvidia-smi, ncu (a JSON)
+     speedup    RQ1 (experiments.speedup --full): head dims 128 then 64, 1K..16K tokens,
+                causal and not, fwd/bwd/fwd_bwd, LongFlash against SDPA flash / cuDNN /
+                efficient / math, compiled flex and standard; the bf16 matmul and copy
+                ceilings at its start and end; the autotuner's chosen configs (a JSON)
+     pytest     `pytest -m gpu` (tests/test_gpu.py), bounded
+  2  speedup_long  RQ1 at 32K, 64K, 128K tokens (head dim 128, batch 1)
+     speedup_d256  RQ1 at head dim 256, 1K..16K tokens
+     scaling    RQ3 (experiments.scaling --full): exact causal attention over 1,048,576
+                tokens on one GPU (part long), per-step ring block times and the alpha-beta
+                projection (blocks, projection)
+     scaling_exact  RQ3 part exactness: ring steps on gloo ranks against one-rank attention
+     ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations crossing the L2
+                size (experiments.io_complexity's plan), beside the model's prediction
+  3  hf         a small random Llama: LongFlash logits against eager, one generate
+     jax        longflash.jax on the GPU (needs jax-triton; "unsupported" without it)
+     decoding   longflash.attention_with_kvcache, if this version has it
+     variants   experiments.variants --full
+     long_context  RQ4 (experiments.long_context_training --full, parts max_context,
+                memory_model, exactness): max trainable context per attention implementation
+                under the card's memory, the memory model, exact training steps
+
+Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
+DIR holds the archive alone) whose paths mirror the repository
+(results/<rq>/<stem>.csv with their .log and .json, where <stem> is
+experiments.results.device_tag(), or "dryrun" for a dry run); an existing results file of the
+repository is copied there first, so rows merge by key and --resume skips what is measured.
+The repository's results/ is never written. The campaign's own rows (one per step: wall time
+and status; the hf/jax/decoding measurements) go to results/gpu_campaign/<stem>-stageN.csv,
+with the full log (<stem>-stageN.log) and the resolved configuration (<stem>-stageN.json).
+Everything ends in DIR/stageN.tar.gz (under 16 MiB): `tar xzf DIR/stageN.tar.gz` at the
+repository root puts each file in place. A dry run's rows have "dry run: " at the start of
+their device column. The summary table is printed last.
+
+Campaign rows: experiment "gpu_campaign", provider "longflash", mode "fwd", metric
+"wall_s" (s, the step's wall time) or the probe's metric (hf: max_abs_diff_logits,
+generate_tokens; jax: max_abs_diff; decoding: time_ms, max_abs_diff); key column `step`.
+"""
+
+import argparse
+import csv
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUDGET_S = 510.0            # a stage's wall budget: 8.5 minutes of the run's 10
+ARCHIVE_RESERVE_S = 15.0    # kept for writing the rows and the archive
+ARCHIVE_LIMIT = 16 * 2**20  # what the device machine brings back per file
+NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum"
+
+
+# ----------------------------------------------------------------------------- budget
+
+class Budget:
+    """A stage's wall-clock budget. `clock` is injectable (tests use a fake one)."""
+
+    def __init__(self, total_s, clock=time.monotonic, reserve_s=ARCHIVE_RESERVE_S):
+        self.total_s, self.clock, self.reserve_s = total_s, clock, reserve_s
+        self.start = clock()
+
+    def elapsed(self):
+        return self.clock() - self.start
+
+    def left(self):
+        """Seconds a step may still use (the archive's reserve excluded)."""
+        return self.total_s - self.reserve_s - self.elapsed()
+
+    def allows(self, estimate_s):
+        """Start a step only if its estimate fits in what is left."""
+        return estimate_s <= self.left()
+
+    def timeout(self, step_timeout_s):
+        return max(1.0, min(step_timeout_s, self.left()))
+
+
+# ----------------------------------------------------------------------------- steps
+
+@dataclass
+class Step:
+    name: str
+    # after `python3`; filled in: "{out}" (results/<rq>/<stem>.csv), "{budget}" (seconds the
+    # step may plan for), "{pre}" (results/gpu_campaign/<stem>-stageN, for probe files)
+    argv: list
+    rq: str = ""             # results/<rq>/ that the step writes ("" for none)
+    estimate_s: float = 30   # not started unless this much is left
+    timeout_s: float = 600   # killed after this (or what is left of the budget)
+    reserve_s: float = 0     # "{budget}": left - reserve_s, for the steps after this one
+    needs: str = ""          # "ncu": an external tool; missing -> status "unsupported"
+    files: list = field(default_factory=list)  # extra files (under the scratch tree) to archive
+
+
+def _py(*args):
+    return ["-m", *args]
+
+
+def _probe(name, **kw):
+    """A probe of this module, writing results/gpu_campaign/<stem>-stageN-<name>.json."""
+    return Step(name, _py("experiments.gpu_campaign", "--probe", name, "--probe-out",
+                          f"{{pre}}-{name}.json"), files=[f"{name}.json"], **kw)
+
+
+def _speedup(name, argv, **kw):
+    """experiments.speedup with argv, resumed, within the budget; the autotuner's choices
+    to results/gpu_campaign/<stem>-stageN-autotune-<name>.json."""
+    fname = f"autotune-{name}.json"
+    return Step(name, _py("experiments.gpu_campaign", "--probe", "speedup", "--probe-out",
+                          f"{{pre}}-{fname}", "--", *argv, "--resume", "--budget-s", "{budget}",
+                          "--out", "{out}"), rq="speedup", files=[fname], **kw)
+
+
+def stage_steps(stage, dry):
+    """The steps of one stage, GPU-sized or (dry) tiny."""
+    if stage == 1:
+        if dry:
+            rq1 = ["--quick", "--providers", "longflash,standard,sdpa_cpu,sdpa_flash,flex",
+                   "--seqlens", "128", "--long-seqlens", ""]
+        else:
+            rq1 = ["--full", "--headdims", "128,64",
+                   "--seqlens", "1024,2048,4096,8192,16384", "--long-seqlens", ""]
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            _speedup("speedup", rq1, estimate_s=60, timeout_s=430, reserve_s=100),
+            Step("pytest", _py("pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
+                               "tests/test_gpu.py"), estimate_s=20, timeout_s=150),
+        ]
+    if stage == 2:
+        if dry:
+            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512"]
+            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", ""]
+            scaling = ["--quick", "--parts", "long,blocks,projection",
+                       "--long-seqlens", "256", "--long-budget-s", "20"]
+            exact = ["--quick", "--parts", "exactness"]
+        else:
+            long_ = ["--full", "--headdims", "128", "--seqlens", "",
+                     "--long-seqlens", "32768,65536,131072"]
+            d256 = ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
+                    "--long-seqlens", ""]
+            # the 1M-token run on the GPU is in part long; the CPU ring there gets one size
+            scaling = ["--full", "--parts", "long,blocks,projection",
+                       "--long-seqlens", "65536", "--long-budget-s", "60"]
+            exact = ["--full", "--parts", "exactness"]   # ring steps on gloo ranks (its CPU)
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            _speedup("speedup_long", long_, estimate_s=30, timeout_s=150, reserve_s=330),
+            Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
+                 rq="scaling", estimate_s=60, timeout_s=150),
+            Step("scaling_exact", _py("experiments.scaling", *exact, "--out", "{out}"),
+                 rq="scaling", estimate_s=20, timeout_s=60),
+            # without ncu, the probe itself writes one "unsupported" row per configuration
+            Step("ncu", _py("experiments.gpu_campaign", "--probe", "ncu", "--probe-out", "{out}"),
+                 rq="io_complexity", estimate_s=30, timeout_s=90),
+            _speedup("speedup_d256", d256, estimate_s=30, timeout_s=400, reserve_s=20),
+        ]
+    if stage == 3:
+        lct = (["--quick", "--parts", "max_context,memory_model,exactness"] if dry
+               else ["--full", "--parts", "max_context,memory_model,exactness"])
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            _probe("hf", estimate_s=15, timeout_s=60),
+            _probe("jax", estimate_s=10, timeout_s=60),
+            _probe("decoding", estimate_s=10, timeout_s=60),
+            Step("variants", _py("experiments.variants",
+                                 *(["--seqlens", "256,512"] if dry else ["--full"]),
+                                 "--out", "{out}"),
+                 rq="variants", estimate_s=20, timeout_s=90),
+            Step("long_context", _py("experiments.long_context_training", *lct, "--out", "{out}"),
+                 rq="long_context_training", estimate_s=60, timeout_s=270),
+        ]
+    raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+
+
+# ----------------------------------------------------------------------------- probes
+# Small measurements that no experiment script makes; each runs in its own subprocess
+# (`--probe NAME`) and writes a JSON: {"rows": [{metric, value, unit, status, note}], ...}.
+
+def _dump(path, obj):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+def _row(metric, value, unit, status="ok", note=""):
+    return dict(metric=metric, value=value, unit=unit, status=status, note=note)
+
+
+def probe_env(path):
+    import platform
+    import torch
+    info = dict(python=platform.python_version(), torch=torch.__version__,
+                cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
+                ncu=shutil.which("ncu"), nvidia_smi=shutil.which("nvidia-smi"))
+    for mod in ("triton", "numpy", "pandas", "transformers", "jax", "jax_triton"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001 - record any import failure as it is
+            info[mod] = f"unavailable: {type(exc).__name__}: {exc}"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, capability=f"{p.major}.{p.minor}",
+                    sm_count=p.multi_processor_count, memory_mb=p.total_memory / 2**20,
+                    l2_bytes=getattr(p, "L2_cache_size", None))
+        info["nvidia_smi_q"] = _cmd(["nvidia-smi", "-q", "-d", "CLOCK,MEMORY,POWER"])
+    from experiments.results import cpu_name
+    info["cpu"] = cpu_name()
+    _dump(path, info)
+    print(json.dumps({k: v for k, v in info.items() if k != "nvidia_smi_q"}, indent=1))
+
+
+def _cmd(argv):
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unavailable: {exc}"
+
+
+def _autotune_choices():
+    """{kernel: {key: chosen config}} of every Triton autotuner in longflash.flash_triton."""
+    try:
+        from longflash import flash_triton
+    except Exception as exc:  # noqa: BLE001
+        return {"unavailable": repr(exc)}
+    chosen = {}
+    for name, obj in vars(flash_triton).items():
+        cache = getattr(obj, "cache", None)
+        if isinstance(cache, dict) and hasattr(obj, "configs"):
+            chosen[name] = dict(n_configs=len(obj.configs),
+                                chosen={str(k): str(c) for k, c in cache.items()})
+    return chosen
+
+
+def probe_speedup(path, argv):
+    """experiments.speedup's main() with argv, then the autotuner's choices to `path`."""
+    from experiments import speedup
+    sys.argv = ["experiments.speedup", *argv]
+    try:
+        speedup.main()
+    finally:
+        _dump(path, dict(argv=argv, autotune=_autotune_choices()))
+
+
+def probe_ncu(out):
+    """RQ2 on the GPU: ncu's DRAM and L2 bytes for a few configurations of io_complexity's
+    plan that cross the L2 size, beside the model's prediction; rows in `out`."""
+    import torch
+    from experiments import io_complexity
+    from experiments.results import write_results
+    dry = not torch.cuda.is_available()
+    plan = [p for p in io_complexity.ncu_plan(
+        seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
+        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"),
+        nheads=1 if dry else 16)
+        if p["mode"] == "fwd" and not p["causal"]
+        and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
+    ncu = shutil.which("ncu")
+    log_path = os.path.splitext(out)[0] + ".ncu.log"
+    rows = []
+    for p in plan:
+        base = dict(experiment="io_complexity_ncu", provider=p["provider"], mode=p["mode"],
+                    dtype=p["dtype"], batch=p["batch"], seqlen_q=p["seqlen"],
+                    seqlen_k=p["seqlen"], nheads=p["nheads"], nheads_kv=p["nheads"],
+                    headdim=p["headdim"], causal=p["causal"], p20=float("nan"),
+                    p80=float("nan"), model_hbm_bytes=p["model_hbm_bytes"])
+        if ncu is None or dry:
+            why = "ncu not found" if ncu is None else "no GPU"
+            if dry:  # the profiled code path itself, once, tiny, on CPU
+                io_complexity.run_target({k: p[k] for k in ("provider", "mode", "batch",
+                                          "seqlen", "nheads", "headdim", "causal", "dtype")}
+                                         | dict(dtype="float32"))
+            rows += [dict(base, metric=m, value=float("nan"), unit="bytes", status="unsupported")
+                     for m in NCU_METRICS.split(",")]
+            print(f"ncu: {p['provider']} N={p['seqlen']}: unsupported ({why})")
+            continue
+        spec = {k: p[k] for k in ("provider", "mode", "batch", "seqlen", "nheads", "headdim",
+                                  "causal", "dtype")}
+        argv = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "io_target/",
+                "--metrics", NCU_METRICS, "--csv", sys.executable, "-m",
+                "experiments.io_complexity", "--ncu-target", json.dumps(spec)]
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+            with open(log_path, "a") as f:
+                f.write(f"== {shlex.join(argv)}\n{res.stdout[-20000:]}\n{res.stderr[-5000:]}\n")
+            sums = parse_ncu_csv(res.stdout)
+            status = "ok" if res.returncode == 0 and sums else "error"
+        except subprocess.TimeoutExpired:
+            sums, status = {}, "error"
+        for m in NCU_METRICS.split(","):
+            rows.append(dict(base, metric=m, value=sums.get(m, float("nan")), unit="bytes",
+                             status=status if m in sums or status != "ok" else "error"))
+        print(f"ncu: {p['provider']} N={p['seqlen']}: {status} {sums} "
+              f"(model {p['model_hbm_bytes']:.3g} B)")
+    write_results(rows, out, key_columns=["model_hbm_bytes"])
+
+
+_UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
+          "kibyte": 2**10, "mibyte": 2**20, "gibyte": 2**30}
+
+
+def parse_ncu_csv(text):
+    """Sum each metric over the kernels of ncu's --csv output, in bytes."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    sums = {}
+    for rec in csv.DictReader(io.StringIO("\n".join(lines))):
+        name, unit, value = rec.get("Metric Name"), rec.get("Metric Unit", ""), \
+            rec.get("Metric Value")
+        if not name or value is None:
+            continue
+        try:
+            v = float(value.replace(",", "")) * _UNITS.get(unit.strip().lower(), 1)
+        except ValueError:
+            continue
+        sums[name] = sums.get(name, 0.0) + v
+    return sums
+
+
+def probe_hf(path):
+    """A small random Llama: LongFlash logits against eager, one greedy generate."""
+    import torch
+    rows = []
+    try:
+        import transformers
+        import longflash.integrations.transformers as lf_hf
+    except Exception as exc:  # noqa: BLE001
+        _dump(path, dict(rows=[_row("max_abs_diff_logits", float("nan"), "", "unsupported",
+                                    f"transformers unavailable: {exc}")]))
+        return
+    lf_hf.register()
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    size = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2) if cuda else \
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(vocab_size=1000, max_position_embeddings=4096, **size)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(0, 1000, (2, 1024 if cuda else 64), device=device)
+    with torch.no_grad():
+        model.config._attn_implementation = "eager"
+        ref = model(ids).logits.float()
+        model.config._attn_implementation = "LongFlash"
+        out = model(ids).logits.float()
+        diff = (out - ref).abs().max().item()
+        gen = model.generate(ids[:, :32], max_new_tokens=8, do_sample=False)
+    rows.append(_row("max_abs_diff_logits", diff, "", "ok" if diff < (0.1 if cuda else 1e-3)
+                     else "error", f"{transformers.__version__}, {device}, {dtype}"))
+    rows.append(_row("generate_tokens", gen.shape[1] - 32, "tokens"))
+    _dump(path, dict(rows=rows))
+    print(rows)
+
+
+def probe_jax(path):
+    """longflash.jax on the GPU; needs jax-triton, which the GPU image lacks (and the machine
+    cannot download): then one 'unsupported' row saying so."""
+    try:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from longflash import jax as lf_jax
+    except Exception as exc:  # noqa: BLE001
+        _dump(path, dict(rows=[_row("max_abs_diff", float("nan"), "", "unsupported",
+                                    f"jax unavailable: {exc}")]))
+        return
+    gpu = any(d.platform == "gpu" for d in jax.devices())
+    has_jt = lf_jax._has_jax_triton()
+    note = f"jax {jax.__version__}, devices {[d.platform for d in jax.devices()]}, " \
+           f"jax_triton {'present' if has_jt else 'absent'}"
+    rows = []
+    if gpu and not has_jt:
+        rows.append(_row("max_abs_diff", float("nan"), "", "unsupported",
+                         "jax-triton is not installed on the GPU image and cannot be "
+                         "downloaded there; carry its wheel (experiments/GPU.md). " + note))
+    rng = np.random.default_rng(0)
+    shape = (1, 256 if gpu else 64, 2, 64)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))
+    try:  # the binding's default backend here (the blockwise JAX path without jax-triton)
+        out = lf_jax.attention(q, k, v, causal=True)
+        import torch
+        import longflash
+        ref, _ = longflash.attention_ref(*(torch.from_numpy(np.array(x)).double()
+                                           for x in (q, k, v)), causal=True)
+        diff = float(np.abs(np.asarray(out, np.float64) - ref.numpy()).max())
+        rows.append(_row("max_abs_diff_default_backend", diff, "",
+                         # float32 matmuls on a GPU may run at TF32 precision
+                         "ok" if diff < (1e-2 if gpu else 1e-3) else "error",
+                         f"backend {'triton' if gpu and has_jt else 'jax (blockwise)'}, {note}"))
+    except Exception as exc:  # noqa: BLE001
+        rows.append(_row("max_abs_diff_default_backend", float("nan"), "", "error",
+                         f"{type(exc).__name__}: {exc}"))
+    _dump(path, dict(rows=rows))
+    print(rows)
+
+
+def probe_decoding(path):
+    """longflash.attention_with_kvcache (a later version's API), if present."""
+    import longflash
+    if not hasattr(longflash, "attention_with_kvcache"):
+        _dump(path, dict(rows=[_row("time_ms", float("nan"), "ms", "unsupported",
+                                    "longflash.attention_with_kvcache is not in this version")]))
+        return
+    import torch
+    from experiments.measure import time_ms
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    rows = []
+    for cache_len in ((16384, 131072) if cuda else (256,)):
+        q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
+        k_cache, v_cache = (torch.randn(1, cache_len, 8, 128, device=device, dtype=dtype)
+                            for _ in range(2))
+        seqlens = torch.full((1,), cache_len, dtype=torch.int32, device=device)
+        try:
+            fn = lambda: longflash.attention_with_kvcache(  # noqa: E731
+                q, k_cache, v_cache, cache_seqlens=seqlens)
+            out = fn()
+            ref, _ = longflash.attention_ref(q.double(), k_cache.double(), v_cache.double(),
+                                             causal=True)
+            diff = (out.double() - ref).abs().max().item()
+            med = time_ms(fn, device)[0]
+            rows += [_row(f"time_ms_cache{cache_len}", med, "ms"),
+                     _row(f"max_abs_diff_cache{cache_len}", diff, "")]
+        except Exception as exc:  # noqa: BLE001
+            rows.append(_row(f"time_ms_cache{cache_len}", float("nan"), "ms", "error",
+                             f"{type(exc).__name__}: {exc}"))
+    _dump(path, dict(rows=rows))
+    print(rows)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def _fill(argv, **values):
+    return [a.format(**values) if "{" in a else a for a in argv]
+
+
+def run_step(step, budget, env, log, values, python=sys.executable):
+    """Run one step as a subprocess within the budget. Returns (status, wall_s, note)."""
+    if not budget.allows(step.estimate_s):
+        log(f"-- {step.name}: not started, {budget.left():.0f} s left < estimate "
+            f"{step.estimate_s:.0f} s")
+        return "skipped", 0.0, "budget spent"
+    if step.needs and shutil.which(step.needs) is None:
+        log(f"-- {step.name}: unsupported, {step.needs} not found")
+        return "unsupported", 0.0, f"{step.needs} not found"
+    timeout = budget.timeout(step.timeout_s)
+    values = dict(values, budget=f"{max(1.0, budget.left() - step.reserve_s):.0f}")
+    argv = [python, *_fill(step.argv, **values)]
+    log(f"-- {step.name}: {shlex.join(argv)} (timeout {timeout:.0f} s)")
+    t0 = time.monotonic()
+    try:
+        res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
+        out, rc = res.stdout + res.stderr, res.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = (_text(exc.stdout) + _text(exc.stderr))
+        rc = None
+    wall = time.monotonic() - t0
+    log(out.rstrip())
+    if rc is None:
+        log(f"-- {step.name}: error, timed out after {wall:.0f} s")
+        return "error", wall, f"timeout after {wall:.0f} s"
+    if rc != 0:
+        last = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or [""]
+        log(f"-- {step.name}: error, exit code {rc}")
+        return "error", wall, f"exit {rc}: {last[0][:200]}"
+    log(f"-- {step.name}: ok, {wall:.1f} s")
+    return "ok", wall, ""
+
+
+def _text(b):
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def campaign_rows(records, probes):
+    """The campaign's own rows: one wall_s row per step, plus the probes' measurements."""
+    nan = float("nan")
+    base = dict(experiment="gpu_campaign", provider="longflash", mode="fwd", dtype="",
+                batch=0, seqlen_q=0, seqlen_k=0, nheads=0, nheads_kv=0, headdim=0,
+                causal=False, p20=nan, p80=nan)
+    rows = []
+    for rec in records:
+        status = "error" if rec["status"] == "skipped" else rec["status"]
+        rows.append(dict(base, step=rec["name"], metric="wall_s",
+                         value=rec["wall_s"] if status == "ok" else nan, unit="s",
+                         status=status, note=rec["note"] or rec["status"]))
+        for r in probes.get(rec["name"], []):
+            rows.append(dict(base, step=rec["name"], **r))
+    return rows
+
+
+def _prefix_dry(path, device_prefix="dry run: "):
+    """Mark every row of a dry run's CSV as such in its device column."""
+    import pandas as pd
+    df = pd.read_csv(path)
+    if "device" in df.columns:
+        df["device"] = df["device"].astype(str).map(
+            lambda d: d if d.startswith(device_prefix) else device_prefix + d)
+        df.to_csv(path, index=False)
+
+
+def make_archive(scratch, tar_path):
+    """Pack the scratch tree (paths relative to the repository root) into tar_path."""
+    with tarfile.open(tar_path, "w:gz") as tar:
+        for dirpath, _, names in sorted(os.walk(scratch)):
+            for name in sorted(names):
+                full = os.path.join(dirpath, name)
+                tar.add(full, arcname=os.path.relpath(full, scratch))
+    return os.path.getsize(tar_path)
+
+
+def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic,
+              steps=None, log_print=lambda m: print(m, flush=True)):
+    """Run one stage; returns (archive path, records)."""
+    import torch  # noqa: F401 - device_tag needs it
+    from experiments.results import device_tag, write_results
+
+    stem = "dryrun" if dry else device_tag()
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    # Outside out_dir: the device machine brings back at most 8 files from it, so it holds
+    # the archive alone. Kept after the stage (its path is logged) for a look by hand.
+    scratch = tempfile.mkdtemp(prefix=f"gpu_campaign_stage{stage}_")
+    camp_dir = os.path.join(scratch, "results", "gpu_campaign")
+    os.makedirs(camp_dir)
+    camp = os.path.join(camp_dir, f"{stem}-stage{stage}")
+    lines = []
+
+    def log(msg):
+        lines.append(msg)
+        with open(camp + ".log", "a") as f:
+            f.write(msg + "\n")
+        log_print(msg if len(msg) < 2000 else msg[:300] + " ... " + msg[-1500:])
+
+    budget = Budget(budget_s, clock=clock)
+    steps = stage_steps(stage, dry) if steps is None else steps
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if dry:
+        env["CUDA_VISIBLE_DEVICES"] = ""   # a dry run is a CPU run, also on a GPU machine
+        env["TRITON_INTERPRET"] = "1"
+    env["TRITON_CACHE_AUTOTUNING"] = "1"
+    config = dict(stage=stage, dry_run=dry, budget_s=budget_s, stem=stem, out=out_dir,
+                  python=sys.executable, steps=[asdict(s) for s in steps])
+    _dump(camp + ".json", config)
+    log(f"== gpu_campaign stage {stage}{' (dry run)' if dry else ''}: {len(steps)} steps, "
+        f"budget {budget_s:.0f} s, results stem {stem!r}, scratch {scratch}")
+
+    records, probes = [], {}
+    for step in steps:
+        out_csv = os.path.join(scratch, "results", step.rq or "gpu_campaign",
+                               f"{stem}.csv" if step.rq else f"{stem}-{step.name}.csv")
+        repo_csv = os.path.join(ROOT, "results", step.rq, f"{stem}.csv")
+        if step.rq and not dry and not os.path.exists(out_csv) and os.path.exists(repo_csv):
+            os.makedirs(os.path.dirname(out_csv), exist_ok=True)
+            shutil.copy2(repo_csv, out_csv)  # merge by key, --resume skips measured rows
+        os.makedirs(os.path.dirname(out_csv), exist_ok=True)
+        status, wall, note = run_step(step, budget, env, log,
+                                      dict(out=out_csv, pre=camp))
+        records.append(dict(name=step.name, rq=step.rq, status=status, wall_s=wall, note=note))
+        for fname in step.files:
+            p = f"{camp}-{fname}"
+            if os.path.exists(p):
+                try:
+                    with open(p) as f:
+                        probes[step.name] = json.load(f).get("rows", [])
+                except (ValueError, OSError):
+                    pass
+
+    rows = campaign_rows(records, probes)
+    write_results(rows, camp + ".csv", key_columns=["step"])
+    if dry:
+        for dirpath, _, names in os.walk(os.path.join(scratch, "results")):
+            for name in names:
+                if name.endswith(".csv"):
+                    _prefix_dry(os.path.join(dirpath, name))
+    config["records"] = records
+    _dump(camp + ".json", config)
+    tar_path = os.path.join(out_dir, f"stage{stage}.tar.gz")
+    size = make_archive(scratch, tar_path)
+    if size > ARCHIVE_LIMIT:
+        log(f"WARNING: {tar_path} is {size / 2**20:.1f} MiB, over the 16 MiB the machine returns")
+    summary = [f"stage {stage}{' (dry run)' if dry else ''}: {budget.elapsed():.0f} s of "
+               f"{budget_s:.0f}, archive {tar_path} ({size / 2**20:.2f} MiB)",
+               f"{'step':<14} {'status':<12} {'wall_s':>7}  note"]
+    summary += [f"{r['name']:<14} {r['status']:<12} {r['wall_s']:>7.1f}  {r['note'][:80]}"
+                for r in records]
+    summary += [f"  {name}: {r['metric']} = {r['value']} [{r['status']}] {r['note'][:60]}"
+                for name, rs in probes.items() for r in rs]
+    summary.append(f"unpack at the repository root: tar xzf {tar_path}")
+    log("\n".join(summary))
+    if dry:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return tar_path, records
+
+
+def check_archive(tar_path):
+    """Problems with an archive: paths outside results/<rq>/, size, unreadable CSVs."""
+    from experiments.results import read_results
+    problems = []
+    if os.path.getsize(tar_path) > ARCHIVE_LIMIT:
+        problems.append(f"{tar_path}: over 16 MiB")
+    with tarfile.open(tar_path) as tar, tempfile.TemporaryDirectory() as tmp:
+        names = tar.getnames()
+        for n in names:
+            parts = n.split("/")
+            if n.startswith("/") or ".." in parts or parts[0] != "results" or len(parts) != 3:
+                problems.append(f"{n}: not results/<rq>/<file>")
+        tar.extractall(tmp, filter="data") if sys.version_info >= (3, 12) else tar.extractall(tmp)
+        csvs = [os.path.join(tmp, n) for n in names if n.endswith(".csv")]
+        if not csvs:
+            problems.append(f"{tar_path}: no CSV")
+        for c in csvs:
+            try:
+                df = read_results(c)
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{c}: unreadable: {exc}")
+                continue
+            if "device" in df.columns and "dryrun" in os.path.basename(c) and \
+                    not df["device"].astype(str).str.startswith("dry run").all():
+                problems.append(f"{c}: a dry-run row without 'dry run' in its device")
+    return problems
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Stages and outputs: see the module docstring.")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3))
+    parser.add_argument("--out", help="folder for stageN.tar.gz")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the Triton "
+                        "interpreter; rows labelled 'dry run', files named dryrun.csv")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="wall budget of the stage (default %(default).0f s)")
+    parser.add_argument("--check", nargs="+", metavar="TAR", help="check archives and exit")
+    parser.add_argument("--probe", choices=("env", "speedup", "ncu", "hf", "jax", "decoding"),
+                        help=argparse.SUPPRESS)   # one step, run by the campaign itself
+    parser.add_argument("--probe-out", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.check:
+        bad = [p for t in args.check for p in check_archive(t)]
+        print("\n".join(bad) or f"{len(args.check)} archive(s) OK")
+        sys.exit(1 if bad else 0)
+    if args.probe:
+        rest = rest[1:] if rest[:1] == ["--"] else rest
+        fn = dict(env=probe_env, ncu=probe_ncu, hf=probe_hf, jax=probe_jax,
+                  decoding=probe_decoding)
+        if args.probe == "speedup":
+            probe_speedup(args.probe_out, rest)
+        else:
+            fn[args.probe](args.probe_out)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {rest}")
+    if args.stage is None or not args.out:
+        parser.error("--stage and --out are required")
+    _, records = run_stage(args.stage, args.out, dry=args.dry_run, budget_s=args.budget_s)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
