@@ -25,7 +25,8 @@ endif
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # One command per research question; each writes results/<rq>/<device>.csv.
-NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
+NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb \
+             notebooks/codegen.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper speedup io-complexity variants scaling \
         long-context codegen codegen-check
@@ -72,7 +73,7 @@ variants: $(ENV_READY)  # sliding-window cost against sequence length
 codegen: $(ENV_READY)
 	$(PYTHON) -m experiments.codegen
 
-TRITON36 := $(CURDIR)/.venv-triton36
+TRITON36 := .venv-triton36
 $(TRITON36)/.installed:
 	python3 -m venv $(TRITON36)
 	$(TRITON36)/bin/python -m pip install --quiet --upgrade pip

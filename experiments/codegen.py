@@ -30,18 +30,22 @@ the launcher can choose on sm_90a. Must run without TRITON_INTERPRET=1.
 """
 
 import argparse
+import atexit
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compile for real
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default of every Triton so far
-# A fresh cache directory, so compile_s times a real compilation, never a cache hit.
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="longflash-codegen-")
+if __name__ == "__main__":  # before triton is imported; importers (tests) keep their set-up
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default of every Triton so far
+    # A fresh cache directory, so compile_s times a real compilation, never a cache hit.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="longflash-codegen-")
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

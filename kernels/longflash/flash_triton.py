@@ -28,9 +28,20 @@ multiplying by strides, so tensors over 2^31 elements are addressed safely.
 Where it was tested and where it breaks:
 - Tested on CPU under TRITON_INTERPRET=1 (Triton 3.9) in fp16 and fp32; the GPU
   tests (marker `gpu`) target H100/H200 with Triton >= 3.0 but have not been run
-  at the time of writing: see the closing notes of the issues.
-- The autotune space below has not been tuned on a GPU yet; it is the usual
-  FlashAttention-2 Triton space (Triton tutorial 06), pruned for large head dims.
+  at the time of writing: nothing here has been timed on a GPU.
+- Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
+  in CI against Triton 3.6.0, the H100/H200 machines' version, and the newest Triton):
+  compiled for sm_90a at every config in CONFIGS, the forward and dQ kernels spill nothing at
+  head dims 64 and 128, every tl.dot of every loop is a wgmma, and K/V (Q/dO) loads are
+  pipelined with cp.async. The dK/dV kernel still spills (about 0.2-0.8 KB at head dim 64,
+  1-4 KB at 128; Triton's tutorial fused backward spills 980 B and 11.7 KB). Head dim 256
+  compiles and spills; see results/codegen/sm90a.csv.
+- Tiles are addressed with plain pointers and masks (block pointers are gone from Triton 3.9;
+  tensor descriptors / TMA would need an on-device allocator and 16-byte-aligned strides, which
+  arbitrary strides, odd head dims and packed batches do not give): bounds are checked only
+  on the blocks that straddle a sequence end or a window edge, and the head-dim mask only when
+  the head dim is not a power of two. No TMA, no warp specialization yet.
+- The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
   no paged KV cache; fp32 inputs use IEEE fp32 dot products (no TF32), which
