@@ -98,18 +98,18 @@ def _config(c):
                          num_stages=stages)
 
 
-def _table_key(kernel, capability, headdim):
-    """Hopper and newer use the sm_90 table, Ampere/Ada the sm_80 one."""
+def _table_key(kernel, major, headdim):
+    """Hopper and newer use the sm_90 table, Ampere/Ada the sm_80 one (major: 8, 9, 10...)."""
     block_d = max(64, triton.next_power_of_2(headdim))
-    return kernel, 9 if capability >= 9 else 8, block_d
+    return kernel, 9 if major >= 9 else 8, block_d
 
 
-def configs_for(kernel, capability, headdim):
+def configs_for(kernel, major, headdim):
     """The triton.Configs the launcher may choose for `kernel` ("fwd", "preprocess", "dkdv",
-    "dq") on a GPU of this major compute capability and head dim."""
+    "dq") on a GPU of this major compute capability (9 for H100) and head dim."""
     if kernel == "preprocess":
         return [triton.Config({"BLOCK_M": PREPROCESS_BLOCK_M}, num_warps=4, num_stages=1)]
-    return [_config(c) for c in CONFIGS[_table_key(kernel, capability, headdim)]]
+    return [_config(c) for c in CONFIGS[_table_key(kernel, major, headdim)]]
 
 
 def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
