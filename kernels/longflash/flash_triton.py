@@ -33,8 +33,8 @@ Where it was tested and where it breaks:
   in CI against Triton 3.6.0, the H100/H200 machines' version, and the newest Triton):
   compiled for sm_90a at every config in CONFIGS, the forward and dQ kernels spill nothing at
   head dims 64 and 128, every tl.dot of every loop is a wgmma, and K/V (Q/dO) loads are
-  pipelined with cp.async. The dK/dV kernel still spills (about 0.2-0.8 KB at head dim 64,
-  1-4 KB at 128; Triton's tutorial fused backward spills 980 B and 11.7 KB). Head dim 256
+  pipelined with cp.async. The dK/dV kernel still spills (0.2-0.9 KB at head dim 64,
+  0.9-2.5 KB at 128; Triton's tutorial fused backward spills 980 B and 11.7 KB). Head dim 256
   compiles and spills; see results/codegen/sm90a.csv.
 - Tiles are addressed with plain pointers and masks (block pointers are gone from Triton 3.9;
   tensor descriptors / TMA would need an on-device allocator and 16-byte-aligned strides, which
