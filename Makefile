@@ -26,10 +26,11 @@ endif
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # One command per research question; each writes results/<rq>/<device>.csv.
-NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb
+NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb \
+             notebooks/codegen.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
-        scaling long-context gpu gpu-dry
+        scaling long-context gpu gpu-dry codegen codegen-check
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
@@ -84,6 +85,27 @@ gpu-dry: $(ENV_READY)
 	set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
 	for s in 1 2 3; do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
 	$(PYTHON) -m experiments.gpu_campaign --check "$$d"/stage1.tar.gz "$$d"/stage2.tar.gz "$$d"/stage3.tar.gz
+
+# Code generation of the Triton kernels for sm_90a / sm_80, offline (no GPU): registers, spills,
+# wgmma / TMA / cp.async counts (experiments/codegen.py). The full report compiles every
+# kernel, config, head dim, dtype and variant flag (long: about an hour on a 2-core CPU);
+# the check compiles the quick subset with this environment's Triton and with triton==3.6.0
+# (the version on the H100/H200 machines), in a second environment built once.
+codegen: $(ENV_READY)
+	$(PYTHON) -m experiments.codegen
+
+TRITON36 := .venv-triton36
+$(TRITON36)/.installed:
+	python3 -m venv $(TRITON36)
+	$(TRITON36)/bin/python -m pip install --quiet --upgrade pip
+	$(TRITON36)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	# after torch, which may pin another triton: this environment is only for compiling
+	$(TRITON36)/bin/python -m pip install --quiet triton==3.6.0 numpy pandas
+	touch $@
+
+codegen-check: $(ENV_READY) $(TRITON36)/.installed
+	$(PYTHON) -m experiments.codegen --quick --check
+	$(TRITON36)/bin/python -m experiments.codegen --quick --check
 
 figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
 	$(PYTHON) notebooks/run_notebooks.py $(NOTEBOOKS)

@@ -28,15 +28,27 @@ multiplying by strides, so tensors over 2^31 elements are addressed safely.
 Where it was tested and where it breaks:
 - Tested on CPU under TRITON_INTERPRET=1 (Triton 3.9) in fp16 and fp32; the GPU
   tests (marker `gpu`) target H100/H200 with Triton >= 3.0 but have not been run
-  at the time of writing: see the closing notes of the issues.
-- The autotune space below has not been tuned on a GPU yet; it is the usual
-  FlashAttention-2 Triton space (Triton tutorial 06), pruned for large head dims.
+  at the time of writing: nothing here has been timed on a GPU.
+- Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
+  in CI against Triton 3.6.0, the H100/H200 machines' version, and the newest Triton):
+  compiled for sm_90a at every config in CONFIGS, the forward and dQ kernels spill nothing at
+  head dims 64 and 128, every tl.dot of every loop is a wgmma, and K/V (Q/dO) loads are
+  pipelined with cp.async. The dK/dV kernel still spills (0.2-0.9 KB at head dim 64,
+  0.9-2.5 KB at 128; Triton's tutorial fused backward spills 980 B and 11.7 KB). Head dim 256
+  compiles and spills; see results/codegen/sm90a.csv.
+- Tiles are addressed with plain pointers and masks (block pointers are gone from Triton 3.9;
+  tensor descriptors / TMA would need an on-device allocator and 16-byte-aligned strides, which
+  arbitrary strides, odd head dims and packed batches do not give): bounds are checked only
+  on the blocks that straddle a sequence end or a window edge, and the head-dim mask only when
+  the head dim is not a power of two. No TMA, no warp specialization yet.
+- The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
   no paged KV cache; fp32 inputs use IEEE fp32 dot products (no TF32), which
   matches PyTorch's default for matmul.
 """
 
+import inspect
 import os
 
 import torch
@@ -48,43 +60,94 @@ from ._common import LOG2E, empty_like, empty_outputs
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs():
-    if _INTERPRET:
-        # One small, asymmetric tile, so block-boundary logic is exercised on tiny shapes.
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm in (64, 128)
-        for bn in (32, 64, 128)
-        for w in (4, 8)
-        for s in (2, 3, 4)
-    ]
+# -- configs: (BLOCK_M, BLOCK_N, num_warps, num_stages), at most 4 per kernel, architecture
+# (major compute capability) and head-dim bucket (BLOCK_D 16..64 -> 64). Chosen offline, untimed,
+# from `python -m experiments.codegen` (results/codegen/sm90a.csv, sm80.csv): on sm_90 the
+# candidates that compile with the fewest spills with Triton 3.6.0 and the newest Triton (the
+# forward and dQ at head dims 64/128 spill nothing), with every tl.dot on wgmma (a warpgroup of 4
+# warps needs >= 64 rows in the dot's M dimension: BLOCK_M in the forward and dQ, BLOCK_N in
+# dK/dV) and K/V loads pipelined (num_stages), in the usual FlashAttention-2 shapes (Triton
+# tutorial 06). Two per head dim at most on sm_90, so that the first use of the RQ1 sweep (bf16,
+# head dims 64/128/256) compiles 19 kernels. Not tuned on a GPU yet: autotuning picks among
+# these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
+CONFIGS = {
+    ("fwd", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    ("fwd", 9, 128): [(128, 64, 8, 3), (128, 32, 8, 3)],
+    ("fwd", 9, 256): [(128, 64, 8, 2), (64, 32, 4, 2)],
+    ("fwd", 8, 64): [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
+    ("fwd", 8, 128): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+    ("fwd", 8, 256): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    ("dkdv", 9, 64): [(64, 128, 8, 3), (32, 128, 4, 3)],
+    ("dkdv", 9, 128): [(64, 128, 8, 2), (64, 64, 4, 3)],
+    ("dkdv", 9, 256): [(32, 64, 4, 2)],
+    ("dkdv", 8, 64): [(64, 64, 4, 3), (32, 128, 4, 3)],
+    ("dkdv", 8, 128): [(64, 64, 4, 2), (32, 64, 4, 3)],
+    ("dkdv", 8, 256): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3)],
+    ("dq", 9, 256): [(64, 32, 4, 2)],
+    ("dq", 8, 64): [(64, 64, 4, 3), (128, 32, 4, 3)],
+    ("dq", 8, 128): [(64, 64, 4, 2), (64, 32, 4, 3)],
+    ("dq", 8, 256): [(64, 32, 4, 2), (32, 32, 4, 2)],
+}
+PREPROCESS_BLOCK_M = 128
+_INTERPRET_CONFIG = (32, 16, 4, 1)  # one small asymmetric tile: block edges on tiny shapes
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop tiles whose Q tile plus pipelined K/V tiles cannot fit in this GPU's shared
-    memory (about 164 KiB on A100, 227 KiB on H100), so one space serves Ampere and Hopper."""
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    q = named_args["Q"]
-    try:
-        limit = triton.runtime.driver.active.utils.get_device_properties(
-            q.device.index)["max_shared_mem"]
-    except (AttributeError, KeyError, TypeError):  # another driver API: the autotuner itself
-        return configs                              # skips configs that run out of resources
-    kept = [c for c in configs
-            if (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"] * c.num_stages) * block_d
-            * q.element_size() <= limit]
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_N"], c.num_stages))]
+def _config(c):
+    block_m, block_n, warps, stages = c
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
+                         num_stages=stages)
 
 
-def _autotune(fn):
+def _table_key(kernel, major, headdim):
+    """Hopper and newer use the sm_90 table, Ampere/Ada the sm_80 one (major: 8, 9, 10...)."""
+    block_d = max(64, triton.next_power_of_2(headdim))
+    return kernel, 9 if major >= 9 else 8, block_d
+
+
+def configs_for(kernel, major, headdim):
+    """The triton.Configs the launcher may choose for `kernel` ("fwd", "preprocess", "dkdv",
+    "dq") on a GPU of this major compute capability (9 for H100) and head dim."""
+    if kernel == "preprocess":
+        return [triton.Config({"BLOCK_M": PREPROCESS_BLOCK_M}, num_warps=4, num_stages=1)]
+    return [_config(c) for c in CONFIGS[_table_key(kernel, major, headdim)]]
+
+
+def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
+               dropout=False):
+    """The compile-time arguments the launcher passes (without the tile sizes)."""
+    return dict(HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_VARLEN=varlen,
+                HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+                INPUT_PRECISION="ieee" if dtype_is_fp32 else "tf32")
+
+
+def _prune(kernel):
+    def prune(configs, named_args, **kwargs):
+        """Keep this GPU's and head dim's candidates (CONFIGS)."""
+        q = named_args["Q"]
+        capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
+        wanted = CONFIGS[_table_key(kernel, capability, kwargs.get(
+            "HEAD_DIM", named_args.get("HEAD_DIM")))]
+        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
+                                       c.num_stages) in wanted]
+        return kept or configs[:1]
+    return prune
+
+
+def _autotune(kernel):
     if _INTERPRET:  # one config: nothing to prune or benchmark
-        return triton.autotune(configs=_configs(), key=[])(fn)
+        return triton.autotune(configs=[_config(_INTERPRET_CONFIG)], key=[])
+    candidates = sorted({c for (name, _, _), cs in CONFIGS.items() if name == kernel for c in cs})
     # Keyed on the head dim, the window (causal is window_right = 0) and the sequence
     # length rounded to a power of two, so varying lengths do not re-tune every time.
-    return triton.autotune(configs=_configs(),
-                           key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right"],
-                           prune_configs_by={"early_config_prune": _prune})(fn)
+    # cache_results (Triton >= 3.2): the choice is kept on disk, in Triton's cache directory.
+    cache = ({"cache_results": True}
+             if "cache_results" in inspect.signature(triton.autotune).parameters else {})
+    return triton.autotune(configs=[_config(c) for c in candidates],
+                           key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
+                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN"],
+                           prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -203,18 +266,37 @@ def _block_ptrs(base, start, stride, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.const
 
 @triton.jit
 def _block_mask(start, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr):
+    """Bounds of a tile, only where they can be crossed: rows unless the caller knows the block
+    lies inside the sequence (interior blocks), columns unless HEAD_DIM is a power of two.
+    A mask tensor costs registers in every loop iteration, so none is built when none is
+    needed (None: an unmasked load or store)."""
     rows = start + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
-    return (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    if ROWS_IN_BOUNDS:
+        if HEAD_DIM == BLOCK_D:
+            mask = None
+        else:
+            mask = (rows[:, None] >= 0) & (cols[None, :] < HEAD_DIM)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            mask = (rows[:, None] < n_rows) & (cols[None, :] >= 0)
+        else:
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    return mask
 
 
 @triton.jit
 def _load_block(base, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr = False):
     """Rows [start, start + BLOCK_ROWS) of a (seqlen, headdim) slice; zeros past the ends."""
     ptrs = _block_ptrs(base, start, stride, BLOCK_ROWS, BLOCK_D)
-    return tl.load(ptrs, mask=_block_mask(start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D), other=0.0)
+    mask = _block_mask(start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, ROWS_IN_BOUNDS)
+    if ROWS_IN_BOUNDS and HEAD_DIM == BLOCK_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -222,14 +304,19 @@ def _store_block(base, x, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_R
                  BLOCK_D: tl.constexpr):
     ptrs = _block_ptrs(base, start, stride, BLOCK_ROWS, BLOCK_D)
     tl.store(ptrs, x.to(base.dtype.element_ty),
-             mask=_block_mask(start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D))
+             mask=_block_mask(start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, False))
 
 
 @triton.jit
-def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other):
+def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other,
+               ROWS_IN_BOUNDS: tl.constexpr = False):
     """Per-row statistics (lse, delta) of rows [start, start + BLOCK_ROWS)."""
     offs = start + tl.arange(0, BLOCK_ROWS)
-    return tl.load(base + offs, mask=offs < n_rows, other=other)
+    if ROWS_IN_BOUNDS:
+        x = tl.load(base + offs)
+    else:
+        x = tl.load(base + offs, mask=offs < n_rows, other=other)
+    return x
 
 
 # ----------------------------------------------------------------------------- forward
@@ -245,7 +332,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute scores --
-        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
+                        not MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                         window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
@@ -260,14 +348,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
             p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
                                    dropout_p)
         # -- update output accumulator --
-        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
+                        not MASKED)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
 
 
-@_autotune
+@_autotune("fwd")
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -355,9 +444,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                        not MASKED)
         # lse = -inf marks a row that saw no key; +inf makes its probabilities exactly 0.
-        lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"))
+        lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"), not MASKED)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         # -- recompute p^T from the saved lse --
         qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -366,7 +456,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          HAS_SOFTCAP, HAS_ALIBI)
         pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
         # -- dV += p_dropped^T dO --
-        do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                         not MASKED)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         if HAS_DROPOUT:
             scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None],
@@ -376,7 +467,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         # -- dS = p * (dP - delta), through softcap; dK += dS^T q --
-        delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0)
+        delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0, not MASKED)
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
@@ -384,7 +475,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
     return dk, dv
 
 
-@_autotune
+@_autotune("dkdv")
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -451,8 +542,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
+                        not MASKED)
+        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
+                        not MASKED)
         # -- recompute p from the saved lse --
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
@@ -471,7 +564,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
     return dq
 
 
-@_autotune
+@_autotune("dq")
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -588,9 +681,8 @@ def _launch_args(q, k, lse, opts):
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
-        HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None, HAS_DROPOUT=opts.dropout_p > 0,
-        IS_VARLEN=opts.varlen, HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **constexprs(headdim, q.dtype == torch.float32, opts.varlen, opts.softcap > 0,
+                     alibi is not None, opts.dropout_p > 0),
     )
     return batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars
 
@@ -618,7 +710,7 @@ def backward(do, q, k, v, o, lse, dlse, opts):
         return dq.zero_(), dk.zero_(), dv.zero_()
     # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
     delta = torch.empty_like(lse)
-    block_m = 32 if _INTERPRET else 128
+    block_m = 32 if _INTERPRET else PREPROCESS_BLOCK_M
     _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
         o, do, delta, pointers["CU_Q"], *_strides(o), *_strides(do), scalars["stride_lb"],
         scalars["stride_lh"], nheads, seqlen_q, IS_VARLEN=opts.varlen,

@@ -1,0 +1,283 @@
+"""Code generation of the Triton kernels for Hopper (sm_90a) and Ampere (sm_80), offline.
+
+    python -m experiments.codegen                   # full report: results/codegen/sm90a.csv, sm80.csv
+    python -m experiments.codegen --quick --check   # CI: a small subset, non-zero exit on a limit
+
+Compiles (never runs) every Triton kernel of `longflash.flash_triton` (forward, preprocess,
+dK/dV, dQ) at every config the launcher can choose on that architecture
+(`flash_triton.CONFIGS`), for head dims 64/128/256, bf16 and fp16, and each compile-time
+variant flag (softcap, alibi, dropout, varlen; "plain" is none of them), then reads the
+ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
+
+Causal attention is a runtime argument of the kernels (window_right = 0), so one binary
+serves causal and non-causal attention: each compile is written as two rows (causal True and
+False) with the same numbers.
+
+Rows (results schema of experiments/results.py, provider "longflash", mode "fwd" for the
+forward and "bwd" for the three backward kernels, extra key columns `arch`, `kernel`,
+`config` ("BLOCK_M/BLOCK_N/warps/stages"), `flags`), one per metric:
+    registers          registers per thread (ptxas)
+    spill_bytes        bytes of spill stores (ptxas); spill_load_bytes: bytes of spill loads
+    shared_mem_bytes   shared memory of the compiled kernel (Triton's metadata)
+    wgmma_count        Hopper warpgroup MMA instructions in the PTX (wgmma.mma_async)
+    mma_count          Ampere-style MMA instructions in the PTX (mma.sync)
+    tma_count          TMA copies in the PTX (cp.async.bulk.tensor)
+    cp_async_count     asynchronous global->shared copies in the PTX (cp.async.ca / .cg)
+    compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) on this machine
+
+--check exits non-zero when a kernel breaks the limits of issue 14 (LIMITS below) at a config
+the launcher can choose on sm_90a. Must run without TRITON_INTERPRET=1.
+"""
+
+import argparse
+import atexit
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":  # before triton is imported; importers (tests) keep their set-up
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default of every Triton so far
+    # A fresh cache directory, so compile_s times a real compilation, never a cache hit.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="longflash-codegen-")
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from longflash import flash_triton  # noqa: E402
+
+ARCHS = {"sm90a": 90, "sm80": 80}
+PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
+KERNELS = ["fwd", "preprocess", "dkdv", "dq"]
+FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen"]
+HEADDIMS = [64, 128, 256]
+DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+# Triton's tutorial fused backward (06-fused-attention, 4 warps, 5 stages, BLOCK_N1 128),
+# compiled for sm_90a with Triton 3.6: its spill bytes, the bound the dK/dV and dQ kernels must
+# beat (issue 14, ANCHORS.md).
+TUTORIAL_BWD_SPILLS = {64: 980, 128: 11732}
+
+
+@dataclasses.dataclass
+class Config:
+    """The --quick subset: what CI compiles (a few minutes on a 2-core machine)."""
+    archs: tuple = ("sm90a", "sm80")
+    headdims: tuple = tuple(HEADDIMS)
+    dtypes: tuple = tuple(DTYPES)
+    flags: tuple = tuple(FLAGS)
+    out_dir: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "results", "codegen")
+
+
+QUICK = dict(archs=("sm90a",), headdims=(64, 128), dtypes=("bfloat16",), flags=("plain",))
+
+
+def ptxas_path(capability=90):
+    """The ptxas Triton itself uses for this target (shipped in the triton package)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(capability).path
+    except (ImportError, TypeError, AttributeError):  # older Triton: the bundled binary
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def _signature(fn, pointers, constexprs):
+    sig = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+           for name in fn.arg_names}
+    sig.update({name: "fp32" for name in ("qk_scale", "softmax_scale", "softcap", "dropout_p")
+                if name in sig})
+    return sig
+
+
+def _divisibility(fn, pointers):
+    """What Triton's launcher specializes for contiguous inputs at head dims 64/128/256:
+    pointers 16-byte aligned, (batch, seqlen, head) strides multiples of 16 elements. Without
+    it the compiler cannot vectorize loads, so it would not pipeline them with cp.async."""
+    aligned = [i for i, name in enumerate(fn.arg_names)
+               if name in pointers or (name.startswith("stride_") and name[-2:] not in ("ab", "ah"))]
+    return {(i,): [["tt.divisibility", 16]] for i in aligned}
+
+
+def kernel_spec(kernel, dtype, flags, headdim, arch):
+    """(jit function, signature pointers, constexprs) of one kernel, as the launcher calls it."""
+    p = "*" + DTYPES[dtype]
+    stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
+    tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, **stats)
+    meta = flash_triton.constexprs(headdim, dtype_is_fp32=False, varlen=flags == "varlen",
+                                   softcap=flags == "softcap", alibi=flags == "alibi",
+                                   dropout=flags == "dropout")
+    fn = {"fwd": flash_triton._attn_fwd, "preprocess": flash_triton._attn_bwd_preprocess,
+          "dkdv": flash_triton._attn_bwd_dkdv, "dq": flash_triton._attn_bwd_dq}[kernel]
+    fn = fn if isinstance(fn, triton.runtime.JITFunction) else fn.fn  # unwrap autotune
+    meta = {k: v for k, v in meta.items() if k in fn.arg_names}
+    return fn, tensors, meta
+
+
+def compile_one(kernel, dtype, flags, headdim, arch, cfg):
+    """Compile one kernel at one config; returns a dict of metrics."""
+    fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim, arch)
+    meta = dict(meta, **cfg.kwargs)
+    meta = {k: v for k, v in meta.items() if k in fn.arg_names}
+    src = ASTSource(fn=fn, signature=_signature(fn, tensors, meta),
+                    constexprs={(fn.arg_names.index(k),): v for k, v in meta.items()},
+                    attrs=_divisibility(fn, tensors))
+    t0 = time.perf_counter()
+    compiled = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    compile_s = time.perf_counter() - t0
+    ptx = compiled.asm["ptx"]
+    return dict(compile_s=compile_s, shared_mem_bytes=compiled.metadata.shared,
+                **ptxas_report(ptx, arch),
+                wgmma_count=len(re.findall(r"\bwgmma\.mma_async", ptx)),
+                mma_count=len(re.findall(r"\bmma\.sync", ptx)),
+                tma_count=len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+                cp_async_count=len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)))
+
+
+def ptxas_report(ptx, arch):
+    """registers, spill_bytes (stores), spill_load_bytes from `ptxas -v` on the PTX."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas_path(ARCHS[arch]), "-v", f"--gpu-name={PTXAS_NAMES[arch]}", src, "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    text = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return dict(registers=int(regs.group(1)), spill_bytes=int(spill.group(1)),
+                spill_load_bytes=int(spill.group(2)))
+
+
+UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_mem_bytes="B",
+             wgmma_count="count", mma_count="count", tma_count="count", cp_async_count="count",
+             compile_s="s")
+
+
+def config_name(cfg):
+    return f"{cfg.kwargs.get('BLOCK_M', '-')}/{cfg.kwargs.get('BLOCK_N', '-')}/" \
+           f"{cfg.num_warps}/{cfg.num_stages}"
+
+
+def sweep(conf, log=print):
+    """Compile everything in conf; returns {arch: rows}."""
+    by_arch = {}
+    for arch in conf.archs:
+        rows = []
+        for kernel in KERNELS:
+            for headdim in conf.headdims:
+                candidates = flash_triton.configs_for(kernel, ARCHS[arch] // 10, headdim)
+                for dtype in conf.dtypes:
+                    for flags in conf.flags:
+                        for cfg in candidates:
+                            key = dict(arch=arch, kernel=kernel, config=config_name(cfg),
+                                       flags=flags, experiment="codegen", provider="longflash",
+                                       mode="fwd" if kernel == "fwd" else "bwd", dtype=dtype,
+                                       batch="", seqlen_q="", seqlen_k="", nheads="",
+                                       nheads_kv="", headdim=headdim, p20="", p80="")
+                            try:
+                                metrics, status = compile_one(kernel, dtype, flags, headdim,
+                                                              arch, cfg), "ok"
+                            except Exception as e:  # a failed compile is a row, not a crash
+                                log(f"{arch} {kernel} d={headdim} {dtype} {flags} "
+                                    f"{key['config']}: error {str(e).splitlines()[0][:200]}")
+                                metrics, status = {m: float("nan") for m in UNITS}, "error"
+                            log(f"{arch} {kernel:10s} d={headdim:3d} {dtype:8s} {flags:7s} "
+                                f"{key['config']:13s} " + " ".join(
+                                    f"{m}={metrics[m]:.3g}" for m in
+                                    ("registers", "spill_bytes", "wgmma_count", "mma_count",
+                                     "tma_count", "compile_s")))
+                            for causal in (False, True):
+                                for metric, value in metrics.items():
+                                    rows.append(dict(key, causal=causal, metric=metric,
+                                                     value=value, unit=UNITS[metric],
+                                                     status=status))
+        by_arch[arch] = rows
+    return by_arch
+
+
+def check(rows):
+    """Violations of issue 14's limits at the configs the launcher chooses on sm_90a."""
+    problems = []
+    cells = {}
+    for r in rows:
+        if r["arch"] == "sm90a" and r["causal"] is False:
+            cells.setdefault((r["kernel"], r["headdim"], r["dtype"], r["flags"], r["config"]),
+                             {})[r["metric"]] = (r["value"], r["status"])
+    for (kernel, headdim, dtype, flags, config), m in sorted(cells.items()):
+        where = f"{kernel} d={headdim} {dtype} {flags} {config}"
+        if m["registers"][1] != "ok":
+            problems.append(f"{where}: does not compile")
+            continue
+        spills, wgmma, mma = (m[k][0] for k in ("spill_bytes", "wgmma_count", "mma_count"))
+        if flags != "plain" or headdim == 256:
+            continue  # variants and d=256: reported, no limit (d=256 must compile)
+        if kernel == "fwd" and (spills > 0 or wgmma == 0 or mma > 0):
+            problems.append(f"{where}: forward must be spill-free with wgmma "
+                            f"(spills {spills:.0f} B, wgmma {wgmma:.0f}, mma.sync {mma:.0f})")
+        if kernel in ("dkdv", "dq"):
+            if wgmma == 0 or mma > 0:
+                problems.append(f"{where}: every backward loop must use wgmma "
+                                f"(wgmma {wgmma:.0f}, mma.sync {mma:.0f})")
+            if spills >= TUTORIAL_BWD_SPILLS[headdim]:
+                problems.append(f"{where}: spills {spills:.0f} B, Triton's tutorial backward "
+                                f"{TUTORIAL_BWD_SPILLS[headdim]} B")
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="sm_90a, head dims 64/128, bf16, no variant flags (CI)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a chosen sm_90a config breaks issue 14's limits")
+    parser.add_argument("--arch", nargs="+", choices=list(ARCHS), help="default: all")
+    parser.add_argument("--headdim", nargs="+", type=int, choices=HEADDIMS, help="default: all")
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), help="default: all")
+    parser.add_argument("--flags", nargs="+", choices=FLAGS, help="default: all")
+    parser.add_argument("--out-dir", help="default: results/codegen (the full report only)")
+    parser.add_argument("--no-write", action="store_true", help="print, write nothing")
+    args = parser.parse_args(argv)
+    conf = Config(**QUICK) if args.quick else Config()
+    for field, value in (("archs", args.arch), ("headdims", args.headdim),
+                         ("dtypes", args.dtype), ("flags", args.flags)):
+        if value:
+            conf = dataclasses.replace(conf, **{field: tuple(value)})
+    if args.out_dir:
+        conf = dataclasses.replace(conf, out_dir=args.out_dir)
+    print(f"triton {triton.__version__}, ptxas {ptxas_path()}", flush=True)
+    t0 = time.perf_counter()
+    by_arch = {}
+    for arch in conf.archs:  # one file per architecture, written as soon as it is done
+        by_arch.update(sweep(dataclasses.replace(conf, archs=(arch,)),
+                             log=lambda m: print(m, flush=True)))
+        # The quick subset never overwrites the committed full report unless asked to.
+        if not args.no_write and (not args.quick or args.out_dir):
+            from experiments.results import this_command, write_results  # pandas: only to write
+            path = os.path.join(conf.out_dir, f"{arch}.csv")
+            write_results(by_arch[arch], path, command=this_command(),
+                          key_columns=("arch", "kernel", "config", "flags", "triton"))
+            print(f"wrote {path}", flush=True)
+    print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.check:
+        problems = check([r for rows in by_arch.values() for r in rows])
+        for p in problems:
+            print("LIMIT:", p)
+        if problems:
+            return 1
+        print(f"codegen check passed (triton {triton.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""experiments/codegen.py: the offline code-generation report of the Triton kernels."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_config_table_is_small_and_fits_a_warpgroup():
+    from longflash import flash_triton
+    for major in (8, 9):  # the table is keyed on the major compute capability
+        assert [c.num_warps for c in flash_triton.configs_for("fwd", major, 128)] == [
+            c[2] for c in flash_triton.CONFIGS["fwd", major, 128]]
+    for (kernel, major, _), configs in flash_triton.CONFIGS.items():
+        assert 1 <= len(configs) <= 4, (kernel, major)
+        for block_m, block_n, warps, _ in configs:
+            rows = {"fwd": block_m, "dq": block_m, "dkdv": block_n}[kernel]  # a dot's M
+            if major == 9:  # wgmma: 64 rows per warpgroup of 4 warps
+                assert rows >= 64 and rows >= 16 * warps, (kernel, block_m, block_n, warps)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
+def test_forward_uses_wgmma_without_spills_on_sm90a():
+    # One compile (a few seconds): the forward at head dim 64, the first sm_90a candidate.
+    code = ("from experiments import codegen as cg; from longflash import flash_triton as ft; "
+            "m = cg.compile_one('fwd', 'bfloat16', 'plain', 64, 'sm90a', "
+            "ft.configs_for('fwd', 9, 64)[0]); "
+            "print(m['wgmma_count'], m['mma_count'], m['spill_bytes'], m['cp_async_count'])")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    wgmma, mma, spills, cp_async = map(int, out.stdout.split()[-4:])
+    assert wgmma > 0 and mma == 0, out.stdout
+    assert spills == 0, out.stdout
+    assert cp_async > 0, "K/V loads are not pipelined: " + out.stdout
+
+
+def test_check_flags_a_spilling_forward():
+    from experiments import codegen
+    row = dict(arch="sm90a", causal=False, kernel="fwd", headdim=128, dtype="bfloat16",
+               flags="plain", config="128/64/8/3", status="ok")
+    metrics = dict(registers=255, spill_bytes=8, wgmma_count=36, mma_count=0)
+    rows = [dict(row, metric=k, value=v) for k, v in metrics.items()]
+    assert any("spill-free" in p for p in codegen.check(rows))
+    rows = [dict(r, value=0) if r["metric"] == "spill_bytes" else r for r in rows]
+    assert codegen.check(rows) == []
