@@ -22,4 +22,5 @@ from .reference import attention_ref, attention_varlen_ref
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache",
-           "scaled_dot_product_attention", "attention_ref", "attention_varlen_ref", "parallel", "BACKENDS", "__version__"]
+           "scaled_dot_product_attention", "attention_ref", "attention_varlen_ref",
+           "parallel", "BACKENDS", "__version__"]
