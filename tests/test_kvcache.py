@@ -236,3 +236,58 @@ def test_errors_leave_the_cache_unchanged(name, error, match, make):
         longflash.attention_with_kvcache(*args[:5], cache_seqlens=args[5],
                                          block_table=block_table, **kw)
     assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
+# ----------------------------------------------------------------------------- routing
+
+@pytest.fixture
+def route_small(monkeypatch):
+    """Route short queries over keys of >= 20 tokens to the split-KV path; count the calls."""
+    from longflash import interface
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)
+    calls = []
+    original = kvcache._forward
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0), softcap=0.5),
+                                dict(alibi=(6,))], ids=["causal", "window-softcap", "alibi"])
+def test_attention_routes_decoding_to_split_kv(route_small, kw):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 6, 24, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 41, 2, 24, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 41, 2, 24, generator=gen, dtype=torch.float64)
+    kw = dict(kw)
+    if "alibi" in kw:
+        kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
+    o, lse = longflash.attention(q.float(), k.float(), v.float(), return_lse=True, **kw)
+    assert route_small, "attention did not take the split-KV path"
+    ref = attention_ref(q, k, v, **kw)
+    low = attention_ref(q.float(), k.float(), v.float(), upcast=False, **kw)
+    check_close("o", o, low[0], ref[0])
+    check_close("lse", lse, low[1], ref[1])
+    # with a gradient to compute, the main kernel runs
+    route_small.clear()
+    longflash.attention(q.float().requires_grad_(), k.float(), v.float(), **kw)
+    assert not route_small
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
+def test_attention_varlen_routes_decoding_to_split_kv(route_small):
+    gen = torch.Generator().manual_seed(3)
+    lengths_k = [25, 40, 31]
+    q = torch.randn(3 * 2, 4, 16, generator=gen)
+    k = torch.randn(sum(lengths_k), 2, 16, generator=gen)
+    v = torch.randn(sum(lengths_k), 2, 16, generator=gen)
+    cu_q = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 25, 65, 96], dtype=torch.int32)
+    o, lse = longflash.attention_varlen(q, k, v, cu_q, cu_k, 2, 40, causal=True,
+                                        return_lse=True)
+    assert route_small
+    ref = longflash.attention_varlen_ref(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                         causal=True)
+    low = longflash.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+    check_close("o", o, low[0], ref[0])
+    check_close("lse", lse, low[1], ref[1])
