@@ -3,7 +3,8 @@
     python tests/compile_decode_for_gpu.py 90:bfloat16:paged:128 80:float16:all:64
 
 "paged" reads the cache through block_table; "all" adds softcap, ALiBi and the split
-output (partials + merge kernel). Prints each kernel's registers and spills (ptxas -v). Must run without TRITON_INTERPRET=1. Used by tests/test_compile.py.
+output (partials + merge kernel). Prints each kernel's registers and spills
+(ptxas -v). Must run without TRITON_INTERPRET=1. Used by tests/test_compile.py.
 """
 
 import os

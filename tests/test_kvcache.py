@@ -36,7 +36,9 @@ def make_case(case, dtype, seed=0):
     of each sequence's keys: seq_keys(cache, b, n) -> (1, n, Hkv, D)."""
     _, batch, seqlen_q, nheads, nheads_kv, headdim, page_size, capacity, lengths, new, kw = case
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)  # noqa: E731
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
     q = rand(batch, seqlen_q, nheads, headdim)
     if page_size is None:
         k_cache, v_cache = rand(batch, capacity, nheads_kv, headdim), \
