@@ -30,7 +30,7 @@ def compile_kernel(kernel, pointers, constexprs, target):
                       if name in signature})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=target)
+    return triton.compile(src, target=target)
 
 
 def compile_all(capability, dtype, features, headdim):

@@ -8,15 +8,21 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPECS = ["90:bfloat16:plain:80", "90:float16:all:256", "80:bfloat16:all:128"]
+SCRIPTS = {  # script: specs (capability:dtype:features:headdim)
+    "compile_for_gpu.py": ["90:bfloat16:plain:80", "90:float16:all:256", "80:bfloat16:all:128"],
+    # the split-KV decoding and merge kernels; prints ptxas registers and spills
+    "compile_decode_for_gpu.py": ["90:bfloat16:paged:128", "90:float16:all:80",
+                                  "80:bfloat16:all:128"],
+}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
-def test_kernels_compile_for_gpu_targets():
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_kernels_compile_for_gpu_targets(script):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "kernels"), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "compile_for_gpu.py"),
-                          *SPECS], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", script), *SCRIPTS[script]],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("compiled for") == len(SPECS)
+    assert out.stdout.count("compiled for") == len(SCRIPTS[script])

@@ -195,3 +195,31 @@ def test_import_longflash_does_not_import_transformers():
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_generate_with_cache_uses_split_kv(padding, monkeypatch):
+    """Cached greedy generation through backend="auto" (the Triton kernels, interpreted on a
+    CPU) with the decoding route on from 8 keys: the steps after the prefill run on the
+    split-KV kernel (attention without padding, attention_varlen with it), and the tokens
+    and step logits equal eager's (float32)."""
+    from longflash import interface, kvcache
+    if not interface._TRITON_INTERPRET and not torch.cuda.is_available():
+        pytest.skip("the decoding route is on the Triton backend")
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 8)
+    calls = []
+    original = kvcache._forward
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(1) or original(*a))
+    eager, longflash = make_models("llama-gqa", (torch.float32,) * 2, ("eager", NAME))
+    input_ids, mask, _ = make_batch(padding, batch=2, seqlen=17)  # prefill: 17 > 16 queries
+    try:
+        lf_hf.register(backend="auto")
+        runs = [m.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=4,
+                           do_sample=False, pad_token_id=0, output_logits=True,
+                           return_dict_in_generate=True) for m in (eager, longflash)]
+    finally:
+        lf_hf.register(backend="torch")
+    assert len(calls) == 3 * 2  # 3 decoding steps x 2 layers
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for ref, out in zip(runs[0].logits, runs[1].logits):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -231,6 +231,32 @@ def _backward(ctx, do, dlse):
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------- decoding route
+
+# Short queries over long keys (decoding, speculative decoding) run on the split-KV kernel of
+# `attention_with_kvcache`, which splits the keys across programs and packs the query heads
+# of a KV head into one tile: the main kernel would launch one program per (batch, head)
+# using one row of its tile. Only on the Triton backend (on a CPU the blockwise path already
+# batches every head), only without dropout, and only when no gradient is needed (the
+# split-KV path is inference only). The result obeys the same tolerance rule.
+SPLIT_KV_MAX_SEQLEN_Q = 16
+SPLIT_KV_MIN_SEQLEN_K = 1024
+
+
+def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
+    return (backend == "triton" and dropout_p == 0 and 0 < seqlen_q <= SPLIT_KV_MAX_SEQLEN_Q
+            and seqlen_k >= SPLIT_KV_MIN_SEQLEN_K
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
+
+
+def _split_kv(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size, softcap,
+              alibi_slopes, backend):
+    from .kvcache import _forward  # imported on first use: kvcache imports this module
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    return _forward(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size,
+                    float(softcap), alibi_slopes, 0, backend)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def _seed_tensor(dropout_p, seed, generator):
@@ -286,6 +312,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic)
+    if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
+        seqlens_k = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+        o, lse = _split_kv(q, k, v, seqlens_k, None, causal, softmax_scale, window_size, softcap,
+                           alibi_slopes, backend)
+        return (o, lse) if return_lse else o
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator))
@@ -311,6 +342,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q[None], k[None], v[None], causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
         batch=batch)
+    if _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q, k, v) \
+            and not torch.compiler.is_compiling():
+        lengths_q = cu_seqlens_q.diff()
+        if batch and bool((lengths_q == max_seqlen_q).all()):  # the same seqlen_q everywhere
+            # The packed keys as a paged cache of one-token pages: sequence b's key n is
+            # row cu_seqlens_k[b] + n.
+            block_table = cu_seqlens_k[:-1, None] + torch.arange(
+                max_seqlen_k, device=q.device, dtype=torch.int32)
+            block_table = block_table.clamp_(max=max(k.shape[0] - 1, 0))  # unread entries
+            o, lse = _split_kv(q.reshape(batch, max_seqlen_q, *q.shape[1:]), k[:, None],
+                               v[:, None],
+                               cu_seqlens_k.diff(), block_table.to(torch.int32), causal,
+                               softmax_scale, window_size, softcap, alibi_slopes, backend)
+            o = o.view(q.shape)  # (total_q, H, D)
+            lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
+            return (o, lse) if return_lse else o
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,

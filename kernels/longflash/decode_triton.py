@@ -1,0 +1,277 @@
+"""LongFlash Triton split-KV decoding kernels: attention of a few queries over a KV cache.
+
+Algorithm (Flash-Decoding, Dao, Haziza, Massa, Sizov 2023; `kvcache.py` is the same
+algorithm in PyTorch ops, with the same names): program (split, batch * nheads_kv, row block)
+runs FlashAttention's online softmax (running max m_i, sum l_i, fp32 accumulator acc, exp2
+with the scale pre-multiplied by log2(e)) over one contiguous range of key blocks
+[split_lo, split_hi) of its sequence, and writes a partial output normalized by its own sum
+plus its log-sum-exp, in float32. A second kernel, `_merge_splits`, combines the splits of
+each row exactly: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s. With one
+split the first kernel writes o and lse directly.
+
+GQA packing: the tile rows are (query i, head g of the group) pairs, r = i * group + g, so
+the group of query heads that share a KV head reads each key block once, and a decoding
+step (seqlen_q = 1) with group 8 fills 8 of the tile's 16 rows instead of 1.
+
+Caches: contiguous (batch, capacity, nheads_kv, headdim), or paged (num_pages, page_size,
+nheads_kv, headdim) with block_table (batch, max_pages): the key at position n of sequence b
+is in page block_table[b, n // page_size], slot n % page_size (any page size; each row of
+the key tile is addressed on its own). Per-sequence lengths come from SEQLENS_K (after the
+append, which `kvcache.attention_with_kvcache` does in PyTorch before the launch).
+
+Every key tile is masked (visibility, window, end of split): decoding is memory-bound and the
+mask is a few integer operations per score. Key blocks outside the rows' window are skipped.
+
+Where it was tested and where it breaks: under TRITON_INTERPRET=1 (Triton 3.9) in fp16 and
+fp32, and compiled (not run) for sm_90 and sm_80 by tests/compile_for_gpu.py. It has not
+run on a GPU: block sizes, warps, stages and the split heuristic are untuned guesses.
+Unlike FlashAttention's flash_attn_with_kvcache: no rotary embedding, no cache_batch_idx /
+cache_leftpad, the append is a separate PyTorch op rather than fused into the kernel.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, empty_outputs
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SPLITS = 128
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): saturates to +-1 without overflow trouble.
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _kv_ptrs(CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask, page_size,
+             stride_cb, stride_cn, stride_ch, stride_tb, PAGED: tl.constexpr):
+    """Pointers to the (BLOCK_N, BLOCK_D) tile of keys offs_n of sequence off_b, head off_hk."""
+    if PAGED:
+        page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_mask,
+                       other=0).to(tl.int64)
+        rows = page * stride_cb + (offs_n % page_size).to(tl.int64) * stride_cn
+    else:
+        rows = off_b * stride_cb + offs_n.to(tl.int64) * stride_cn
+    return CACHE + off_hk * stride_ch + rows[:, None] + offs_d[None, :]
+
+
+# ----------------------------------------------------------------------------- split kernel
+
+@triton.jit
+def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_PARTIAL,
+                 LSE_PARTIAL,
+                 stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                 stride_vb, stride_vn, stride_vh, stride_tb, stride_ob, stride_on, stride_oh,
+                 stride_lb, stride_lh, stride_ab, stride_ah,
+                 stride_ps, stride_pb, stride_ph, stride_pn, stride_qs, stride_qsb, stride_qsh,
+                 nheads_kv, group_size, seqlen_q, num_splits, page_size, window_left,
+                 window_right, qk_scale, softmax_scale, softcap,
+                 PAGED: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    split = tl.program_id(0)
+    off_bhk = tl.program_id(1).to(tl.int64)
+    start_m = tl.program_id(2) * BLOCK_M
+    off_b, off_hk = off_bhk // nheads_kv, off_bhk % nheads_kv
+    seqlen_k = tl.load(SEQLENS_K + off_b)
+    # -- GQA packing: row r is query i = r // group of head off_hk * group + r % group --
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = seqlen_q * group_size
+    m_mask = offs_m < rows
+    i = offs_m // group_size
+    off_h = off_hk * group_size + offs_m % group_size
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_ptrs = Q + off_b * stride_qb + (i.to(tl.int64) * stride_qn + off_h * stride_qh)[:, None] \
+        + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah, mask=m_mask, other=0.0)
+    diag = i + (seqlen_k - seqlen_q)  # (BLOCK_M,) key aligned with each row
+
+    # -- this split's keys: [split_lo, split_hi) of the keys the block's rows can see --
+    first = start_m // group_size + (seqlen_k - seqlen_q)
+    last = (tl.minimum(start_m + BLOCK_M, rows) - 1) // group_size + (seqlen_k - seqlen_q)
+    hi = tl.where(window_right >= 0,
+                  tl.minimum(tl.maximum(last + window_right + 1, 0), seqlen_k), seqlen_k)
+    lo = tl.where(window_left >= 0,
+                  tl.minimum(tl.maximum(first - window_left, 0), hi) // BLOCK_N * BLOCK_N, 0)
+    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+    split_lo = lo + split * blocks_per_split * BLOCK_N
+    split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(split_lo, split_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < split_hi
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        # -- compute scores --
+        k = tl.load(_kv_ptrs(K_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
+                             page_size, stride_kb, stride_kn, stride_kh, stride_tb, PAGED),
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if HAS_SOFTCAP:
+            s = _tanh(qk * (softmax_scale / softcap)) * (softcap * 1.4426950408889634)
+        else:
+            s = qk * qk_scale
+        if HAS_ALIBI:
+            distance = tl.abs(diag[:, None] - offs_n[None, :]).to(tl.float32)
+            s = s - (slope[:, None] * 1.4426950408889634) * distance
+        visible = n_mask[None, :] & ((window_right < 0) | (offs_n[None, :] <= diag[:, None]
+                                                            + window_right))
+        visible = visible & ((window_left < 0) | (offs_n[None, :] >= diag[:, None]
+                                                  - window_left))
+        s = tl.where(visible, s, float("-inf"))
+        # -- online softmax: new row max, rescale what was accumulated --
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- update output accumulator --
+        v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
+                             page_size, stride_vb, stride_vn, stride_vh, stride_tb, PAGED),
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_ij
+
+    # -- epilogue: normalize by this split's sum; no key seen gives o = 0, lse = -inf --
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
+    out_mask = m_mask[:, None] & d_mask[None, :]
+    if SPLIT:  # partials (num_splits, batch, nheads, seqlen_q, headdim), float32
+        base = split.to(tl.int64) * stride_ps + off_b * stride_pb
+        rows_p = off_h * stride_ph + i.to(tl.int64) * stride_pn
+        tl.store(O_PARTIAL + base + rows_p[:, None] + offs_d[None, :], acc, mask=out_mask)
+        tl.store(LSE_PARTIAL + split.to(tl.int64) * stride_qs + off_b * stride_qsb
+                 + off_h * stride_qsh + i, lse, mask=m_mask)
+    else:
+        rows_o = i.to(tl.int64) * stride_on + off_h * stride_oh
+        tl.store(O + off_b * stride_ob + rows_o[:, None] + offs_d[None, :],
+                 acc.to(O.dtype.element_ty), mask=out_mask)
+        tl.store(LSE + off_b * stride_lb + off_h * stride_lh + i, lse, mask=m_mask)
+
+
+# ----------------------------------------------------------------------------- merge kernel
+
+@triton.jit
+def _merge_splits(O_PARTIAL, LSE_PARTIAL, O, LSE,
+                  stride_ps, stride_pb, stride_ph, stride_pn, stride_qs, stride_qsb, stride_qsh,
+                  stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
+                  nheads, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """One program per (batch * nheads, query): o and lse from the splits' partials, fp32."""
+    off_bh = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64)
+    off_b, off_h = off_bh // nheads, off_bh % nheads
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_s = tl.load(LSE_PARTIAL + offs_s * stride_qs + off_b * stride_qsb + off_h * stride_qsh
+                    + i, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse_s, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse_s - lse_max)
+    sum_w = tl.sum(w, 0)
+    sum_safe = tl.where(sum_w == 0.0, 1.0, sum_w)
+    o_s = tl.load(O_PARTIAL + (offs_s * stride_ps + off_b * stride_pb + off_h * stride_ph
+                               + i * stride_pn)[:, None] + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(w[:, None] * o_s, 0) / sum_safe
+    tl.store(O + off_b * stride_ob + i * stride_on + off_h * stride_oh + offs_d,
+             o.to(O.dtype.element_ty), mask=d_mask)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + i,
+             tl.where(sum_w == 0.0, float("-inf"), lse_max + tl.log(sum_safe)))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+def _num_sms(device):
+    if _INTERPRET or device.type != "cuda":
+        return 4  # the interpreter: a pretend GPU, so that small tests split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits_heuristic(programs, max_seqlen_k, block_n, num_sms, min_blocks_per_split=4):
+    """Splits per sequence: enough programs for about two per SM, while each split keeps at
+    least min_blocks_per_split key blocks (a split's fixed cost: loading q, writing a
+    partial) and no more than MAX_SPLITS. One split once the grid already fills the GPU."""
+    if programs >= num_sms:
+        return 1
+    n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    by_sms = triton.cdiv(2 * num_sms, programs)
+    by_length = max(1, n_blocks // min_blocks_per_split)
+    return max(1, min(by_sms, by_length, MAX_SPLITS))
+
+
+def tile_sizes(seqlen_q, group, headdim):
+    """BLOCK_M (packed rows: at least 16, the smallest tl.dot), BLOCK_N, BLOCK_D."""
+    block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
+    block_d = max(16, triton.next_power_of_2(headdim))
+    block_n = 16 if _INTERPRET else (128 if block_d <= 64 else 64)
+    return block_m, block_n, block_d
+
+
+def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0):
+    """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k_cache.shape[2]
+    group = nheads // nheads_kv
+    o, lse = empty_outputs(q)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have a contiguous last dimension (headdim)")
+    block_m, block_n, block_d = tile_sizes(seqlen_q, group, headdim)
+    m_blocks = triton.cdiv(seqlen_q * group, block_m)
+    seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
+    if num_splits == 0:
+        max_seqlen_k = int(seqlens_k.max()) if not torch.compiler.is_compiling() else \
+            (k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1])
+        num_splits = num_splits_heuristic(batch * nheads_kv * m_blocks, max_seqlen_k, block_n,
+                                          _num_sms(q.device))
+    split = num_splits > 1
+    if split:
+        o_partial = q.new_empty((num_splits, batch, nheads, seqlen_q, headdim),
+                                dtype=torch.float32)
+        lse_partial = q.new_empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32)
+    else:
+        o_partial = lse_partial = lse  # unused pointers
+    alibi = opts.alibi_slopes
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
+        q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
+        lse if alibi is None else alibi, o, lse, o_partial, lse_partial,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_table.stride(0) if paged else 0, *o.stride()[:3], *lse.stride()[:2],
+        0 if alibi is None else alibi.stride(0), 0 if alibi is None else alibi.stride(1),
+        *(o_partial.stride()[:4] if split else (0, 0, 0, 0)),
+        *(lse_partial.stride()[:3] if split else (0, 0, 0)),
+        nheads_kv, group, seqlen_q, num_splits, page_size, opts.window_left, opts.window_right,
+        opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
+        PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None,
+        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=1 if _INTERPRET else 3)
+    if split:
+        _merge_splits[(batch * nheads, seqlen_q)](
+            o_partial, lse_partial, o, lse, *o_partial.stride()[:4], *lse_partial.stride()[:3],
+            *o.stride()[:3], *lse.stride()[:2], nheads, num_splits, HEAD_DIM=headdim,
+            BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+    return o, lse

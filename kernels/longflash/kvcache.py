@@ -1,0 +1,334 @@
+"""Decoding over a KV cache: `attention_with_kvcache`, FlashAttention-2's
+`flash_attn_with_kvcache` semantics (in-place append, paged caches, GQA).
+
+Algorithm (split-KV, "Flash-Decoding", Dao, Haziza, Massa, Sizov 2023): a decoding step has
+one (or a few) query rows per sequence, so parallelism over queries is gone. The keys of each
+sequence are split into `num_splits` contiguous ranges; each split runs the online softmax of
+FlashAttention over its range and leaves a partial output o_s (normalized by its own sum) and
+its log-sum-exp lse_s; a merge combines them exactly, in float32:
+
+    lse = log(sum_s exp(lse_s)),    o = sum_s exp(lse_s - lse) * o_s
+
+GQA packing: the `group = nheads // nheads_kv` query heads that share a KV head are the rows
+of one tile (row r = i * group + g for query i and head g of the group), so one read of a key
+block serves the whole group and the tile's rows are used even when seqlen_q = 1.
+
+This module holds the public function (validation, the in-place append) and the PyTorch
+implementation of the split-KV forward. Its tensor dimensions are the kernel's grid
+(batch, KV head, split); the Python loop is the kernel's loop over the key blocks of one
+split. Variable names follow the kernel: m_i, l_i, acc, start_n, split_lo, split_hi.
+"""
+
+import torch
+
+from ._common import LN2, LOG2E, accumulator_dtype, empty_outputs
+
+# Python loop overhead is paid per key block on a CPU: wide blocks, and on the CPU as many
+# splits as keep the loop to about MAX_CPU_STEPS iterations (splits are a tensor dimension).
+BLOCK_N = 256
+MAX_CPU_STEPS = 8
+MAX_SPLITS = 128
+
+
+def key_limits(first, last, seqlen_k, window_left, window_right):
+    """Keys [lo, hi) visible to some query whose diagonal (i + seqlen_k - seqlen_q) lies in
+    [first, last]; window sides < 0 are unbounded (causal is window_right = 0). Works on
+    ints and on integer tensors (per-sequence seqlen_k)."""
+    zero = seqlen_k * 0
+    hi = seqlen_k if window_right < 0 else torch.clamp(last + window_right + 1 + zero, min=0)
+    hi = torch.minimum(torch.as_tensor(hi), torch.as_tensor(seqlen_k))
+    lo = zero if window_left < 0 else torch.clamp(first - window_left + zero, min=0)
+    return torch.minimum(torch.as_tensor(lo), hi), hi
+
+
+def cpu_num_splits(max_seqlen_k, block_n=None):
+    """Splits for the PyTorch path: each split a tensor slice, about MAX_CPU_STEPS blocks long."""
+    block_n = block_n or BLOCK_N
+    n_blocks = -(-max_seqlen_k // block_n)
+    return max(1, min(MAX_SPLITS, -(-n_blocks // MAX_CPU_STEPS)))
+
+
+def _gather(cache, block_table, b, pos):
+    """cache rows at key positions pos (B, S, BN) of sequences b (B, 1, 1):
+    (B, S, BN, nheads_kv, headdim). A contiguous cache is (batch, capacity, Hkv, D); a paged
+    one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages)."""
+    if block_table is None:
+        return cache[b, pos]
+    page_size = cache.shape[1]
+    page = block_table[b, pos // page_size].long()
+    return cache[page, pos % page_size]
+
+
+@torch.no_grad()
+def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, block_n=None):
+    """Split-KV forward. q: (batch, seqlen_q, nheads, headdim); seqlens_k: (batch,) int, the
+    number of keys of each sequence (after any append). Returns o like q and lse
+    (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k_cache.shape[2]
+    group = nheads // nheads_kv
+    o, lse = empty_outputs(q)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    dtype = accumulator_dtype(q.dtype)
+    block_n = block_n or BLOCK_N
+    device = q.device
+    seqlens_k = seqlens_k.to(device=device, dtype=torch.long)
+    max_seqlen_k = int(seqlens_k.max()) if batch else 0
+    num_splits = num_splits or cpu_num_splits(max_seqlen_k, block_n)
+    # -- GQA packing: rows r = i * group + g, (B, Hkv, M, D) with M = seqlen_q * group --
+    M = seqlen_q * group
+    q_packed = q.to(dtype).view(batch, seqlen_q, nheads_kv, group, headdim).permute(
+        0, 2, 1, 3, 4).reshape(batch, nheads_kv, 1, M, headdim)
+    offs_m = torch.arange(M, device=device)
+    i = (offs_m // group)[:, None]  # (M, 1) query position of each row
+    slope = None
+    if opts.alibi_slopes is not None:  # (batch, nheads) -> (B, Hkv, 1, M, 1)
+        slope = opts.alibi_slopes.to(dtype).view(batch, nheads_kv, 1, group)
+        slope = slope.expand(batch, nheads_kv, seqlen_q, group).reshape(
+            batch, nheads_kv, 1, M)[..., None]
+    # -- this split's keys: [split_lo, split_hi) of the keys the rows can see --
+    offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
+    lo, hi = key_limits(offset, offset + seqlen_q - 1, seqlens_k, opts.window_left,
+                        opts.window_right)
+    lo = lo // block_n * block_n
+    n_blocks = (hi - lo + block_n - 1) // block_n
+    blocks_per_split = (n_blocks + num_splits - 1) // num_splits  # (B,)
+    split = torch.arange(num_splits, device=device)
+    split_lo = lo[:, None] + split * blocks_per_split[:, None] * block_n  # (B, S)
+    split_hi = torch.minimum(split_lo + blocks_per_split[:, None] * block_n, hi[:, None])
+    b = torch.arange(batch, device=device)[:, None, None]
+    diag = (i + offset.view(batch, 1, 1, 1, 1))  # (B, 1, 1, M, 1)
+
+    m_i = q_packed.new_full((batch, nheads_kv, num_splits, M), float("-inf"))
+    l_i = torch.zeros_like(m_i)
+    acc = q_packed.new_zeros((batch, nheads_kv, num_splits, M, headdim))
+    steps = int(blocks_per_split.max()) if batch else 0
+    for step in range(steps):
+        start_n = split_lo + step * block_n  # (B, S)
+        offs_n = start_n[..., None] + torch.arange(block_n, device=device)  # (B, S, BN)
+        in_split = offs_n < split_hi[..., None]
+        pos = torch.where(in_split, offs_n, 0)
+        # (B, S, BN, Hkv, D) -> (B, Hkv, S, BN, D)
+        k = _gather(k_cache, block_table, b, pos).permute(0, 3, 1, 2, 4).to(dtype)
+        v = _gather(v_cache, block_table, b, pos).permute(0, 3, 1, 2, 4).to(dtype)
+        # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
+        qk = q_packed @ k.transpose(-1, -2) * opts.softmax_scale
+        if opts.softcap > 0:
+            qk = opts.softcap * torch.tanh(qk / opts.softcap)
+        j = offs_n[:, None, :, None, :]  # (B, 1, S, 1, BN)
+        if slope is not None:
+            qk = qk - slope * (diag - j).abs()
+        mask = in_split[:, None, :, None, :]
+        if opts.window_right >= 0:
+            mask = mask & (j <= diag + opts.window_right)
+        if opts.window_left >= 0:
+            mask = mask & (j >= diag - opts.window_left)
+        qk = qk.masked_fill(~mask, float("-inf")) * LOG2E
+        # -- online softmax --
+        m_ij = torch.maximum(m_i, qk.amax(-1))
+        m_safe = torch.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = torch.exp2(qk - m_safe[..., None])
+        alpha = torch.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + p @ v
+        m_i = m_ij
+    # -- each split's partial output and lse (log2 units), then the merge --
+    l_safe = torch.where(l_i == 0, 1.0, l_i)
+    o_partial = acc / l_safe[..., None]
+    lse_partial = torch.where(l_i == 0, float("-inf"), m_i + torch.log2(l_safe))
+    o_merged, lse2 = merge(o_partial, lse_partial, dim=2)
+    # (B, Hkv, M, D) -> (B, seqlen_q, nheads, D)
+    o.copy_(o_merged.view(batch, nheads_kv, seqlen_q, group, headdim).permute(0, 2, 1, 3, 4)
+            .reshape(batch, seqlen_q, nheads, headdim))
+    lse.copy_((lse2 * LN2).view(batch, nheads_kv, seqlen_q, group).transpose(2, 3)
+              .reshape(batch, nheads, seqlen_q))
+    return o, lse
+
+
+def merge(o_partial, lse_partial, dim):
+    """Combine partial outputs (normalized) and their log2-sum-exp2 over `dim`, exactly:
+    lse = log2 sum 2^lse_s, o = sum 2^(lse_s - lse) o_s. A row with every lse_s = -inf gives
+    o = 0, lse = -inf."""
+    lse_max = lse_partial.amax(dim, keepdim=True)
+    lse_max = torch.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = torch.exp2(lse_partial - lse_max)
+    sum_w = w.sum(dim, keepdim=True)
+    sum_safe = torch.where(sum_w == 0, 1.0, sum_w)
+    o = (w.unsqueeze(-1) * o_partial).sum(dim) / sum_safe.squeeze(dim).unsqueeze(-1)
+    lse = torch.where(sum_w == 0, float("-inf"), lse_max + torch.log2(sum_safe)).squeeze(dim)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- public API
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Shapes, dtypes and devices of the cache arguments; returns (seqlens (batch,) int64 on
+    q's device, seqlen_new). Reads cache_seqlens and block_table: one device-to-host copy.
+    Raises naming the argument; nothing has been written yet."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if x is None and name in ("k", "v"):
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}: they must match")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: they must match")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    batch, seqlen_q, nheads, headdim = q.shape
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, slots, nheads_kv, cache_headdim = k_cache.shape
+    if cache_headdim != headdim:
+        raise ValueError(f"k_cache headdim {cache_headdim} differs from q's {headdim}")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of the nheads_kv of "
+                         f"k_cache ({nheads_kv})")
+    seqlen_new = 0
+    if k is not None:
+        if tuple(k.shape) != tuple(v.shape) or k.shape[0] != batch or \
+                tuple(k.shape[2:]) != (nheads_kv, headdim):
+            raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_kv, headdim) = "
+                             f"({batch}, *, {nheads_kv}, {headdim}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache has batch {k_cache.shape[0]}, q has {batch} (a paged "
+                             f"cache needs block_table)")
+        capacity = slots
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
+                block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise TypeError(f"block_table must be an int32 tensor of shape (batch={batch}, "
+                            f"max_pages), got {getattr(block_table, 'dtype', type(block_table))}"
+                            f" {tuple(getattr(block_table, 'shape', ()))}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
+        capacity = block_table.shape[1] * slots
+    if cache_seqlens is None:
+        seqlens = torch.full((batch,), capacity - seqlen_new, dtype=torch.long, device=q.device)
+    elif _is_int(cache_seqlens):
+        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.long, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype not in (torch.int32, torch.int64) or \
+                tuple(cache_seqlens.shape) != (batch,):
+            raise TypeError(f"cache_seqlens must be an int or an int32/int64 tensor of shape "
+                            f"({batch},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device}, q on {q.device}")
+        seqlens = cache_seqlens.long()
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an integer tensor of shape "
+                        f"({batch},), got {type(cache_seqlens).__name__}")
+    if torch.compiler.is_compiling() or batch == 0:
+        return seqlens, seqlen_new  # the value checks below need the data
+    lengths = seqlens.tolist()
+    if min(lengths) < 0 or max(lengths) + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache "
+                         f"capacity), got cache_seqlens in [{min(lengths)}, {max(lengths)}] and "
+                         f"seqlen_new = {seqlen_new}")
+    if block_table is not None:
+        pages_used = (seqlens + seqlen_new + slots - 1) // slots  # (B,)
+        used = torch.arange(block_table.shape[1], device=q.device) < pages_used[:, None]
+        entries = block_table[used]
+        if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= k_cache.shape[0]):
+            raise ValueError(f"block_table entries of the pages in use must lie in [0, "
+                             f"{k_cache.shape[0]}) (num_pages of k_cache), got "
+                             f"[{int(entries.min())}, {int(entries.max())}]")
+    return seqlens, seqlen_new
+
+
+def _append(cache, new, seqlens, block_table):
+    """cache[b, seqlens[b] + t] = new[b, t], in place (through block_table for a paged cache)."""
+    batch, seqlen_new = new.shape[:2]
+    if seqlen_new == 0 or batch == 0:
+        return
+    pos = seqlens[:, None] + torch.arange(seqlen_new, device=new.device)  # (B, Nnew)
+    b = torch.arange(batch, device=new.device)[:, None].expand_as(pos)
+    if block_table is None:
+        cache.index_put_((b, pos), new)
+    else:
+        page_size = cache.shape[1]
+        cache.index_put_((block_table[b, pos // page_size].long(), pos % page_size), new)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                           block_table=None, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False, backend="auto", *, num_splits=0):
+    """Attention of a few new queries over a KV cache, appending new keys/values in place
+    (FlashAttention-2's flash_attn_with_kvcache, without rotary embeddings or cache_batch_idx).
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim); seqlen_q is small: 1 for decoding, a few for
+            speculative decoding.
+        k_cache, v_cache: (batch, capacity, nheads_kv, headdim), or, with block_table, a paged
+            cache (num_pages, page_size, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA:
+            the cache is never repeated).
+        k, v: (batch, seqlen_new, nheads_kv, headdim) or None. If given, written into the cache
+            in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before
+            attending. cache_seqlens itself is not updated (the caller advances it).
+        cache_seqlens: int or (batch,) int32/int64 tensor: each sequence's length before the
+            append; default: the whole capacity (minus seqlen_new).
+        block_table: (batch, max_pages) int32: page p of sequence b is k_cache[block_table[b, p]].
+            Entries of pages beyond a sequence's length are not read (any value).
+        causal: bottom-right aligned to each sequence's length after the append,
+            seqlen_k = cache_seqlens[b] + seqlen_new: query i sees key j iff
+            j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
+                1 1 1 1 0
+                1 1 1 1 1
+        softmax_scale (default 1/sqrt(headdim)), window_size, softcap, alibi_slopes: as in
+            `longflash.attention`, aligned per sequence like causal.
+        return_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for float64).
+        backend: "auto" | "triton" | "torch", as in `longflash.attention`.
+        num_splits: key splits per sequence; 0 chooses (from batch, heads, cache length and,
+            on a GPU, the SM count), 1 disables splitting.
+    Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
+    key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
+    Errors (ValueError / TypeError naming the argument) are raised before anything is
+    written, so the cache is unchanged.
+    """
+    from .interface import _check_inputs  # interface routes decoding here: import late
+
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
+                         f"{getattr(q, 'shape', type(q).__name__)}")
+    if not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
+    seqlens, seqlen_new = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    # The remaining checks (dtype, scale, window, softcap, ALiBi, backend) are attention's,
+    # on an empty stand-in for the keys.
+    keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
+    softmax_scale, backend = _check_inputs(q, keys, keys, causal, softmax_scale, backend,
+                                           window_size, alibi_slopes, softcap)
+    if k is not None:
+        _append(k_cache, k, seqlens, block_table)
+        _append(v_cache, v, seqlens, block_table)
+    o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, causal,
+                      softmax_scale, window_size, softcap, alibi_slopes, num_splits, backend)
+    return (o, lse) if return_lse else o
+
+
+def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
+             softcap, alibi_slopes, num_splits, backend):
+    """Checked arguments -> (o, lse) on the chosen implementation."""
+    from ._common import Options
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
+    opts = Options(softmax_scale, window_size[0], 0 if causal else window_size[1], alibi_slopes,
+                   float(softcap))
+    if backend == "triton":
+        from . import decode_triton
+        return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
+                                     num_splits)
+    return forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits)

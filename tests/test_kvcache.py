@@ -1,0 +1,295 @@
+"""attention_with_kvcache: decoding over a KV cache (split-KV, paged caches, in-place append).
+
+Each case builds a cache, appends new keys/values, and compares the output and lse of every
+sequence with the float64 reference over that sequence's keys (tolerance rule of
+ARCHITECTURE.md: `check_close`), and checks that exactly the appended slots of the cache
+changed. The Triton cases run under the interpreter (tiny, fp16 / fp32).
+"""
+
+import pytest
+import torch
+
+import longflash
+from longflash import attention_ref, kvcache
+from conftest import INTERPRET, check_close
+
+# (id, batch, seqlen_q, nheads, nheads_kv, headdim, page_size (None: contiguous),
+#  capacity (contiguous: slots per sequence; paged: max_pages), lengths, seqlen_new, kwargs)
+CASES = [
+    ("decode-H8/1-D40-len0-full", 3, 1, 8, 1, 40, None, 37, [0, 20, 36], 1, {}),
+    ("spec4-H6/2-D59-causal", 3, 4, 6, 2, 59, None, 45, [41, 0, 13], 4, dict(causal=True)),
+    ("paged8-H4/4-D80-causal", 2, 2, 4, 4, 80, 8, 6, [7, 40], 3, dict(causal=True)),
+    ("paged5-H8/2-D32-window-softcap", 2, 3, 8, 2, 32, 5, 9, [30, 12], 2,
+     dict(causal=True, window_size=(6, -1), softcap=0.8)),
+    ("noappend-H4/1-D16-alibi", 2, 1, 4, 1, 16, None, 50, [50, 9], 0, dict(alibi=(4,))),
+    ("paged16-H2/1-D24-alibi-batch-window", 2, 2, 2, 1, 24, 16, 4, [33, 61], 1,
+     dict(alibi=(2, 2), window_size=(10, 2))),
+]
+
+
+def case_id(case):
+    return case[0]
+
+
+def make_case(case, dtype, seed=0):
+    """q, k_cache, v_cache, k, v, cache_seqlens, block_table, kwargs, and the contiguous view
+    of each sequence's keys: seq_keys(cache, b, n) -> (1, n, Hkv, D)."""
+    _, batch, seqlen_q, nheads, nheads_kv, headdim, page_size, capacity, lengths, new, kw = case
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+    q = rand(batch, seqlen_q, nheads, headdim)
+    if page_size is None:
+        k_cache, v_cache = rand(batch, capacity, nheads_kv, headdim), \
+            rand(batch, capacity, nheads_kv, headdim)
+        block_table = None
+    else:
+        num_pages = batch * capacity + 3
+        k_cache, v_cache = rand(num_pages, page_size, nheads_kv, headdim), \
+            rand(num_pages, page_size, nheads_kv, headdim)
+        block_table = torch.randperm(num_pages, generator=gen)[:batch * capacity].view(
+            batch, capacity).to(torch.int32)
+    k = rand(batch, new, nheads_kv, headdim) if new else None
+    v = rand(batch, new, nheads_kv, headdim) if new else None
+    kw = dict(kw)
+    if "alibi" in kw:
+        kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32)
+    return q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw
+
+
+def seq_keys(cache, block_table, b, n):
+    """The first n keys of sequence b as a contiguous (1, n, Hkv, D) tensor."""
+    if block_table is None:
+        return cache[b:b + 1, :n]
+    page_size = cache.shape[1]
+    pos = torch.arange(n)
+    return cache[block_table[b, pos // page_size].long(), pos % page_size][None]
+
+
+def expected_cache(cache, new, block_table, lengths):
+    """The cache after the append, computed slot by slot."""
+    out = cache.clone()
+    if new is None:
+        return out
+    for b, n in enumerate(lengths):
+        for t in range(new.shape[1]):
+            pos = n + t
+            if block_table is None:
+                out[b, pos] = new[b, t]
+            else:
+                page_size = cache.shape[1]
+                out[int(block_table[b, pos // page_size]), pos % page_size] = new[b, t]
+    return out
+
+
+def check_case(case, dtype, backend, num_splits):
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, dtype)
+    lengths = cache_seqlens.tolist()
+    k_after = expected_cache(k_cache, k, block_table, lengths)
+    v_after = expected_cache(v_cache, v, block_table, lengths)
+    o, lse = longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                              block_table, return_lse=True, backend=backend,
+                                              num_splits=num_splits, **kw)
+    # -- only the appended slots changed, to the appended values --
+    assert torch.equal(k_cache, k_after) and torch.equal(v_cache, v_after)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    new = 0 if k is None else k.shape[1]
+    for b, n in enumerate(lengths):
+        keys = seq_keys(k_cache, block_table, b, n + new)
+        values = seq_keys(v_cache, block_table, b, n + new)
+        slopes = kw.get("alibi_slopes")
+        ref_kw = {key: val for key, val in kw.items() if key != "alibi_slopes"}
+        if slopes is not None:
+            ref_kw["alibi_slopes"] = slopes.expand(q.shape[0], q.shape[2])[b:b + 1]
+        ref = attention_ref(q[b:b + 1].double(), keys.double(), values.double(), **ref_kw)
+        low = attention_ref(q[b:b + 1], keys, values, upcast=False, **ref_kw)
+        check_close(f"o[{b}]", o[b:b + 1], low[0], ref[0])
+        check_close(f"lse[{b}]", lse[b:b + 1], low[1], ref[1])
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3], ids=["splits-auto", "splits1", "splits3"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_torch_path(dtype, case, num_splits, monkeypatch):
+    monkeypatch.setattr(kvcache, "BLOCK_N", 8)  # several key blocks per split on tiny caches
+    check_case(case, dtype, "torch", num_splits)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
+@pytest.mark.parametrize("num_splits", [0, 1, 3], ids=["splits-auto", "splits1", "splits3"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_interpreter(dtype, case, num_splits):
+    check_case(case, dtype, "triton", num_splits)
+
+
+def test_gqa_ratios_and_float64():
+    """GQA ratios 1 to 8 on the float64 PyTorch path: exact to rounding."""
+    for nheads_kv in (8, 4, 2, 1):
+        case = ("gqa", 2, 3, 8, nheads_kv, 20, None, 30, [5, 17], 2, dict(causal=True))
+        check_case(case, torch.float64, "torch", 2)
+
+
+BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int_cache_seqlens_and_no_key(backend):
+    """An int cache_seqlens; length 0 with nothing appended: o = 0, lse = -inf."""
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+    o, lse = longflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=0,
+                                              return_lse=True, backend=backend)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    o = longflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=10, backend=backend)
+    ref, _ = attention_ref(q, k_cache, v_cache)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compares the two CPU paths")
+def test_backends_agree():
+    case = CASES[3]
+    outs = []
+    for backend in ("torch", "triton"):
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, torch.float32)
+        outs.append(longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                     block_table, return_lse=True,
+                                                     backend=backend, **kw))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def _error_inputs():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    k_cache, v_cache = torch.randn(2, 8, 2, 16, generator=gen), torch.randn(2, 8, 2, 16,
+                                                                             generator=gen)
+    k, v = torch.randn(2, 2, 2, 16, generator=gen), torch.randn(2, 2, 2, 16, generator=gen)
+    pages_k, pages_v = torch.randn(5, 4, 2, 16, generator=gen), torch.randn(5, 4, 2, 16,
+                                                                             generator=gen)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return q, k_cache, v_cache, k, v, pages_k, pages_v, table
+
+
+ERRORS = [
+    ("beyond-capacity", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([3, 7]))),
+    ("negative-length", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([-1, 2]))),
+    ("float-seqlens", TypeError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([1.0, 2.0]))),
+    ("python-float-seqlens", TypeError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 2.0)),
+    ("seqlens-shape", TypeError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([1, 2, 3]))),
+    ("dtype-mismatch", TypeError, "k_cache",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc.half(), vc, k, v, 1)),
+    ("new-dtype-mismatch", TypeError, "k has dtype",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k.double(), v, 1)),
+    ("heads-mismatch", ValueError, "nheads",
+     lambda q, kc, vc, k, v, pk, pv, t: (q[:, :, :3], kc, vc, None, None, 1)),
+    ("new-heads-mismatch", ValueError, "k and v",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k[:, :, :1], v[:, :, :1], 1)),
+    ("only-k", ValueError, "together",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, None, 1)),
+    ("cache-shapes", ValueError, "k_cache and v_cache",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc[:, :7], k, v, 1)),
+    ("headdim", ValueError, "headdim",
+     lambda q, kc, vc, k, v, pk, pv, t: (q[..., :8], kc, vc, None, None, 1)),
+    ("paged-beyond-capacity", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, torch.tensor([1, 7]), t)),
+    ("block-table-range", ValueError, "block_table",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, torch.tensor([1, 3]),
+                                         torch.tensor([[0, 1], [2, 5]], dtype=torch.int32))),
+    ("block-table-negative", ValueError, "block_table",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, torch.tensor([1, 3]),
+                                         torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32))),
+    ("block-table-dtype", TypeError, "block_table",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 1, t.long())),
+    ("window", TypeError, "window_size",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(window_size=3))),
+    ("softcap", ValueError, "softcap",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(softcap=-1.0))),
+    ("scale", ValueError, "softmax_scale",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(softmax_scale=0.0))),
+    ("backend", ValueError, "backend",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(backend="cuda"))),
+    ("num-splits", ValueError, "num_splits",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(num_splits=-1))),
+]
+
+
+@pytest.mark.parametrize("name, error, match, make", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors_leave_the_cache_unchanged(name, error, match, make):
+    inputs = _error_inputs()
+    args = make(*inputs)
+    kw = args[7] if len(args) > 7 else {}
+    block_table = args[6] if len(args) > 6 else None
+    caches = [x for x in args[1:3]]
+    before = [c.clone() for c in caches]
+    with pytest.raises(error, match=match):
+        longflash.attention_with_kvcache(*args[:5], cache_seqlens=args[5],
+                                         block_table=block_table, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
+# ----------------------------------------------------------------------------- routing
+
+@pytest.fixture
+def route_small(monkeypatch):
+    """Route short queries over keys of >= 20 tokens to the split-KV path; count the calls."""
+    from longflash import interface
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)
+    calls = []
+    original = kvcache._forward
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0), softcap=0.5),
+                                dict(alibi=(6,))], ids=["causal", "window-softcap", "alibi"])
+def test_attention_routes_decoding_to_split_kv(route_small, kw):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 6, 24, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 41, 2, 24, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 41, 2, 24, generator=gen, dtype=torch.float64)
+    kw = dict(kw)
+    if "alibi" in kw:
+        kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
+    o, lse = longflash.attention(q.float(), k.float(), v.float(), return_lse=True, **kw)
+    assert route_small, "attention did not take the split-KV path"
+    ref = attention_ref(q, k, v, **kw)
+    low = attention_ref(q.float(), k.float(), v.float(), upcast=False, **kw)
+    check_close("o", o, low[0], ref[0])
+    check_close("lse", lse, low[1], ref[1])
+    # with a gradient to compute, the main kernel runs
+    route_small.clear()
+    longflash.attention(q.float().requires_grad_(), k.float(), v.float(), **kw)
+    assert not route_small
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
+def test_attention_varlen_routes_decoding_to_split_kv(route_small):
+    gen = torch.Generator().manual_seed(3)
+    lengths_k = [25, 40, 31]
+    q = torch.randn(3 * 2, 4, 16, generator=gen)
+    k = torch.randn(sum(lengths_k), 2, 16, generator=gen)
+    v = torch.randn(sum(lengths_k), 2, 16, generator=gen)
+    cu_q = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 25, 65, 96], dtype=torch.int32)
+    o, lse = longflash.attention_varlen(q, k, v, cu_q, cu_k, 2, 40, causal=True,
+                                        return_lse=True)
+    assert route_small
+    ref = longflash.attention_varlen_ref(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                         causal=True)
+    low = longflash.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+    check_close("o", o, low[0], ref[0])
+    check_close("lse", lse, low[1], ref[1])
