@@ -44,8 +44,8 @@ Where it was tested and where it breaks:
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
-  paged KV caches and split-KV decoding live in decode_triton.py; fp32 inputs use IEEE fp32 dot products (no TF32), which
-  matches PyTorch's default for matmul.
+  paged KV caches and split-KV decoding live in decode_triton.py; fp32 inputs use IEEE
+  fp32 dot products (no TF32), which matches PyTorch's default for matmul.
 """
 
 import inspect
