@@ -37,10 +37,11 @@ test: $(ENV_READY)
 # One experiment after the other (timings must not share the machine), then the notebooks,
 # then LaTeX (installed first if missing, so a missing TeX stops the run before the
 # experiments, not after them). On a CPU, RQ3's long-sequence part gets 5 minutes here
-# (`make scaling`: 30). QUICK=1 runs the same chain at tiny sizes (about 5 minutes: it proves
-# the pipeline, its numbers mean nothing; CI runs it). Each machine writes its own results
-# files and the figures draw the most recent run of each device class (results/README.md).
-reproduce: $(ENV_READY) latex
+# (`make scaling`: 30). QUICK=1 runs the same chain at tiny sizes under build/quick/ (a few
+# minutes: it proves the pipeline, its numbers mean nothing; CI runs it). Each machine writes
+# its own results files and the figures draw the most recent run of each device class
+# (results/README.md).
+reproduce: $(ENV_READY) latex $(QUICK_TREE)
 	$(MAKE) experiments SCALING_LONG_BUDGET_S=300
 	$(MAKE) figures
 	$(MAKE) paper
@@ -57,20 +58,37 @@ env: $(ENV_READY)
 GPU := $(shell nvidia-smi -L 2>/dev/null)
 size = $(if $(QUICK),$(1),$(if $(GPU),$(2),$(3)))
 
-speedup: $(ENV_READY)  # RQ1: every attention provider in one run (CPU: about 25 min on a busy 2-core machine; GPU: --full)
+# QUICK=1 writes everything under build/quick/ instead of the repository's results/, figures/,
+# paper/generated/, executed notebooks and README table (the variables below move them; see
+# notebooks/plotting.py and experiments/results.py) and builds the paper there: a trial run
+# never mixes its tiny-size numbers into this machine's real results. The tree starts with the
+# committed compiler report (results/codegen), which make reproduce does not regenerate.
+QUICK_DIR := $(CURDIR)/build/quick
+ifneq ($(QUICK),)
+export LONGFLASH_RESULTS := $(QUICK_DIR)/results
+export LONGFLASH_FIGURES := $(QUICK_DIR)/figures
+export LONGFLASH_GENERATED := $(QUICK_DIR)/paper/generated
+QUICK_TREE := $(QUICK_DIR)/.tree
+endif
+$(QUICK_DIR)/.tree:
+	mkdir -p $(QUICK_DIR)/results $(QUICK_DIR)/paper/generated
+	cp -r results/codegen $(QUICK_DIR)/results/
+	touch $@
+
+speedup: $(ENV_READY) $(QUICK_TREE)  # RQ1: every attention provider in one run (CPU: about 25 min on a busy 2-core machine; GPU: --full)
 	$(PYTHON) -m experiments.speedup $(call size,--quick,--full,)
 
-io-complexity: $(ENV_READY)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
+io-complexity: $(ENV_READY) $(QUICK_TREE)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
 	$(PYTHON) -m experiments.io_complexity $(call size,,--full,--full)
 
 SCALING_LONG_BUDGET_S ?= 1800
-scaling: $(ENV_READY)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 512K tokens; GPU: --full)
+scaling: $(ENV_READY) $(QUICK_TREE)  # RQ3: ring attention on gloo ranks (CPU: about 30 min, up to 512K tokens; GPU: --full)
 	$(PYTHON) -m experiments.scaling $(call size,--quick,--full,--long-budget-s $(SCALING_LONG_BUDGET_S))
 
-long-context: $(ENV_READY)  # RQ4: max context, memory model + 7B projection, quality, MQAR (CPU: about 35 min; GPU: --full)
+long-context: $(ENV_READY) $(QUICK_TREE)  # RQ4: max context, memory model + 7B projection, quality, MQAR (CPU: about 35 min; GPU: --full)
 	$(PYTHON) -m experiments.long_context_training $(call size,--quick,--full,--quality-provider sdpa_cpu)
 
-variants: $(ENV_READY)  # sliding-window cost against sequence length
+variants: $(ENV_READY) $(QUICK_TREE)  # sliding-window cost against sequence length
 	$(PYTHON) -m experiments.variants $(call size,--quick,--full,)
 
 # The GPU campaign (experiments/GPU.md): three stages of under 9 minutes each, each leaving
@@ -107,14 +125,17 @@ codegen-check: $(ENV_READY) $(TRITON36)/.installed
 	$(PYTHON) -m experiments.codegen --quick --check
 	$(TRITON36)/bin/python -m experiments.codegen --quick --check
 
-figures: $(ENV_READY)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
-	$(PYTHON) notebooks/run_notebooks.py $(NOTEBOOKS)
-	$(PYTHON) notebooks/readme_table.py
+figures: $(ENV_READY) $(QUICK_TREE)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
+	$(PYTHON) notebooks/run_notebooks.py $(if $(QUICK),--out-dir $(QUICK_DIR)/notebooks) $(NOTEBOOKS)
+	$(if $(QUICK),cp README.md $(QUICK_DIR)/README.md)
+	$(PYTHON) notebooks/readme_table.py $(if $(QUICK),--readme $(QUICK_DIR)/README.md)
 
-# paper/main.pdf from the committed (or just regenerated) figures and paper/generated/.
+# paper/main.pdf from the committed (or just regenerated) figures and paper/generated/
+# (QUICK=1: build/quick/paper/main.pdf from build/quick/).
 # -Werror: an undefined reference or citation fails the build, like a LaTeX error.
-paper: latex
-	cd paper && latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error -Werror main.tex
+paper: latex $(QUICK_TREE)
+	$(if $(QUICK),cp -r paper/main.tex paper/refs.bib paper/sections $(QUICK_DIR)/paper/)
+	cd $(if $(QUICK),$(QUICK_DIR)/paper,paper) && latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error -Werror main.tex
 
 # LaTeX for the paper: installed with apt (sudo when not root) if latexmk is missing.
 LATEX_PACKAGES := texlive-latex-base texlive-latex-recommended texlive-latex-extra \

@@ -30,7 +30,8 @@ tiny sizes with the Triton interpreter):
                 size (experiments.io_complexity's plan), beside the model's prediction
   3  hf         a small random Llama: LongFlash logits against eager, one generate
      jax        longflash.jax on the GPU (needs jax-triton; "unsupported" without it)
-     decoding   longflash.attention_with_kvcache, if this version has it
+     speedup_decode  RQ1 part decode: one step of attention_with_kvcache over 1K..128K
+                tokens of cache, batch 1 then 8, against SDPA's backends and FlexAttention
      variants   experiments.variants --full
      long_context  RQ4 (experiments.long_context_training --full, parts max_context,
                 memory_model, exactness): max trainable context per attention implementation
@@ -42,7 +43,7 @@ DIR holds the archive alone) whose paths mirror the repository
 experiments.results.device_tag(), or "dryrun" for a dry run); an existing results file of the
 repository is copied there first, so rows merge by key and --resume skips what is measured.
 The repository's results/ is never written. The campaign's own rows (one per step: wall time
-and status; the hf/jax/decoding measurements) go to results/gpu_campaign/<stem>-stageN.csv,
+and status; the hf/jax measurements) go to results/gpu_campaign/<stem>-stageN.csv,
 with the full log (<stem>-stageN.log) and the resolved configuration (<stem>-stageN.json).
 Everything ends in DIR/stageN.tar.gz (under 16 MiB): `tar xzf DIR/stageN.tar.gz` at the
 repository root puts each file in place. A dry run's rows have "dry run: " at the start of
@@ -50,7 +51,7 @@ their device column. The summary table is printed last.
 
 Campaign rows: experiment "gpu_campaign", provider "longflash", mode "fwd", metric
 "wall_s" (s, the step's wall time) or the probe's metric (hf: max_abs_diff_logits,
-generate_tokens; jax: max_abs_diff; decoding: time_ms, max_abs_diff); key column `step`.
+generate_tokens; jax: max_abs_diff); key column `step`.
 """
 
 import argparse
@@ -179,11 +180,13 @@ def stage_steps(stage, dry):
     if stage == 3:
         lct = (["--quick", "--parts", "max_context,memory_model,exactness"] if dry
                else ["--full", "--parts", "max_context,memory_model,exactness"])
+        decode = (["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"] if dry
+                  else ["--full", "--parts", "decode"])
         return [
             _probe("env", estimate_s=5, timeout_s=60),
             _probe("hf", estimate_s=15, timeout_s=60),
             _probe("jax", estimate_s=10, timeout_s=60),
-            _probe("decoding", estimate_s=10, timeout_s=60),
+            _speedup("speedup_decode", decode, estimate_s=40, timeout_s=180, reserve_s=330),
             Step("variants", _py("experiments.variants",
                                  *(["--seqlens", "256,512"] if dry else ["--full"]),
                                  "--out", "{out}"),
@@ -415,40 +418,6 @@ def probe_jax(path):
     print(rows)
 
 
-def probe_decoding(path):
-    """longflash.attention_with_kvcache (a later version's API), if present."""
-    import longflash
-    if not hasattr(longflash, "attention_with_kvcache"):
-        _dump(path, dict(rows=[_row("time_ms", float("nan"), "ms", "unsupported",
-                                    "longflash.attention_with_kvcache is not in this version")]))
-        return
-    import torch
-    from experiments.measure import time_ms
-    cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    rows = []
-    for cache_len in ((16384, 131072) if cuda else (256,)):
-        q = torch.randn(1, 1, 32, 128, device=device, dtype=dtype)
-        k_cache, v_cache = (torch.randn(1, cache_len, 8, 128, device=device, dtype=dtype)
-                            for _ in range(2))
-        seqlens = torch.full((1,), cache_len, dtype=torch.int32, device=device)
-        try:
-            fn = lambda: longflash.attention_with_kvcache(  # noqa: E731
-                q, k_cache, v_cache, cache_seqlens=seqlens)
-            out = fn()
-            ref, _ = longflash.attention_ref(q.double(), k_cache.double(), v_cache.double(),
-                                             causal=True)
-            diff = (out.double() - ref).abs().max().item()
-            med = time_ms(fn, device)[0]
-            rows += [_row(f"time_ms_cache{cache_len}", med, "ms"),
-                     _row(f"max_abs_diff_cache{cache_len}", diff, "")]
-        except Exception as exc:  # noqa: BLE001
-            rows.append(_row(f"time_ms_cache{cache_len}", float("nan"), "ms", "error",
-                             f"{type(exc).__name__}: {exc}"))
-    _dump(path, dict(rows=rows))
-    print(rows)
-
-
 # ----------------------------------------------------------------------------- the stage
 
 def _fill(argv, **values):
@@ -654,7 +623,7 @@ def main():
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="wall budget of the stage (default %(default).0f s)")
     parser.add_argument("--check", nargs="+", metavar="TAR", help="check archives and exit")
-    parser.add_argument("--probe", choices=("env", "speedup", "ncu", "hf", "jax", "decoding"),
+    parser.add_argument("--probe", choices=("env", "speedup", "ncu", "hf", "jax"),
                         help=argparse.SUPPRESS)   # one step, run by the campaign itself
     parser.add_argument("--probe-out", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -664,8 +633,7 @@ def main():
         sys.exit(1 if bad else 0)
     if args.probe:
         rest = rest[1:] if rest[:1] == ["--"] else rest
-        fn = dict(env=probe_env, ncu=probe_ncu, hf=probe_hf, jax=probe_jax,
-                  decoding=probe_decoding)
+        fn = dict(env=probe_env, ncu=probe_ncu, hf=probe_hf, jax=probe_jax)
         if args.probe == "speedup":
             probe_speedup(args.probe_out, rest)
         else:

@@ -81,7 +81,6 @@ try:
 except ImportError:  # printed counters instead
     tqdm = None
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("exactness", "max_context", "memory_model", "mqar", "quality")  # in running order
 KEY_COLUMNS = ("part", "model", "budget_mb", "checkpoint", "seed", "step")
 IMPLS = {"longflash": "longflash", "standard": "standard", "sdpa_cpu": "sdpa",

@@ -289,9 +289,12 @@ def write_results(rows, path, command=None, key_columns=()):
     merged = df
     if os.path.exists(path):
         old = pd.read_csv(path)
-        missing = [c for c in KEY_COLUMNS + list(key_columns) if c not in old.columns]
+        missing = [c for c in KEY_COLUMNS if c not in old.columns]
         if missing:
             raise ValueError(f"{path} lacks key columns {missing}; not a results file?")
+        for c in key_columns:  # an extra key that an experiment added later: empty in old rows
+            if c not in old.columns:
+                old[c] = math.nan
         kept = old[~_keys(old, key_columns).isin(set(keys))]
         if len(kept):
             merged = pd.concat([kept, df], ignore_index=True)

@@ -73,7 +73,6 @@ from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
 from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms
 from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_BACKEND = "torch"  # the blockwise PyTorch path, even where TRITON_INTERPRET=1 is set
 
 # Assumptions of the projection, per direction of one link: (GB/s, latency in us).

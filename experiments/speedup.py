@@ -4,6 +4,7 @@
     python -m experiments.speedup --full          # the GPU sweep (FULL), H100 / H200
     python -m experiments.speedup --quick --out /tmp/s.csv   # tiny shapes, seconds (tests)
     python -m experiments.speedup --full --headdims 256 --resume   # a slice; rows merge by key
+    python -m experiments.speedup --parts decode  # part decode alone (experiments/decode.py)
 
 Every provider available on the machine is measured in the same process and run, on the
 same inputs (random normal, never zeros), each in its own layout, built outside the
@@ -40,6 +41,12 @@ Each (seqlen, headdim, causal) is one group; modes run in the order fwd, fwd_bwd
       long), then 64, then 256; results are written after every group, so a run stopped by
       its budget (--budget-s, 570 s with --full) keeps what it measured, and --resume skips
       what the file already holds.
+
+Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
+KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
+dim 128: time and the cache bytes read per second, LongFlash's split-KV kernel with and
+without splitting against SDPA's backends and FlexAttention. It runs after the other parts,
+before the closing ceilings.
 
 Modes: fwd = the forward pass of training (inputs require grad, so the graph is built);
 bwd = the backward pass alone, torch.autograd.grad of an output computed beforehand
@@ -96,7 +103,6 @@ import longflash  # noqa: E402
 from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
 from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
                  "sdpa_cudnn", "flex")
 CPU_PROVIDERS = ("longflash", "sdpa_cpu", "standard")
@@ -133,6 +139,12 @@ class Config:
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
     ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
+    parts: tuple = ("batch", "long", "decode")
+    decode_seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768)   # part decode: cache tokens
+    decode_batches: tuple = (1, 8)
+    decode_nheads: int = 32               # part decode: a Llama-like GQA shape
+    decode_nheads_kv: int = 8
+    decode_headdim: int = 128
 
 
 FULL = dict(  # the GPU sweep of the issue; see the module docstring
@@ -141,11 +153,13 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     long_seqlens=(32768, 65536, 131072), long_hidden=2048, long_headdims=(128,),
     long_causals=(True,), long_modes=("fwd", "bwd", "fwd_bwd"), warmup_ms=10, rep_ms=50,
     long_warmup_ms=10, long_rep_ms=50, ceiling_matmul_n=8192, ceiling_copy_mb=1024,
-    ceiling_rep_ms=200, budget_s=570)
+    ceiling_rep_ms=200, budget_s=570,
+    decode_seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072))
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
-    ceiling_matmul_n=256, ceiling_copy_mb=16, ceiling_rep_ms=50)
+    ceiling_matmul_n=256, ceiling_copy_mb=16, ceiling_rep_ms=50, decode_seqlens=(256, 1024),
+    decode_batches=(1, 2), decode_nheads=4, decode_nheads_kv=2, decode_headdim=16)
 
 
 class Unsupported(Exception):
@@ -166,30 +180,48 @@ def _sdpa_kernel(provider):
     return lambda: sdpa_kernel(backend)
 
 
+def sdpa(provider, **kwargs):
+    """attn(q, k, v): scaled_dot_product_attention(q, k, v, **kwargs) on the backend that
+    `provider` forces (sdpa_cpu: PyTorch's own choice). Raises Unsupported."""
+    forced = _sdpa_kernel(provider) if provider in SDPA_BACKENDS else contextlib.nullcontext
+
+    def attn(q, k, v):
+        with forced():
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return attn
+
+
 _FLEX = {}
 
 
-def _flex(seqlen, causal, device):
-    """Compiled flex_attention (torch >= 2.5) and the BlockMask of this group (None: full)."""
+def compiled_flex(device, dynamic=False):
+    """torch.compile(flex_attention) (torch >= 2.5), one per process and `dynamic`."""
     if device != "cuda":
         raise Unsupported("flex: compiled FlexAttention is measured on GPUs only (its backward "
                           "does not run on CPU)")
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
     except ImportError as e:
         raise Unsupported(f"torch {torch.__version__} has no FlexAttention") from e
-    if "fn" not in _FLEX:
+    if dynamic not in _FLEX:
         # Every (shape, mask) compiles anew; the default limit of 8 would silently fall back
         # to eager flex_attention, which is not what is meant to be measured.
         for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return _FLEX[dynamic]
+
+
+def _flex(seqlen, causal, device):
+    """Compiled flex_attention and the BlockMask of this group (None: full)."""
+    flex = compiled_flex(device)
     mask = None
     if causal:  # seqlen_q == seqlen_k here, so top-left and bottom-right alignment agree
+        from torch.nn.attention.flex_attention import create_block_mask
         mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
                                  seqlen, seqlen, device=device)
-    return lambda q, k, v: _FLEX["fn"](q, k, v, block_mask=mask)
+    return lambda q, k, v: flex(q, k, v, block_mask=mask)
 
 
 def make_attention(provider, device, causal, seqlen):
@@ -203,18 +235,10 @@ def make_attention(provider, device, causal, seqlen):
     if provider == "standard":
         return (lambda q, k, v: longflash.attention_ref(q, k, v, causal=causal,
                                                         upcast=False)[0], "bnhd")
-    if provider == "sdpa_cpu":
-        if on_gpu:
-            raise Unsupported("sdpa_cpu is PyTorch's SDPA on CPU tensors")
-        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                "bhnd")
-    if provider in SDPA_BACKENDS:
-        forced = _sdpa_kernel(provider)
-
-        def attn(q, k, v):
-            with forced():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return attn, "bhnd"
+    if provider == "sdpa_cpu" and on_gpu:
+        raise Unsupported("sdpa_cpu is PyTorch's SDPA on CPU tensors")
+    if provider == "sdpa_cpu" or provider in SDPA_BACKENDS:
+        return sdpa(provider, is_causal=causal), "bhnd"
     if provider == "flex":
         return _flex(seqlen, causal, device), "bhnd"
     raise ValueError(f"unknown provider {provider!r}")
@@ -390,7 +414,7 @@ def run(cfg, device, out, resume=False):
     write_results(ceiling_rows, out)
     done = _existing_keys(out) if resume else set()
 
-    plan = groups(cfg)
+    plan = [g for g in groups(cfg) if g[0] in cfg.parts]
     total = sum(len(cfg.providers) * len(cfg.long_modes if p == "long" else cfg.modes)
                 for p, *_ in plan)
     count = 0
@@ -448,6 +472,12 @@ def run(cfg, device, out, resume=False):
             write_results(rows, out)
         log(f"group {g + 1}/{len(plan)} done at {time.perf_counter() - start:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f}")
+    if "decode" in cfg.parts:
+        from experiments import decode  # it imports this module's providers and failure rules
+        rows = decode.run(cfg, device, log, machine, start,
+                          decode.existing_keys(out) if resume else set())
+        if rows:
+            write_results(rows, out, key_columns=decode.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
     write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)], out)
     log(f"load average at end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s in all")
@@ -483,19 +513,28 @@ def _rows(base, provider, mode, status, peak, times):
 
 
 def summary(out, device):
-    """A short table, last: median fwd_bwd time and peak memory per provider and seqlen."""
+    """Short tables, last: median fwd_bwd time and peak memory per provider and seqlen (causal,
+    the first head dim), and part decode's time per step per provider and cache length."""
     import pandas as pd
-    df = pd.read_csv(out)
-    df = df[(df["experiment"] == "speedup") & (df["mode"] == "fwd_bwd") & (df["causal"])]
-    if df.empty:
-        return
-    d = df["headdim"].iloc[0]
-    df = df[df["headdim"] == d]
-    for metric in ("time_ms", "peak_mem_mb"):
-        table = df[df["metric"] == metric].pivot_table(
-            index="provider", columns="seqlen_q", values="value", aggfunc="first")
-        log(f"\n{metric}, causal, forward+backward, headdim {d} ({device}):\n"
-            f"{table.round(1).to_string()}")
+    rows = pd.read_csv(out)
+    rows = rows[rows["experiment"] == "speedup"]
+    df = rows[(rows["mode"] == "fwd_bwd") & (rows["causal"])]
+    if not df.empty:
+        d = df["headdim"].iloc[0]
+        df = df[df["headdim"] == d]
+        for metric in ("time_ms", "peak_mem_mb"):
+            table = df[df["metric"] == metric].pivot_table(
+                index="provider", columns="seqlen_q", values="value", aggfunc="first")
+            log(f"\n{metric}, causal, forward+backward, headdim {d} ({device}):\n"
+                f"{table.round(1).to_string()}")
+    if "num_splits" in rows:
+        dec = rows[(rows["part"] == "decode") & (rows["metric"] == "time_ms")]
+        dec = dec.assign(provider=dec["provider"] + dec["num_splits"].map(
+            lambda n: "" if pd.isna(n) else " (no split)" if n == 1 else " (split-KV)"))
+        table = dec.pivot_table(index=["batch", "provider"], columns="seqlen_k", values="value",
+                                aggfunc="first")
+        log(f"\ntime_ms per decoding step, by cache length ({device}):\n"
+            f"{table.round(2).to_string()}")
 
 
 def main():
@@ -518,6 +557,9 @@ def main():
     parser.add_argument("--seqlens", help="comma-separated sequence lengths of part batch")
     parser.add_argument("--long-seqlens", help="comma-separated sequence lengths of part long "
                         "('' for none)")
+    parser.add_argument("--parts", help="comma-separated parts to run (default: "
+                        f"{','.join(Config.parts)})")
+    parser.add_argument("--decode-seqlens", help="comma-separated cache lengths of part decode")
     parser.add_argument("--budget-s", type=float, help="start no group after this many "
                         "seconds (default: none on CPU, 570 with --full)")
     parser.add_argument("--resume", action="store_true", help="skip measurements whose "
@@ -544,6 +586,13 @@ def main():
         cfg = replace(cfg, long_seqlens=ints(args.long_seqlens))
     if args.budget_s is not None:
         cfg = replace(cfg, budget_s=args.budget_s)
+    if args.parts:
+        cfg = replace(cfg, parts=tuple(args.parts.split(",")))
+        if set(cfg.parts) - set(Config.parts):
+            parser.error(f"--parts: unknown {sorted(set(cfg.parts) - set(Config.parts))}; "
+                         f"choose from {','.join(Config.parts)}")
+    if args.decode_seqlens is not None:
+        cfg = replace(cfg, decode_seqlens=ints(args.decode_seqlens))
     unknown = [p for p in cfg.providers if p not in GPU_PROVIDERS + CPU_PROVIDERS]
     if unknown:
         parser.error(f"--providers: unknown {unknown}; choose from "

@@ -2,11 +2,13 @@
 
     python notebooks/readme_table.py           # rewrite the table in README.md
     python notebooks/readme_table.py --check   # exit 1 if README.md's table is out of date
+    python notebooks/readme_table.py --readme build/quick/README.md   # a copy's table instead
 
 The numbers are the macros that the notebooks write into paper/generated/*.tex from results/,
 so the README, the paper and the results cannot disagree: a number has one source. Each row
 names the device it was measured on and the results file behind it. Run by `make figures`
-after the notebooks; the test suite runs --check.
+after the notebooks; the test suite runs --check. The macros are read from
+$LONGFLASH_GENERATED when it is set, as the notebooks write them (a `make reproduce QUICK=1`).
 """
 
 import argparse
@@ -17,6 +19,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+GENERATED = os.environ.get("LONGFLASH_GENERATED") or os.path.join(ROOT, "paper", "generated")
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 # (part, claim with {Macro} placeholders, device macro or text, results file macro)
@@ -109,14 +112,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="do not write; exit 1 if README.md is out of date")
+    parser.add_argument("--readme", default=README, help="the README to update (default: %(default)s)")
     args = parser.parse_args()
-    macros = read_macros(sorted(glob.glob(os.path.join(ROOT, "paper", "generated", "*.tex"))))
-    with open(README) as f:
+    macros = read_macros(sorted(glob.glob(os.path.join(GENERATED, "*.tex"))))
+    with open(args.readme) as f:
         text = f.read()
     new = updated_readme(text, macros)
     if args.check:
         if new != text:
-            print("README.md's headline table is out of date: run "
+            print(f"{args.readme}'s headline table is out of date: run "
                   "`python notebooks/readme_table.py` (or `make figures`)", file=sys.stderr)
             return 1
         return 0
@@ -126,7 +130,7 @@ def main():
         def write(path):
             with open(path, "w") as f:
                 f.write(new)
-        atomic_write(README, write)
+        atomic_write(args.readme, write)
     print(table(macros))
     return 0
 

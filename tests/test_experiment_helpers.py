@@ -217,3 +217,17 @@ def test_extra_key_columns(tmp_path):
     assert sorted(df["value"]) == [1.0, 3.0]
     with pytest.raises(ValueError, match="duplicate key"):
         write_results(rows, path)  # without the extra key the two rows collide
+
+
+def test_extra_key_column_added_later(tmp_path):
+    """A file written before an experiment had its extra key column: its old rows read the
+    column as empty, stay, and new rows that set it are told apart by it."""
+    path = tmp_path / "r.csv"
+    row = make_row()
+    write_results([row], path)
+    df = write_results([dict(row, num_splits=0, value=2.0), dict(row, num_splits=1, value=3.0)],
+                       path, key_columns=("num_splits",))
+    assert sorted(df["value"]) == [1.0, 2.0, 3.0]
+    df = write_results([dict(row, num_splits=1, value=4.0)], path, key_columns=("num_splits",))
+    assert sorted(df["value"]) == [1.0, 2.0, 4.0]
+    assert df["num_splits"].isna().sum() == 1

@@ -1,6 +1,7 @@
 """RQ1's benchmark, end to end on tiny shapes: experiments/speedup.py --quick writes one row per
 provider, mode, configuration and metric, in the results schema, with the right statuses; an
-over-budget configuration is an "oom" row. No timing is asserted."""
+over-budget configuration is an "oom" row; part decode (experiments/decode.py) one row per
+provider, split choice, batch, cache length and metric. No timing is asserted."""
 
 import math
 import os
@@ -38,11 +39,11 @@ def quick(tmp_path_factory):
 def test_schema_and_one_row_per_measurement(quick):
     out, df, _ = quick
     assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
-    assert not df.duplicated(KEY_COLUMNS).any()
+    assert not df.duplicated(KEY_COLUMNS + ["num_splits"]).any()
     assert set(df["experiment"]) == {"speedup"}
-    assert set(df["part"]) == {"batch", "long", "ceiling"}
+    assert set(df["part"]) == {"batch", "long", "decode", "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
-    runs = df[df["provider"] != "ceiling"]
+    runs = df[df["part"].isin(["batch", "long"])]
     groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
     expected = len(PROVIDERS) * (len(cfg.seqlens) * len(cfg.causals) * len(cfg.modes)
                                  + len(cfg.long_seqlens) * len(cfg.long_modes))
@@ -79,7 +80,7 @@ def test_values_are_consistent(quick):
     ceiling = ok[ok["provider"] == "ceiling"].set_index("metric")["value"]
     assert ceiling["matmul_tflops"] > 0 and ceiling["copy_gbps"] > 0
     key = ["part", "provider", "mode", "batch", "seqlen_q", "nheads", "headdim", "causal"]
-    wide = ok[ok["provider"] != "ceiling"].pivot_table(index=key, columns="metric",
+    wide = ok[ok["part"].isin(["batch", "long"])].pivot_table(index=key, columns="metric",
                                                       values="value", aggfunc="first")
     wide = wide.reset_index()
     assert len(wide) and wide[list(METRICS)].notna().all().all()
@@ -90,8 +91,35 @@ def test_values_are_consistent(quick):
         assert r["time_ms"] > 0 and r["peak_mem_mb"] >= 0
     times = ok[ok["metric"] == "time_ms"]
     assert ((times["p20"] <= times["value"]) & (times["value"] <= times["p80"])).all()
-    rates = ok[ok["metric"] == "tflops"]
+    rates = ok[ok["metric"].isin(["tflops", "read_gbps"])]
     assert ((rates["p20"] <= rates["value"]) & (rates["value"] <= rates["p80"])).all()
+
+
+def test_decode_part(quick):
+    """Part decode: every provider of the CPU at every batch and cache length, LongFlash with
+    the library's split choice and with one split; bandwidth from the cache's bytes and the
+    time; LongFlash's output against float64."""
+    _, df, stdout = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    dec = df[df["part"] == "decode"]
+    assert set(dec["status"]) == {"ok"} and (dec["seqlen_q"] == 1).all()
+    assert set(dec["provider"]) == {"longflash", "sdpa_cpu"}  # GPU-only providers: none
+    assert (dec["nheads"] == cfg.decode_nheads).all()
+    assert (dec["nheads_kv"] == cfg.decode_nheads_kv).all()
+    assert set(dec[dec["provider"] == "longflash"]["num_splits"]) == {0, 1}
+    assert dec[dec["provider"] == "sdpa_cpu"]["num_splits"].isna().all()
+    dec = dec.assign(num_splits=dec["num_splits"].fillna(-1))
+    index = ["provider", "num_splits", "batch", "seqlen_k"]
+    assert dec.groupby(index).ngroups == 3 * len(cfg.decode_batches) * len(cfg.decode_seqlens)
+    wide = dec.pivot_table(index=index, columns="metric", values="value").reset_index()
+    cache_bytes = (2 * wide["batch"] * wide["seqlen_k"] * cfg.decode_nheads_kv
+                   * cfg.decode_headdim * 4)
+    assert ((cache_bytes / (wide["time_ms"] * 1e-3) / 1e9 - wide["read_gbps"]).abs()
+            <= 1e-9 * wide["read_gbps"]).all()
+    errors = wide[wide["provider"] == "longflash"]["max_err_o_sampled"]
+    assert len(errors) == 2 * len(cfg.decode_batches) * len(cfg.decode_seqlens)
+    assert (errors < 1e-5).all()
+    assert "time_ms per decoding step" in stdout
 
 
 def test_resume_measures_nothing_twice(quick, tmp_path):
@@ -100,10 +128,11 @@ def test_resume_measures_nothing_twice(quick, tmp_path):
     df.to_csv(copy, index=False)
     proc = run_quick(copy, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert not [line for line in proc.stdout.splitlines() if line.startswith(("[", "decode "))]
     again = pd.read_csv(copy)
     assert len(again) == len(df)
-    runs = lambda d: d[d["provider"] != "ceiling"].sort_values(KEY_COLUMNS)  # noqa: E731
+    runs = lambda d: d[d["provider"] != "ceiling"].sort_values(  # noqa: E731
+        KEY_COLUMNS + ["num_splits"])
     assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
 
 

@@ -23,10 +23,12 @@ import torch
 
 from ._common import LN2, LOG2E, accumulator_dtype, empty_outputs
 
-# Python loop overhead is paid per key block on a CPU: wide blocks, and on the CPU as many
-# splits as keep the loop to about MAX_CPU_STEPS iterations (splits are a tensor dimension).
-BLOCK_N = 256
-MAX_CPU_STEPS = 8
+# The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
+# dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
+# and wide key blocks, so that the Python loop is short: 1024 keys was the fastest of 256,
+# 1024 and 4096 for caches of 1K to 32K tokens on a 2-core AMD EPYC (32 query heads, 8 KV
+# heads, head dim 128, float32).
+BLOCK_N = 1024
 MAX_SPLITS = 128
 
 
@@ -41,22 +43,25 @@ def key_limits(first, last, seqlen_k, window_left, window_right):
     return torch.minimum(torch.as_tensor(lo), hi), hi
 
 
-def cpu_num_splits(max_seqlen_k, block_n=None):
-    """Splits for the PyTorch path: each split a tensor slice, about MAX_CPU_STEPS blocks long."""
-    block_n = block_n or BLOCK_N
-    n_blocks = -(-max_seqlen_k // block_n)
-    return max(1, min(MAX_SPLITS, -(-n_blocks // MAX_CPU_STEPS)))
-
-
 def _gather(cache, block_table, b, pos):
     """cache rows at key positions pos (B, S, BN) of sequences b (B, 1, 1):
-    (B, S, BN, nheads_kv, headdim). A contiguous cache is (batch, capacity, Hkv, D); a paged
-    one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages)."""
+    (B, S, BN, nheads_kv, headdim), a copy. A contiguous cache is (batch, capacity, Hkv, D); a
+    paged one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages)."""
     if block_table is None:
         return cache[b, pos]
     page_size = cache.shape[1]
     page = block_table[b, pos // page_size].long()
     return cache[page, pos % page_size]
+
+
+def _block_view(cache, start_n, split_stride, block_n):
+    """The same rows as _gather for a contiguous cache whose splits start at the same key in
+    every sequence (start_n[b, s] = start_n[0, 0] + s * split_stride), as a view: no copy."""
+    n_splits = start_n.shape[1]
+    sb, sn, sh, sd = cache.stride()
+    return cache.as_strided((cache.shape[0], n_splits, block_n, cache.shape[2], cache.shape[3]),
+                            (sb, split_stride * sn, sn, sh, sd),
+                            cache.storage_offset() + int(start_n[0, 0]) * sn)
 
 
 @torch.no_grad()
@@ -70,12 +75,21 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     o, lse = empty_outputs(q)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
+    if block_table is None and batch > 1:
+        # One sequence at a time, so that interior key blocks are views of the cache that
+        # matmul reads in place: the (batch, KV head) strides of a (batch, capacity, Hkv, D)
+        # cache do not merge into one batch stride, and matmul would copy every block.
+        for seq in range(batch):
+            one = slice(seq, seq + 1)
+            slopes = None if opts.alibi_slopes is None else opts.alibi_slopes[one]
+            o[one], lse[one] = forward(q[one], k_cache[one], v_cache[one], seqlens_k[one], None,
+                                       opts._replace(alibi_slopes=slopes), num_splits, block_n)
+        return o, lse
     dtype = accumulator_dtype(q.dtype)
     block_n = block_n or BLOCK_N
     device = q.device
     seqlens_k = seqlens_k.to(device=device, dtype=torch.long)
-    max_seqlen_k = int(seqlens_k.max()) if batch else 0
-    num_splits = num_splits or cpu_num_splits(max_seqlen_k, block_n)
+    num_splits = num_splits or 1
     # -- GQA packing: rows r = i * group + g, (B, Hkv, M, D) with M = seqlen_q * group --
     M = seqlen_q * group
     q_packed = q.to(dtype).view(batch, seqlen_q, nheads_kv, group, headdim).permute(
@@ -104,14 +118,34 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     l_i = torch.zeros_like(m_i)
     acc = q_packed.new_zeros((batch, nheads_kv, num_splits, M, headdim))
     steps = int(blocks_per_split.max()) if batch else 0
+    # A contiguous cache (batch 1 here, see above) is read through views, not copies: every
+    # block inside every split, and with one split also the last, shorter block. Only the
+    # blocks of a paged cache and the last blocks of several splits are gathered and masked;
+    # only blocks on a window's edge get the window's mask.
+    contiguous = block_table is None
+    split_stride = int(split_lo[0, 1] - split_lo[0, 0]) if contiguous and num_splits > 1 else 0
+    split_room = int((split_hi - split_lo).min()) if batch else 0
+    diag_lo, diag_hi = (int(offset.min()), int(offset.max()) + seqlen_q - 1) if batch else (0, 0)
     for step in range(steps):
         start_n = split_lo + step * block_n  # (B, S)
-        offs_n = start_n[..., None] + torch.arange(block_n, device=device)  # (B, S, BN)
-        in_split = offs_n < split_hi[..., None]
-        pos = torch.where(in_split, offs_n, 0)
+        width = block_n
+        if contiguous and num_splits == 1:
+            width = min(block_n, split_room - step * block_n)
+        offs_n = start_n[..., None] + torch.arange(width, device=device)  # (B, S, BN)
+        if contiguous and step * block_n + width <= split_room:
+            k, v = (_block_view(c, start_n, split_stride, width) for c in (k_cache, v_cache))
+            mask = None
+        else:
+            in_split = offs_n < split_hi[..., None]
+            pos = torch.where(in_split, offs_n, 0)
+            k, v = (_gather(c, block_table, b, pos) for c in (k_cache, v_cache))
+            mask = in_split[:, None, :, None, :]
+        first, last = int(start_n.min()), int(start_n.max()) + width - 1
+        window_edge = ((opts.window_right >= 0 and last > diag_lo + opts.window_right)
+                       or (opts.window_left >= 0 and first < diag_hi - opts.window_left))
         # (B, S, BN, Hkv, D) -> (B, Hkv, S, BN, D)
-        k = _gather(k_cache, block_table, b, pos).permute(0, 3, 1, 2, 4).to(dtype)
-        v = _gather(v_cache, block_table, b, pos).permute(0, 3, 1, 2, 4).to(dtype)
+        k = k.permute(0, 3, 1, 2, 4).to(dtype)
+        v = v.permute(0, 3, 1, 2, 4).to(dtype)
         # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
         qk = q_packed @ k.transpose(-1, -2) * opts.softmax_scale
         if opts.softcap > 0:
@@ -119,12 +153,15 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         j = offs_n[:, None, :, None, :]  # (B, 1, S, 1, BN)
         if slope is not None:
             qk = qk - slope * (diag - j).abs()
-        mask = in_split[:, None, :, None, :]
-        if opts.window_right >= 0:
-            mask = mask & (j <= diag + opts.window_right)
-        if opts.window_left >= 0:
-            mask = mask & (j >= diag - opts.window_left)
-        qk = qk.masked_fill(~mask, float("-inf")) * LOG2E
+        if window_edge:
+            mask = True if mask is None else mask
+            if opts.window_right >= 0:
+                mask = mask & (j <= diag + opts.window_right)
+            if opts.window_left >= 0:
+                mask = mask & (j >= diag - opts.window_left)
+        if mask is not None:
+            qk = qk.masked_fill(~mask, float("-inf"))
+        qk = qk * LOG2E
         # -- online softmax --
         m_ij = torch.maximum(m_i, qk.amax(-1))
         m_safe = torch.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -291,8 +328,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             `longflash.attention`, aligned per sequence like causal.
         return_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for float64).
         backend: "auto" | "triton" | "torch", as in `longflash.attention`.
-        num_splits: key splits per sequence; 0 chooses (from batch, heads, cache length and,
-            on a GPU, the SM count), 1 disables splitting.
+        num_splits: key splits per sequence; 0 chooses (Triton: from batch, heads, cache
+            length and the SM count; the PyTorch path: 1), 1 disables splitting.
     Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is

@@ -1,0 +1,164 @@
+"""RQ1, part "decode": one generation step over a KV cache (experiments.speedup --parts decode).
+
+    python -m experiments.speedup --parts decode                 # CPU: caches of 1K..32K tokens
+    python -m experiments.speedup --full --parts decode          # GPU: 1K..128K, bfloat16
+
+A decoding step reads the whole cache for one query row per sequence, so it is bound by
+memory bandwidth: its limit is reading the cache once at the device's copy bandwidth. Shape:
+Llama-like, 32 query heads sharing 8 KV heads, head dim 128 (Config.decode_*); seqlen_q 1; the
+cache holds exactly seqlen_k tokens of every sequence (random normal, never zeros); batch 1
+and 8. Providers, each in its own layout, built outside the measured call:
+  longflash       longflash.attention_with_kvcache, split-KV with the number of splits chosen
+                  by the library (num_splits 0), and without splitting (num_splits 1). Triton
+                  on a GPU, the blockwise PyTorch path on a CPU.
+  sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math, flex (GPU), sdpa_cpu (CPU)
+                  scaled_dot_product_attention / flex_attention (compiled once with dynamic
+                  shapes) with enable_gqa (torch >= 2.5; "unsupported" where a backend refuses
+                  the shape).
+Rows (experiment "speedup", part "decode", mode "fwd", causal False, key column num_splits:
+0 or 1 for longflash, empty for the others):
+  time_ms (ms)          median with p20/p80 (experiments.measure.time_ms).
+  read_gbps (GB/s)      the cache's bytes (keys and values, read once) / time; the notebook
+                        divides it by the run's copy_gbps ceiling.
+  max_err_o_sampled     longflash only: max |o - o_ref| of the first sequence of the batch,
+                        against attention_ref in float64.
+"""
+
+import math
+import os
+import time
+
+import torch
+
+import longflash
+from experiments.measure import is_oom, time_ms
+# Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
+# its rules for a failed call, shared.
+from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, compiled_flex,
+                                 sdpa)
+
+GPU_PROVIDERS = ("longflash", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex")
+CPU_PROVIDERS = ("longflash", "sdpa_cpu")
+SPLITS = (0, 1)  # longflash: splits chosen by the library, and none
+KEY_COLUMNS = ("num_splits",)  # beside experiments.results.KEY_COLUMNS
+
+
+def make_decode(provider, device, num_splits=0):
+    """(step, layout): step(q, k_cache, v_cache) -> o, inputs in layout "bnhd" (batch, seqlen,
+    nheads, headdim) or "bhnd". Raises Unsupported."""
+    if provider == "longflash":
+        backend = "triton" if device == "cuda" else "torch"
+        return (lambda q, k, v: longflash.attention_with_kvcache(
+            q, k, v, cache_seqlens=k.shape[1], backend=backend, num_splits=num_splits), "bnhd")
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
+        raise Unsupported(f"torch {torch.__version__}: scaled_dot_product_attention and "
+                          "flex_attention take enable_gqa from torch 2.5")
+    if provider == "sdpa_cpu" or provider in SDPA_BACKENDS:
+        return sdpa(provider, enable_gqa=True), "bhnd"
+    if provider == "flex":
+        # dynamic shapes: one compilation for every cache length, not one each (minutes on a
+        # GPU window); a recompilation shows in the warm-up call, not in the timing
+        flex = compiled_flex(device, dynamic=True)
+        return (lambda q, k, v: flex(q, k, v, enable_gqa=True), "bhnd")
+    raise ValueError(f"unknown decode provider {provider!r}")
+
+
+def _inputs(batch, seqlen_k, nheads, nheads_kv, headdim, dtype, device, seed):
+    """q, k_cache, v_cache in both layouts ("bnhd": the cache (batch, seqlen_k, nheads_kv,
+    headdim); "bhnd": (batch, nheads_kv, seqlen_k, headdim)). Random normal, never zeros."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((batch, 1, nheads, headdim), *(((batch, seqlen_k, nheads_kv, headdim),) * 2))
+    bnhd = [torch.randn(s, device=device, dtype=dtype, generator=gen) for s in shapes]
+    return {"bnhd": bnhd, "bhnd": [x.transpose(1, 2).contiguous() for x in bnhd]}
+
+
+def _max_err(o, q, k, v):
+    """max |o - attention_ref| of the first sequence, the reference in float64."""
+    ref, _ = longflash.attention_ref(q[:1].double(), k[:1].double(), v[:1].double())
+    return (o[:1].double() - ref).abs().max().item()
+
+
+def existing_keys(path):
+    """Keys of the part-decode time_ms rows already in path (for --resume)."""
+    if not os.path.exists(path):
+        return set()
+    import pandas as pd
+    df = pd.read_csv(path)
+    if "num_splits" not in df:
+        return set()
+    df = df[(df["part"] == "decode") & (df["metric"] == "time_ms")]
+    return {_key(p, n, d, b, s) for p, n, d, b, s in
+            df[["provider", "num_splits", "dtype", "batch", "seqlen_k"]].itertuples(index=False)}
+
+
+def _key(provider, num_splits, dtype, batch, seqlen_k):
+    return provider, _splits_name(num_splits), str(dtype), int(batch), int(seqlen_k)
+
+
+def run(cfg, device, log, machine, started, done=frozenset()):
+    """Rows of part decode, but none whose key is in `done` (existing_keys). Starts no
+    (batch, seqlen_k) group once cfg.budget_s seconds have passed since `started`
+    (time.perf_counter)."""
+    dtype = getattr(torch, cfg.dtype)
+    providers = [p for p in cfg.providers if p in (GPU_PROVIDERS if device == "cuda"
+                                                    else CPU_PROVIDERS)]
+    rows = []
+    for batch in cfg.decode_batches:
+        for seqlen_k in cfg.decode_seqlens:
+            if cfg.budget_s and time.perf_counter() - started > cfg.budget_s:
+                log(f"budget of {cfg.budget_s:.0f} s spent: decode B={batch} N={seqlen_k} "
+                    "not run")
+                continue
+            shape = dict(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, nheads=cfg.decode_nheads,
+                         nheads_kv=cfg.decode_nheads_kv, headdim=cfg.decode_headdim)
+            base = dict(experiment="speedup", part="decode", mode="fwd", dtype=cfg.dtype,
+                        causal=False, load_avg_1m=os.getloadavg()[0], **shape, **machine)
+            inputs = _inputs(batch, seqlen_k, cfg.decode_nheads, cfg.decode_nheads_kv,
+                             cfg.decode_headdim, dtype, device, seed=seqlen_k + batch)
+            cache_bytes = 2 * inputs["bnhd"][1].numel() * inputs["bnhd"][1].element_size()
+            for provider in providers:
+                for num_splits in (SPLITS if provider == "longflash" else (math.nan,)):
+                    if _key(provider, num_splits, cfg.dtype, batch, seqlen_k) in done:
+                        continue
+                    rows += _measure(provider, num_splits, inputs, device, cfg, base,
+                                     cache_bytes, log)
+            del inputs
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _splits_name(num_splits):
+    return "-" if math.isnan(num_splits) else "auto" if num_splits == 0 else str(int(num_splits))
+
+
+def _measure(provider, num_splits, inputs, device, cfg, base, cache_bytes, log):
+    """The rows of one provider at one shape (time_ms, read_gbps, and longflash's error)."""
+    row = dict(base, provider=provider, num_splits=num_splits)
+    times, err, status, message = (math.nan,) * 3, math.nan, "ok", ""
+    try:
+        step, layout = make_decode(provider, device, 0 if math.isnan(num_splits) else num_splits)
+        q, k, v = inputs[layout]
+        o = step(q, k, v)  # warm-up: compilation, autotuning
+        if provider == "longflash":
+            err = _max_err(o, q, k, v)
+        del o
+        times = time_ms(lambda: step(q, k, v), device, warmup=cfg.warmup_ms, rep=cfg.rep_ms)
+    except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
+        status, message = _status(e, provider), _summary(e)
+        if is_oom(e) and device == "cuda":
+            torch.cuda.empty_cache()
+    med, p20, p80 = times
+    gb = (lambda ms: cache_bytes / (ms * 1e-3) / 1e9) if status == "ok" else (lambda ms: math.nan)
+    log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "
+        f"splits {_splits_name(num_splits):<4} {med:9.3f} ms "
+        f"{gb(med):8.2f} GB/s  err {err:.2e}  [{status}]" + (f"  {message}" if message else ""))
+    nan = math.nan
+    out = [dict(row, metric="time_ms", value=med, unit="ms", p20=p20, p80=p80, status=status),
+           dict(row, metric="read_gbps", value=gb(med), unit="GB/s", p20=gb(p80), p80=gb(p20),
+                status=status)]
+    if provider == "longflash":
+        out.append(dict(row, metric="max_err_o_sampled", value=err, unit="abs", p20=nan,
+                        p80=nan, status=status if math.isfinite(err) or status != "ok"
+                        else "error"))
+    return out
