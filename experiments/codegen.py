@@ -5,17 +5,21 @@
 
 Compiles (never runs) every Triton kernel of `longflash.flash_triton` (forward, preprocess,
 dK/dV, dQ) at every config the launcher can choose on that architecture
-(`flash_triton.CONFIGS`), for head dims 64/128/256, bf16 and fp16, and each compile-time
-variant flag (softcap, alibi, dropout, varlen; "plain" is none of them), then reads the
-ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
+(`flash_triton.CONFIGS`), and the split-KV decoding kernels of `longflash.decode_triton`
+("decode", "decode_merge") at the config the launcher chooses for a decoding step of a
+Llama-like shape (one query, 4 query heads per KV head; the merge for the split count chosen at
+batch 1, 8 KV heads, 128K keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and
+each compile-time variant flag of the kernel (softcap, alibi, dropout, varlen; paged for the
+decoding kernel; "plain" is none of them), then reads the ptxas report (`ptxas -v`, the ptxas
+shipped in the triton package) and the PTX.
 
 Causal attention is a runtime argument of the kernels (window_right = 0), so one binary
 serves causal and non-causal attention: each compile is written as two rows (causal True and
 False) with the same numbers.
 
 Rows (results schema of experiments/results.py, provider "longflash", mode "fwd" for the
-forward and "bwd" for the three backward kernels, extra key columns `arch`, `kernel`,
-`config` ("BLOCK_M/BLOCK_N/warps/stages"), `flags`), one per metric:
+forward and decoding kernels and "bwd" for the three backward kernels, extra key columns
+`arch`, `kernel`, `config` ("BLOCK_M/BLOCK_N/warps/stages"), `flags`), one per metric:
     registers          registers per thread (ptxas)
     spill_bytes        bytes of spill stores (ptxas); spill_load_bytes: bytes of spill loads
     shared_mem_bytes   shared memory of the compiled kernel (Triton's metadata)
@@ -51,12 +55,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from longflash import flash_triton  # noqa: E402
+from longflash import decode_triton, flash_triton  # noqa: E402
 
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
-KERNELS = ["fwd", "preprocess", "dkdv", "dq"]
-FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen"]
+KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge"]
+FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "paged"]
+KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged"], "decode_merge": ["plain"]}
+# The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
+# 128K keys, 132 SMs (H100 SXM).
+DECODE_GROUP, DECODE_PROGRAMS, DECODE_KEYS, H100_SMS = 4, 8, 131072, 132
 HEADDIMS = [64, 128, 256]
 DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # Triton's tutorial fused backward (06-fused-attention, 4 warps, 5 stages, BLOCK_N1 128),
@@ -69,6 +77,7 @@ TUTORIAL_BWD_SPILLS = {64: 980, 128: 11732}
 class Config:
     """The --quick subset: what CI compiles (a few minutes on a 2-core machine)."""
     archs: tuple = ("sm90a", "sm80")
+    kernels: tuple = tuple(KERNELS)
     headdims: tuple = tuple(HEADDIMS)
     dtypes: tuple = tuple(DTYPES)
     flags: tuple = tuple(FLAGS)
@@ -96,18 +105,49 @@ def _signature(fn, pointers, constexprs):
     return sig
 
 
+# Strides that are not multiples of 16 elements in a launch: ALiBi slopes', the decode kernels'
+# block table (max_pages) and per-query log-sum-exps (seqlen_q = 1).
+UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb", "stride_lh", "stride_qsh")
+
+
 def _divisibility(fn, pointers):
     """What Triton's launcher specializes for contiguous inputs at head dims 64/128/256:
     pointers 16-byte aligned, (batch, seqlen, head) strides multiples of 16 elements. Without
     it the compiler cannot vectorize loads, so it would not pipeline them with cp.async."""
     aligned = [i for i, name in enumerate(fn.arg_names)
-               if name in pointers or (name.startswith("stride_") and name[-2:] not in ("ab", "ah"))]
+               if name in pointers or (name.startswith("stride_")
+                                       and name not in UNALIGNED_STRIDES)]
     return {(i,): [["tt.divisibility", 16]] for i in aligned}
+
+
+def kernel_flags(kernel):
+    return KERNEL_FLAGS.get(kernel, FLAGS[:-1])
+
+
+def configs_for(kernel, major, headdim):
+    """The triton.Configs the launcher may choose for `kernel` on this major capability."""
+    if kernel == "decode":
+        return [decode_triton.launch_config(1, DECODE_GROUP, headdim)]
+    if kernel == "decode_merge":
+        block_n = decode_triton.launch_config(1, DECODE_GROUP, headdim).kwargs["BLOCK_N"]
+        return [decode_triton.merge_config(decode_triton.num_splits_heuristic(
+            DECODE_PROGRAMS, DECODE_KEYS, block_n, H100_SMS))]
+    return flash_triton.configs_for(kernel, major, headdim)
 
 
 def kernel_spec(kernel, dtype, flags, headdim, arch):
     """(jit function, signature pointers, constexprs) of one kernel, as the launcher calls it."""
     p = "*" + DTYPES[dtype]
+    if kernel in ("decode", "decode_merge"):
+        block_d = max(16, triton.next_power_of_2(headdim))
+        tensors = dict(Q=p, K_CACHE=p, V_CACHE=p, O=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
+                       ALIBI="*fp32", LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32")
+        if kernel == "decode_merge":
+            return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim, BLOCK_D=block_d)
+        # split: the long-cache case the goal is about (SPLIT=False only drops the merge)
+        return decode_triton._fwd_splitkv, tensors, dict(
+            PAGED=flags == "paged", SPLIT=True, HAS_SOFTCAP=flags == "softcap",
+            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     meta = flash_triton.constexprs(headdim, dtype_is_fp32=False, varlen=flags == "varlen",
@@ -164,8 +204,11 @@ UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_me
 
 
 def config_name(cfg):
-    return f"{cfg.kwargs.get('BLOCK_M', '-')}/{cfg.kwargs.get('BLOCK_N', '-')}/" \
-           f"{cfg.num_warps}/{cfg.num_stages}"
+    """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks); BLOCK_S/warps/stages for
+    the merge kernel."""
+    k = cfg.kwargs
+    tiles = [k["BLOCK_S"]] if "BLOCK_S" in k else [k.get("BLOCK_M", "-"), k.get("BLOCK_N", "-")]
+    return "/".join(map(str, [*tiles, cfg.num_warps, cfg.num_stages]))
 
 
 def sweep(conf, log=print):
@@ -173,15 +216,16 @@ def sweep(conf, log=print):
     by_arch = {}
     for arch in conf.archs:
         rows = []
-        for kernel in KERNELS:
+        for kernel in conf.kernels:
             for headdim in conf.headdims:
-                candidates = flash_triton.configs_for(kernel, ARCHS[arch] // 10, headdim)
+                candidates = configs_for(kernel, ARCHS[arch] // 10, headdim)
                 for dtype in conf.dtypes:
-                    for flags in conf.flags:
+                    for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
                         for cfg in candidates:
+                            mode = "bwd" if kernel in ("preprocess", "dkdv", "dq") else "fwd"
                             key = dict(arch=arch, kernel=kernel, config=config_name(cfg),
                                        flags=flags, experiment="codegen", provider="longflash",
-                                       mode="fwd" if kernel == "fwd" else "bwd", dtype=dtype,
+                                       mode=mode, dtype=dtype,
                                        batch="", seqlen_q="", seqlen_k="", nheads="",
                                        nheads_kv="", headdim=headdim, p20="", p80="")
                             try:
@@ -242,6 +286,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if a chosen sm_90a config breaks issue 14's limits")
     parser.add_argument("--arch", nargs="+", choices=list(ARCHS), help="default: all")
+    parser.add_argument("--kernel", nargs="+", choices=KERNELS, help="default: all")
     parser.add_argument("--headdim", nargs="+", type=int, choices=HEADDIMS, help="default: all")
     parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), help="default: all")
     parser.add_argument("--flags", nargs="+", choices=FLAGS, help="default: all")
@@ -249,7 +294,8 @@ def main(argv=None):
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
     args = parser.parse_args(argv)
     conf = Config(**QUICK) if args.quick else Config()
-    for field, value in (("archs", args.arch), ("headdims", args.headdim),
+    for field, value in (("archs", args.arch), ("kernels", args.kernel),
+                         ("headdims", args.headdim),
                          ("dtypes", args.dtype), ("flags", args.flags)):
         if value:
             conf = dataclasses.replace(conf, **{field: tuple(value)})

@@ -217,12 +217,19 @@ def num_splits_heuristic(programs, max_seqlen_k, block_n, num_sms, min_blocks_pe
     return max(1, min(by_sms, by_length, MAX_SPLITS))
 
 
-def tile_sizes(seqlen_q, group, headdim):
-    """BLOCK_M (packed rows: at least 16, the smallest tl.dot), BLOCK_N, BLOCK_D."""
+def launch_config(seqlen_q, group, headdim):
+    """The split kernel's tile sizes and launch options: BLOCK_M (packed rows: at least 16,
+    the smallest tl.dot), BLOCK_N, BLOCK_D. One place for forward() and experiments.codegen."""
     block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
     block_d = max(16, triton.next_power_of_2(headdim))
     block_n = 16 if _INTERPRET else (128 if block_d <= 64 else 64)
-    return block_m, block_n, block_d
+    return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d), num_warps=4,
+                         num_stages=1 if _INTERPRET else 3)
+
+
+def merge_config(num_splits):
+    """The merge kernel's launch: all splits of a row in one tile."""
+    return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
 
 
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0):
@@ -237,7 +244,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0):
         return o, lse.fill_(float("-inf"))
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have a contiguous last dimension (headdim)")
-    block_m, block_n, block_d = tile_sizes(seqlen_q, group, headdim)
+    cfg = launch_config(seqlen_q, group, headdim)
+    block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = triton.cdiv(seqlen_q * group, block_m)
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
     if num_splits == 0:
@@ -266,12 +274,12 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0):
         nheads_kv, group, seqlen_q, num_splits, page_size, opts.window_left, opts.window_right,
         opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
         PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None,
-        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=1 if _INTERPRET else 3)
+        HEAD_DIM=headdim, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
+        merge = merge_config(num_splits)
         _merge_splits[(batch * nheads, seqlen_q)](
             o_partial, lse_partial, o, lse, *o_partial.stride()[:4], *lse_partial.stride()[:3],
             *o.stride()[:3], *lse.stride()[:2], nheads, num_splits, HEAD_DIM=headdim,
-            BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
+            BLOCK_D=cfg.kwargs["BLOCK_D"], **merge.kwargs, num_warps=merge.num_warps)
     return o, lse
