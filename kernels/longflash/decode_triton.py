@@ -23,8 +23,11 @@ Every key tile is masked (visibility, window, end of split): decoding is memory-
 mask is a few integer operations per score. Key blocks outside the rows' window are skipped.
 
 Where it was tested and where it breaks: under TRITON_INTERPRET=1 (Triton 3.9) in fp16 and
-fp32, and compiled (not run) for sm_90 and sm_80 by tests/compile_for_gpu.py. It has not
-run on a GPU: block sizes, warps, stages and the split heuristic are untuned guesses.
+fp32, and compiled (not run) for sm_90 and sm_80 by tests/compile_decode_for_gpu.py; at the
+launcher's config it is spill-free on sm_90a at head dims 64-256 with Triton 3.6 and 3.9
+(experiments/codegen.py, results/codegen/), its 16-row tiles on mma.sync (below wgmma's 64
+rows) and its cache loads pipelined with cp.async. It has not run on a GPU: block sizes,
+warps, stages and the split heuristic are untuned guesses.
 Unlike FlashAttention's flash_attn_with_kvcache: no rotary embedding, no cache_batch_idx /
 cache_leftpad, the append is a separate PyTorch op rather than fused into the kernel.
 """
