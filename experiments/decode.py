@@ -17,7 +17,8 @@ and 8. Providers, each in its own layout, built outside the measured call:
                   the shape).
 Rows (experiment "speedup", part "decode", mode "fwd", causal False, key column num_splits:
 0 or 1 for longflash, empty for the others):
-  time_ms (ms)          median with p20/p80 (experiments.measure.time_ms).
+  time_ms (ms)          median with p20/p80 (experiments.measure.time_ms_interleaved: on a
+                        CPU the providers of one shape are called in turn, round robin).
   read_gbps (GB/s)      the cache's bytes (keys and values, read once) / time; the notebook
                         divides it by the run's copy_gbps ceiling.
   max_err_o_sampled     longflash only: max |o - o_ref| of the first sequence of the batch,
@@ -31,7 +32,7 @@ import time
 import torch
 
 import longflash
-from experiments.measure import is_oom, time_ms
+from experiments.measure import is_oom, time_ms_interleaved
 # Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
 # its rules for a failed call, shared.
 from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, compiled_flex,
@@ -116,12 +117,14 @@ def run(cfg, device, log, machine, started, done=frozenset()):
             inputs = _inputs(batch, seqlen_k, cfg.decode_nheads, cfg.decode_nheads_kv,
                              cfg.decode_headdim, dtype, device, seed=seqlen_k + batch)
             cache_bytes = 2 * inputs["bnhd"][1].numel() * inputs["bnhd"][1].element_size()
-            for provider in providers:
-                for num_splits in (SPLITS if provider == "longflash" else (math.nan,)):
-                    if _key(provider, num_splits, cfg.dtype, batch, seqlen_k) in done:
-                        continue
-                    rows += _measure(provider, num_splits, inputs, device, cfg, base,
-                                     cache_bytes, log)
+            todo = [(provider, num_splits) for provider in providers
+                    for num_splits in (SPLITS if provider == "longflash" else (math.nan,))
+                    if _key(provider, num_splits, cfg.dtype, batch, seqlen_k) not in done]
+            ready = [_prepare(provider, num_splits, inputs, device)
+                     for provider, num_splits in todo]
+            _time([r for r in ready if r["status"] == "ok"], device, cfg)
+            for (provider, num_splits), r in zip(todo, ready):
+                rows += _rows(provider, num_splits, r, base, cache_bytes, log)
             del inputs
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -132,22 +135,51 @@ def _splits_name(num_splits):
     return "-" if math.isnan(num_splits) else "auto" if num_splits == 0 else str(int(num_splits))
 
 
-def _measure(provider, num_splits, inputs, device, cfg, base, cache_bytes, log):
-    """The rows of one provider at one shape (time_ms, read_gbps, and longflash's error)."""
-    row = dict(base, provider=provider, num_splits=num_splits)
-    times, err, status, message = (math.nan,) * 3, math.nan, "ok", ""
+def _prepare(provider, num_splits, inputs, device):
+    """One provider's step at one shape, warmed up (compilation, autotuning), with its error
+    (longflash) and status: {"provider", "step", "err", "status", "message", "times"}."""
+    out = dict(provider=provider, step=None, err=math.nan, status="ok", message="",
+               times=(math.nan,) * 3)
     try:
         step, layout = make_decode(provider, device, 0 if math.isnan(num_splits) else num_splits)
         q, k, v = inputs[layout]
         o = step(q, k, v)  # warm-up: compilation, autotuning
         if provider == "longflash":
-            err = _max_err(o, q, k, v)
+            out["err"] = _max_err(o, q, k, v)
         del o
-        times = time_ms(lambda: step(q, k, v), device, warmup=cfg.warmup_ms, rep=cfg.rep_ms)
+        out["step"] = lambda: step(q, k, v)
     except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
-        status, message = _status(e, provider), _summary(e)
+        out.update(status=_status(e, provider), message=_summary(e))
         if is_oom(e) and device == "cuda":
             torch.cuda.empty_cache()
+    return out
+
+
+def _time(ready, device, cfg):
+    """Time the prepared steps of one shape together (measure.time_ms_interleaved). If one
+    fails while timed, each is timed again alone, and the one that fails gets its status."""
+    try:
+        times = time_ms_interleaved([r["step"] for r in ready], device, warmup=cfg.warmup_ms,
+                                    rep=cfg.rep_ms)
+        for r, t in zip(ready, times):
+            r["times"] = t
+        return
+    except Exception:  # noqa: BLE001 - found again below, step by step
+        pass
+    for r in ready:
+        try:
+            r["times"] = time_ms_interleaved([r["step"]], device, warmup=cfg.warmup_ms,
+                                             rep=cfg.rep_ms)[0]
+        except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
+            r.update(status=_status(e, r["provider"]), message=_summary(e))
+            if is_oom(e) and device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _rows(provider, num_splits, r, base, cache_bytes, log):
+    """The rows of one provider at one shape (time_ms, read_gbps, and longflash's error)."""
+    row = dict(base, provider=provider, num_splits=num_splits)
+    times, err, status, message = r["times"], r["err"], r["status"], r["message"]
     med, p20, p80 = times
     gb = (lambda ms: cache_bytes / (ms * 1e-3) / 1e9) if status == "ok" else (lambda ms: math.nan)
     log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "

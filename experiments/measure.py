@@ -1,6 +1,7 @@
 """The one timing function and the one memory function that every experiment uses.
 
     t, p20, p80 = time_ms(lambda: attention(q, k, v), q.device)    # milliseconds
+    (t1, ...), (t2, ...) = time_ms_interleaved([f1, f2], device)  # peers, CPU round robin
     mem = peak_memory_mb(lambda: attention(q, k, v), q.device)      # MiB above the start
     try: ... except Exception as e: status = "oom" if is_oom(e) else "error"
 
@@ -45,6 +46,31 @@ def time_ms(fn, device, warmup=25, rep=100, quantiles=(0.5, 0.2, 0.8)):
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return tuple(float(x) for x in np.quantile(times, quantiles))
+
+
+def time_ms_interleaved(fns, device, warmup=25, rep=100, quantiles=(0.5, 0.2, 0.8)):
+    """time_ms of several functions measured together, one quantile tuple per function.
+
+    CUDA: time_ms of each in turn (do_bench isolates each run). Other devices: every function
+    warmed up first, then called in turn, round robin, over at least rep ms per function and
+    at least 5 calls each, so that a drift of the machine's speed (clock, other load, the
+    first calls of a process) falls on all of them alike, not on whichever ran first.
+    """
+    if torch.device(device).type == "cuda":
+        return [time_ms(fn, device, warmup, rep, quantiles) for fn in fns]
+    for fn in fns:
+        start = time.perf_counter()
+        fn()
+        while (time.perf_counter() - start) * 1e3 < warmup:
+            fn()
+    times = [[] for _ in fns]
+    start = time.perf_counter()
+    while len(times[0]) < 5 or (time.perf_counter() - start) * 1e3 < rep * len(fns):
+        for fn, t in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e3)
+    return [tuple(float(x) for x in np.quantile(t, quantiles)) for t in times]
 
 
 def _proc_status_kb(field):

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments.measure import is_oom, time_ms
+from experiments.measure import is_oom, time_ms, time_ms_interleaved
 from experiments.results import (COLUMNS, KEY_COLUMNS, PROVENANCE_COLUMNS, causal_pairs, flops,
                                  provenance, read_results, tflops, write_results)
 
@@ -155,6 +155,24 @@ def test_time_ms_cpu_sleep():
     assert 2.0 <= median < 50.0
     assert p20 <= median <= p80
     assert len(calls) >= 1 + 5
+
+
+def test_time_ms_interleaved_calls_in_turn():
+    order = []
+
+    def sleeper(name, seconds):
+        def fn():
+            order.append(name)
+            time.sleep(seconds)
+        return fn
+
+    fast, slow = time_ms_interleaved([sleeper("a", 0.001), sleeper("b", 0.004)], "cpu",
+                                     warmup=2, rep=20)
+    assert 1.0 <= fast[0] < slow[0] and 4.0 <= slow[0] < 50.0
+    assert all(p20 <= median <= p80 for median, p20, p80 in (fast, slow))
+    timed = order[order.index("b") + 1:]  # after the warm-up of both
+    assert timed[::2] == ["a"] * len(timed[::2]) and timed[1::2] == ["b"] * len(timed[1::2])
+    assert len(timed) >= 10
 
 
 def test_is_oom():
