@@ -61,7 +61,8 @@ from longflash import decode_triton, flash_triton  # noqa: E402
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge"]
-FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "paged"]
+FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen"]
+FLAGS = FLASH_FLAGS + ["paged"]
 KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged"], "decode_merge": ["plain"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
@@ -123,7 +124,7 @@ def _divisibility(fn, pointers, unaligned=UNALIGNED_STRIDES):
 
 
 def kernel_flags(kernel):
-    return KERNEL_FLAGS.get(kernel, FLAGS[:-1])
+    return KERNEL_FLAGS.get(kernel, FLASH_FLAGS)
 
 
 def configs_for(kernel, major, headdim):

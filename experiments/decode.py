@@ -32,7 +32,7 @@ import time
 import torch
 
 import longflash
-from experiments.measure import is_oom, time_ms_interleaved
+from experiments.measure import is_oom, time_ms, time_ms_interleaved
 # Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
 # its rules for a failed call, shared.
 from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, compiled_flex,
@@ -168,8 +168,7 @@ def _time(ready, device, cfg):
         pass
     for r in ready:
         try:
-            r["times"] = time_ms_interleaved([r["step"]], device, warmup=cfg.warmup_ms,
-                                             rep=cfg.rep_ms)[0]
+            r["times"] = time_ms(r["step"], device, warmup=cfg.warmup_ms, rep=cfg.rep_ms)
         except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
             r.update(status=_status(e, r["provider"]), message=_summary(e))
             if is_oom(e) and device == "cuda":

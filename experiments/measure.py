@@ -34,18 +34,7 @@ def time_ms(fn, device, warmup=25, rep=100, quantiles=(0.5, 0.2, 0.8)):
         from triton.testing import do_bench
         out = do_bench(fn, warmup=warmup, rep=rep, quantiles=list(quantiles))
         return tuple(float(x) for x in (out if isinstance(out, (list, tuple)) else [out]))
-
-    start = time.perf_counter()
-    fn()
-    while (time.perf_counter() - start) * 1e3 < warmup:
-        fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < 5 or (time.perf_counter() - start) * 1e3 < rep:
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return tuple(float(x) for x in np.quantile(times, quantiles))
+    return time_ms_interleaved([fn], device, warmup, rep, quantiles)[0]
 
 
 def time_ms_interleaved(fns, device, warmup=25, rep=100, quantiles=(0.5, 0.2, 0.8)):
