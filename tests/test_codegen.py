@@ -19,8 +19,9 @@ def test_config_table_is_small_and_fits_a_warpgroup():
         assert 1 <= len(configs) <= 4, (kernel, major)
         for block_m, block_n, warps, _ in configs:
             rows = {"fwd": block_m, "dq": block_m, "dkdv": block_n}[kernel]  # a dot's M
-            if major == 9:  # wgmma: 64 rows per warpgroup of 4 warps
-                assert rows >= 64 and rows >= 16 * warps, (kernel, block_m, block_n, warps)
+            if major == 9:  # wgmma: at least 64 rows (a warpgroup of 4 warps); a second
+                # warpgroup over 64 rows splits the dot's columns (the codegen report: wgmma)
+                assert rows >= 64 and warps in (4, 8), (kernel, block_m, block_n, warps)
 
 
 @pytest.mark.slow

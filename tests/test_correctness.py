@@ -13,6 +13,9 @@ import longflash
 from longflash import attention_ref, blockwise
 from conftest import INTERPRET, check_close
 
+if INTERPRET:
+    from longflash import flash_triton
+
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
 SHAPES = [
     (1, 1, 1, 1, 1, 16),
@@ -85,6 +88,35 @@ TRITON_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4], SHAPES[6]]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_interpreter(dtype, shape, causal):
     check_against_reference(shape, dtype, causal, backend="triton")
+
+
+def gpu_tiles(kernel):
+    """The (BLOCK_M, BLOCK_N) tiles a GPU may launch `kernel` with (flash_triton.CONFIGS, every
+    architecture and head dim)."""
+    return sorted({c[:2] for (name, _, _), configs in flash_triton.CONFIGS.items()
+                   if name == kernel for c in configs})
+
+
+GPU_TILE_KERNELS = ("fwd", "dkdv", "dq")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(max(len(gpu_tiles(k)) for k in GPU_TILE_KERNELS)))
+def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
+    """The interpreter otherwise runs one small tile; here every tile of the GPU config table
+    (case i: the i-th tile of each kernel), so the block ranges and edge masks of the shapes a
+    GPU launches are checked before a GPU runs them. Lengths span several tiles, neither a
+    multiple of any; seqlen_q > seqlen_k (rows that see no key when causal) and the reverse."""
+    import triton
+    for kernel in GPU_TILE_KERNELS:
+        block_m, block_n = gpu_tiles(kernel)[case % len(gpu_tiles(kernel))]
+        fn = getattr(flash_triton, {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv",
+                                    "dq": "_attn_bwd_dq"}[kernel])
+        monkeypatch.setattr(fn, "configs", [triton.Config({"BLOCK_M": block_m,
+                                                          "BLOCK_N": block_n})])
+    shape = (1, 300, 203, 2, 1, 40) if causal else (1, 203, 300, 2, 2, 64)
+    check_against_reference(shape, torch.float16, causal, backend="triton")
 
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])

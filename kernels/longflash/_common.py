@@ -63,6 +63,27 @@ def resolve_softmax_scale(softmax_scale, headdim):
     return float(softmax_scale)
 
 
+def fix_triton_interpreter():
+    """Let TRITON_INTERPRET=1 run on NumPy >= 2.5 with Triton < 3.7 (the GPU image's Triton 3.6
+    with NumPy 2.5, say): their interpreter turns a scalar into a loop bound with int() of a
+    NumPy array of shape (1,), which NumPy 2.5 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"). Triton 3.7 squeezes the array first; this does the same for
+    older Tritons. The interpreter only: compiled kernels never pass through here."""
+    import triton
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version >= (3, 7) or patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patch_lang_tensor(tensor, *args):
+        patch(tensor, *args)
+        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+
+    patch_lang_tensor.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def accumulator_dtype(dtype):
     """float32 accumulators for 16- and 32-bit inputs; float64 stays float64 (torch path only)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

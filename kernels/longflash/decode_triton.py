@@ -38,9 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, empty_outputs
+from ._common import LOG2E, empty_outputs, fix_triton_interpreter
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if _INTERPRET:
+    fix_triton_interpreter()
 MAX_SPLITS = 128
 
 
