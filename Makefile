@@ -30,7 +30,7 @@ NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/sca
              notebooks/codegen.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
-        scaling long-context gpu gpu-dry codegen codegen-check
+        scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check
 test: $(ENV_READY)
 	$(PYTHON) -m pytest
 
@@ -103,6 +103,25 @@ gpu-dry: $(ENV_READY)
 	set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
 	for s in 1 2 3; do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
 	$(PYTHON) -m experiments.gpu_campaign --check "$$d"/stage1.tar.gz "$$d"/stage2.tar.gz "$$d"/stage3.tar.gz
+
+# The GPU machines' software on this CPU (BENCHMARKING.md: Python 3.12, torch 2.11, triton 3.6,
+# NumPy 2.5, transformers 5.17; no notebooks): the test suite and the three dry stages with it,
+# so a break between those versions shows before a GPU window does. Not in CI (a 4 GB
+# download: torch 2.11 from PyPI is its CUDA build, which runs on a CPU too).
+GPU_IMAGE := .venv-gpu-image
+GPU_IMAGE_PYTHON ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && echo python3.12 || echo python3)
+$(GPU_IMAGE)/.installed:
+	$(GPU_IMAGE_PYTHON) -m venv $(GPU_IMAGE)
+	$(GPU_IMAGE)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_IMAGE)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 numpy pandas pytest \
+	    transformers==5.17.0
+	touch $@
+
+gpu-image-check: $(GPU_IMAGE)/.installed
+	$(GPU_IMAGE)/bin/python -c "import sys, torch, triton, numpy; print(sys.version.split()[0], \
+	    torch.__version__, triton.__version__, numpy.__version__)"
+	$(GPU_IMAGE)/bin/python -m pytest -q
+	$(MAKE) gpu-dry PYTHON=$(CURDIR)/$(GPU_IMAGE)/bin/python ENV_READY=
 
 # Code generation of the Triton kernels for sm_90a / sm_80, offline (no GPU): registers, spills,
 # wgmma / TMA / cp.async counts (experiments/codegen.py). The full report compiles every

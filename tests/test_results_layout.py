@@ -108,6 +108,8 @@ def _macros(path):
 def test_notebooks_on_committed_results_plus_another_machine(tmp_path):
     """The committed results, a quick rerun of every experiment from another CPU, and GPU-shaped
     rows: every notebook runs, once per device class, and each output names one machine."""
+    for module in ("nbclient", "matplotlib"):  # the notebooks' own needs, not the test extra's
+        pytest.importorskip(module, reason="the notebooks need pip install .[analysis]")
     before = subprocess.run(["git", "status", "--porcelain", "results", "figures", "paper"],
                             cwd=ROOT, capture_output=True, text=True).stdout
     res, fig, gen, nb = (tmp_path / d for d in ("results", "figures", "generated", "nb"))
