@@ -13,9 +13,6 @@ import longflash
 from longflash import attention_ref, blockwise
 from conftest import INTERPRET, check_close
 
-if INTERPRET:
-    from longflash import flash_triton
-
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
 SHAPES = [
     (1, 1, 1, 1, 1, 16),
@@ -90,31 +87,37 @@ def test_triton_interpreter(dtype, shape, causal):
     check_against_reference(shape, dtype, causal, backend="triton")
 
 
+KERNEL_FUNCTIONS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+
+
+def force_configs(monkeypatch, configs):
+    """Launch each kernel with configs[kernel] (a triton.Config) instead of autotuning."""
+    from longflash import flash_triton
+    for kernel, config in configs.items():
+        monkeypatch.setattr(getattr(flash_triton, KERNEL_FUNCTIONS[kernel]), "configs", [config])
+
+
 def gpu_tiles(kernel):
     """The (BLOCK_M, BLOCK_N) tiles a GPU may launch `kernel` with (flash_triton.CONFIGS, every
     architecture and head dim)."""
+    from longflash import flash_triton
     return sorted({c[:2] for (name, _, _), configs in flash_triton.CONFIGS.items()
                    if name == kernel for c in configs})
 
 
-GPU_TILE_KERNELS = ("fwd", "dkdv", "dq")
-
-
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", range(max(len(gpu_tiles(k)) for k in GPU_TILE_KERNELS)))
+@pytest.mark.parametrize("case", range(max(len(gpu_tiles(k)) for k in KERNEL_FUNCTIONS)))
 def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     """The interpreter otherwise runs one small tile; here every tile of the GPU config table
     (case i: the i-th tile of each kernel), so the block ranges and edge masks of the shapes a
     GPU launches are checked before a GPU runs them. Lengths span several tiles, neither a
     multiple of any; seqlen_q > seqlen_k (rows that see no key when causal) and the reverse."""
     import triton
-    for kernel in GPU_TILE_KERNELS:
-        block_m, block_n = gpu_tiles(kernel)[case % len(gpu_tiles(kernel))]
-        fn = getattr(flash_triton, {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv",
-                                    "dq": "_attn_bwd_dq"}[kernel])
-        monkeypatch.setattr(fn, "configs", [triton.Config({"BLOCK_M": block_m,
-                                                          "BLOCK_N": block_n})])
+    force_configs(monkeypatch, {
+        kernel: triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"),
+                                       gpu_tiles(kernel)[case % len(gpu_tiles(kernel))])))
+        for kernel in KERNEL_FUNCTIONS})
     shape = (1, 300, 203, 2, 1, 40) if causal else (1, 203, 300, 2, 2, 64)
     check_against_reference(shape, torch.float16, causal, backend="triton")
 

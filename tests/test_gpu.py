@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import longflash
-from test_correctness import check_against_reference, shape_id
+from test_correctness import check_against_reference, force_configs, shape_id
 
 pytestmark = pytest.mark.gpu
 
@@ -72,3 +72,17 @@ def test_varlen_gpu():
         rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         ob = longflash.attention(q[None, rows], k[None, cols], v[None, cols], causal=True)
         torch.testing.assert_close(o[rows], ob[0])
+
+
+# Last in the file: the tests above autotune, and so compile every candidate of these shapes.
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[2]], ids=shape_id)
+def test_every_config_gpu(shape, index, monkeypatch):
+    """Each candidate of this GPU's config table (the index-th of each kernel), not only the
+    one the autotuner keeps: bf16, causal, head dims 64, 80 (the 128 bucket) and 256."""
+    from longflash import flash_triton
+    major = torch.cuda.get_device_capability()[0]
+    force_configs(monkeypatch, {
+        kernel: configs[index % len(configs)] for kernel in ("fwd", "dkdv", "dq")
+        for configs in [flash_triton.configs_for(kernel, major, shape[-1])]})
+    check_against_reference(shape, torch.bfloat16, True, backend="triton", device="cuda")
