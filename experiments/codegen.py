@@ -30,8 +30,8 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
     compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) on this machine
 
 --check exits non-zero when a kernel breaks the limits of issue 14 (`check` below) at a config
-the launcher can choose on sm_90a, or when the decoding kernel spills. Must run without
-TRITON_INTERPRET=1.
+the launcher can choose on sm_90a, when the decoding kernel spills, or when a kernel needs more
+shared memory than an H100 block can have. Must run without TRITON_INTERPRET=1.
 """
 
 import argparse
@@ -73,6 +73,7 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # compiled for sm_90a with Triton 3.6: its spill bytes, the bound the dK/dV and dQ kernels must
 # beat (issue 14, ANCHORS.md).
 TUTORIAL_BWD_SPILLS = {64: 980, 128: 11732}
+H100_MAX_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90 (CUDA guide)
 
 
 @dataclasses.dataclass
@@ -267,6 +268,9 @@ def check(rows):
             problems.append(f"{where}: does not compile")
             continue
         spills, wgmma, mma = (m[k][0] for k in ("spill_bytes", "wgmma_count", "mma_count"))
+        if m["shared_mem_bytes"][0] > H100_MAX_SHARED_BYTES:  # would not launch at all
+            problems.append(f"{where}: {m['shared_mem_bytes'][0]:.0f} B of shared memory, "
+                            f"above the H100's {H100_MAX_SHARED_BYTES} B per block")
         if flags != "plain" or headdim == 256:
             continue  # variants and d=256: reported, no limit (d=256 must compile)
         if kernel == "fwd" and (spills > 0 or wgmma == 0 or mma > 0):

@@ -47,8 +47,12 @@ def test_check_flags_a_spilling_forward():
     from experiments import codegen
     row = dict(arch="sm90a", causal=False, kernel="fwd", headdim=128, dtype="bfloat16",
                flags="plain", config="128/64/8/3", status="ok")
-    metrics = dict(registers=255, spill_bytes=8, wgmma_count=36, mma_count=0)
+    metrics = dict(registers=255, spill_bytes=8, wgmma_count=36, mma_count=0,
+                   shared_mem_bytes=98304)
     rows = [dict(row, metric=k, value=v) for k, v in metrics.items()]
     assert any("spill-free" in p for p in codegen.check(rows))
     rows = [dict(r, value=0) if r["metric"] == "spill_bytes" else r for r in rows]
     assert codegen.check(rows) == []
+    too_big = [dict(r, value=240 * 1024) if r["metric"] == "shared_mem_bytes" else r
+               for r in rows]
+    assert any("shared memory" in p for p in codegen.check(too_big))
