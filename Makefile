@@ -105,8 +105,8 @@ gpu-dry: $(ENV_READY)
 	$(PYTHON) -m experiments.gpu_campaign --check "$$d"/stage1.tar.gz "$$d"/stage2.tar.gz "$$d"/stage3.tar.gz
 
 # The GPU machines' software on this CPU (BENCHMARKING.md: Python 3.12, torch 2.11, triton 3.6,
-# NumPy 2.5, transformers 5.17; no notebooks): the test suite and the three dry stages with it,
-# so a break between those versions shows before a GPU window does. Not in CI (a 4 GB
+# NumPy 2.5, transformers 5.17, JAX 0.11; no Jupyter): the test suite and the three dry stages
+# with it, so a break between those versions shows before a GPU window does. Not in CI (a 4 GB
 # download: torch 2.11 from PyPI is its CUDA build, which runs on a CPU too).
 GPU_IMAGE := .venv-gpu-image
 GPU_IMAGE_PYTHON ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && echo python3.12 || echo python3)
@@ -114,7 +114,7 @@ $(GPU_IMAGE)/.installed:
 	$(GPU_IMAGE_PYTHON) -m venv $(GPU_IMAGE)
 	$(GPU_IMAGE)/bin/python -m pip install --quiet --upgrade pip
 	$(GPU_IMAGE)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 numpy pandas pytest \
-	    transformers==5.17.0
+	    transformers==5.17.0 jax==0.11.2 matplotlib seaborn
 	touch $@
 
 gpu-image-check: $(GPU_IMAGE)/.installed

@@ -15,7 +15,14 @@ from experiments.results import device_class, device_tag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "notebooks"))
-import plotting  # noqa: E402
+
+
+def _plotting():
+    """notebooks/plotting.py, which needs matplotlib (the analysis extra, not the test one)."""
+    pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
+    import plotting
+    return plotting
+
 
 NOTEBOOKS = ["speedup", "io_complexity", "scaling", "long_context_training"]
 OTHER_CPU = "Other CPU 9000 @ 1.00GHz"
@@ -83,6 +90,7 @@ def test_select_runs_newest_per_class(monkeypatch, tmp_path):
     _csv(tmp_path / "rq" / "h100.csv", GPU, "2026-10-01T00:00:00+00:00")
     _csv(tmp_path / "rq" / "dryrun.csv", "dry run: Intel X", "2026-12-01T00:00:00+00:00")
     monkeypatch.delenv("LONGFLASH_DEVICES", raising=False)
+    plotting = _plotting()
     runs = plotting.select_runs("rq", results=str(tmp_path))
     assert list(runs) == ["cpu", "h100"]  # the CPU first; the dry run never
     assert os.path.basename(runs["cpu"]) == "cpu-intel-x.csv"
@@ -108,8 +116,8 @@ def _macros(path):
 def test_notebooks_on_committed_results_plus_another_machine(tmp_path):
     """The committed results, a quick rerun of every experiment from another CPU, and GPU-shaped
     rows: every notebook runs, once per device class, and each output names one machine."""
-    for module in ("nbclient", "matplotlib"):  # the notebooks' own needs, not the test extra's
-        pytest.importorskip(module, reason="the notebooks need pip install .[analysis]")
+    pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
+    plotting = _plotting()
     before = subprocess.run(["git", "status", "--porcelain", "results", "figures", "paper"],
                             cwd=ROOT, capture_output=True, text=True).stdout
     res, fig, gen, nb = (tmp_path / d for d in ("results", "figures", "generated", "nb"))
