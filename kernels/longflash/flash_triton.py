@@ -26,9 +26,11 @@ Address arithmetic: program ids and block starts are cast to int64 before
 multiplying by strides, so tensors over 2^31 elements are addressed safely.
 
 Where it was tested and where it breaks:
-- Tested on CPU under TRITON_INTERPRET=1 (Triton 3.9) in fp16 and fp32; the GPU
-  tests (marker `gpu`) target H100/H200 with Triton >= 3.0 but have not been run
-  at the time of writing: nothing here has been timed on a GPU.
+- Tested on CPU under TRITON_INTERPRET=1 (Triton 3.9; and 3.6 with the GPU machines'
+  Python, torch and NumPy: `make gpu-image-check`) in fp16 and fp32, at every tile of
+  CONFIGS as well as a small one; the GPU tests (marker `gpu`) target H100/H200 with
+  Triton >= 3.0 but have not been run at the time of writing: nothing here has been timed
+  on a GPU.
 - Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
   in CI against Triton 3.6.0, the H100/H200 machines' version, and the newest Triton):
   compiled for sm_90a at every config in CONFIGS, the forward and dQ kernels spill nothing at
