@@ -29,7 +29,7 @@ tiny sizes with the Triton interpreter):
      ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations crossing the L2
                 size (experiments.io_complexity's plan), beside the model's prediction
   3  hf         a small random Llama: LongFlash logits against eager, one generate
-     jax        longflash.jax on the GPU (needs jax-triton; "unsupported" without it)
+     jax        longflash.jax on the GPU (Triton path: jax-triton >= 0.4, triton >= 3.7)
      speedup_decode  RQ1 part decode: one step of attention_with_kvcache over 1K..128K
                 tokens of cache, batch 1 then 8, against SDPA's backends and FlexAttention
      variants   experiments.variants --full
@@ -377,8 +377,9 @@ def probe_hf(path):
 
 
 def probe_jax(path):
-    """longflash.jax on the GPU; needs jax-triton, which the GPU image lacks (and the machine
-    cannot download): then one 'unsupported' row saying so."""
+    """longflash.jax on the GPU; its Triton path needs jax-triton >= 0.4 and triton >= 3.7,
+    which the GPU image lacks (it has triton 3.6, no jax-triton, no network): then one
+    'unsupported' row saying why, and the default (blockwise) backend checked."""
     try:
         import jax
         import jax.numpy as jnp
@@ -389,14 +390,15 @@ def probe_jax(path):
                                     f"jax unavailable: {exc}")]))
         return
     gpu = any(d.platform == "gpu" for d in jax.devices())
-    has_jt = lf_jax._has_jax_triton()
+    missing = lf_jax.jax_triton_missing()
+    has_jt = missing is None
     note = f"jax {jax.__version__}, devices {[d.platform for d in jax.devices()]}, " \
-           f"jax_triton {'present' if has_jt else 'absent'}"
+           f"jax_triton {'usable' if has_jt else 'unusable: ' + missing}"
     rows = []
     if gpu and not has_jt:
         rows.append(_row("max_abs_diff", float("nan"), "", "unsupported",
-                         "jax-triton is not installed on the GPU image and cannot be "
-                         "downloaded there; carry its wheel (experiments/GPU.md). " + note))
+                         "the Triton path needs jax-triton >= 0.4 and triton >= 3.7 "
+                         "(experiments/GPU.md). " + note))
     rng = np.random.default_rng(0)
     shape = (1, 256 if gpu else 64, 2, 64)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(3))

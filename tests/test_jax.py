@@ -217,3 +217,23 @@ def test_triton_path_arguments(monkeypatch):
                           (o_ref, lse_ref, *grads_ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5,
                                    err_msg=name)
+
+
+def test_jax_triton_requirement_decides(monkeypatch):
+    """jax-triton 0.4 imports with triton 3.6 (the GPU machines') but stubs out its NVIDIA
+    backend, so its own requirement on triton decides whether the Triton path is usable."""
+    pytest.importorskip("packaging")
+    from importlib import metadata
+    monkeypatch.setattr(metadata, "requires", lambda dist: [
+        "absl-py>=1.4.0", "jax>=0.11.0", "triton>=3.7", 'pytest; extra == "tests"'])
+    assert lj._unmet_requirement("jax-triton", "triton", "3.6.0") == "triton>=3.7"
+    assert lj._unmet_requirement("jax-triton", "triton", "3.7.0") is None
+
+    def not_installed(dist):
+        raise metadata.PackageNotFoundError(dist)
+    monkeypatch.setattr(metadata, "requires", not_installed)
+    assert lj._unmet_requirement("jax-triton", "triton", "3.6.0") is None
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:  # here: no jax-triton (it needs a CUDA jaxlib), and the reason says so
+        assert lj.jax_triton_missing().startswith("jax_triton is not importable")

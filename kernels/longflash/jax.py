@@ -25,15 +25,16 @@ backend="auto" calls the project's Triton kernels (`flash_triton.py`: _attn_fwd,
 _attn_bwd_preprocess, _attn_bwd_dkdv, _attn_bwd_dq) through jax_triton.triton_call when
 the arrays are on a GPU, a suitable jax_triton is importable and the dtype is not
 float64; otherwise the blockwise JAX path above. THE GPU PATH IS UNTESTED: no GPU was
-available; it has never run. It is written against jax-triton's current triton_call
+available; it has never run. It is written against jax-triton 0.4's triton_call
 (out_type=, kernel parameters bound by name, the outputs filling the parameters left
-out), which is newer than the 0.3.1 release on PyPI: the kernels' outputs sit between
-their inputs, which 0.3.1's positional call cannot express, so with 0.3.1 "auto" takes
-the blockwise path. It uses one fixed tile per kernel (the autotuner is bypassed). The
+out): the kernels' outputs sit between their inputs, which 0.3.1's positional call cannot
+express. jax-triton 0.4 needs triton >= 3.7, newer than the 3.6 of our GPU machines (and of
+torch 2.11), so there "auto" takes the blockwise path; `jax_triton_missing()` says why the
+Triton path is off. It uses one fixed tile per kernel (the autotuner is bypassed). The
 blockwise path is tested on CPU against a float64 reference (tests/test_jax.py).
 
 Install: pip install "longflash[jax]" (jax >= 0.4.30). For the GPU path also jax with
-CUDA and jax-triton from its repository (github.com/jax-ml/jax-triton).
+CUDA, jax-triton >= 0.4 and triton >= 3.7.
 """
 
 import functools
@@ -105,16 +106,40 @@ def _on_gpu(x):
 
 
 @functools.cache
-def _has_jax_triton():
-    """jax_triton importable (it needs a CUDA jaxlib) with the triton_call that binds kernel
-    parameters by name (out_type=; after the 0.3.1 release): the kernels' outputs sit
-    between their inputs, which the positional triton_call of 0.3.1 cannot express."""
+def jax_triton_missing():
+    """Why the Triton path cannot run here (a sentence), or None when it can: jax_triton must
+    import (it needs a CUDA jaxlib), its own Triton requirement must hold (jax-triton 0.4
+    needs triton >= 3.7: with 3.6, the GPU machines' version, it imports but stubs out its
+    NVIDIA backend), and its triton_call must bind kernel parameters by name (out_type=,
+    newer than 0.3.1: the kernels' outputs sit between their inputs, which 0.3.1's
+    positional call cannot express)."""
     try:
         import jax_triton
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return "out_type" in inspect.signature(jax_triton.triton_call).parameters
+        import triton
+    except ImportError as exc:
+        return f"jax_triton is not importable ({exc})"
+    unmet = _unmet_requirement("jax-triton", "triton", triton.__version__)
+    if unmet:
+        return f"jax-triton requires {unmet}, this is triton {triton.__version__}"
+    if "out_type" not in inspect.signature(jax_triton.triton_call).parameters:
+        return "this jax_triton's triton_call has no out_type= (0.3.1 or older)"
+    return None
+
+
+def _unmet_requirement(dist, name, version):
+    """The requirement of installed package `dist` on `name` ("triton>=3.7") if `version` does
+    not satisfy it, else None (also when either is unknown)."""
+    from importlib import metadata
+    try:
+        from packaging.requirements import Requirement
+        requires = metadata.requires(dist) or []
+    except (ImportError, metadata.PackageNotFoundError):
+        return None
+    for text in requires:
+        req = Requirement(text)
+        if req.name == name and not req.marker and version not in req.specifier:
+            return str(req)
+    return None
 
 
 def _resolve_backend(backend, q):
@@ -122,13 +147,13 @@ def _resolve_backend(backend, q):
     float64), else the blockwise JAX path."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    usable = q.dtype != jnp.float64 and _on_gpu(q) and _has_jax_triton()
+    usable = q.dtype != jnp.float64 and _on_gpu(q) and jax_triton_missing() is None
     if backend == "auto":
         return "triton" if usable else "jax"
     if backend == "triton" and not usable:
-        raise ValueError("backend='triton' needs GPU arrays (not float64) and jax_triton with "
-                         "triton_call(out_type=...) (newer than 0.3.1); use backend='jax' for "
-                         "the blockwise path")
+        raise ValueError("backend='triton' needs GPU arrays (not float64) and a usable "
+                         f"jax_triton ({jax_triton_missing() or 'present'}); use backend='jax' "
+                         "for the blockwise path")
     return backend
 
 
