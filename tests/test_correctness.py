@@ -101,8 +101,7 @@ def gpu_tiles(kernel):
     """The (BLOCK_M, BLOCK_N) tiles a GPU may launch `kernel` with (flash_triton.CONFIGS, every
     architecture and head dim)."""
     from longflash import flash_triton
-    return sorted({c[:2] for (name, _, _), configs in flash_triton.CONFIGS.items()
-                   if name == kernel for c in configs})
+    return sorted({c[:2] for c in flash_triton.all_configs(kernel)})
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import longflash
-from test_correctness import check_against_reference, force_configs, shape_id
+from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
 
 pytestmark = pytest.mark.gpu
 
@@ -83,6 +83,6 @@ def test_every_config_gpu(shape, index, monkeypatch):
     from longflash import flash_triton
     major = torch.cuda.get_device_capability()[0]
     force_configs(monkeypatch, {
-        kernel: configs[index % len(configs)] for kernel in ("fwd", "dkdv", "dq")
+        kernel: configs[index % len(configs)] for kernel in KERNEL_FUNCTIONS
         for configs in [flash_triton.configs_for(kernel, major, shape[-1])]})
     check_against_reference(shape, torch.bfloat16, True, backend="triton", device="cuda")

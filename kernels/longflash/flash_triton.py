@@ -130,6 +130,12 @@ def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=
                 INPUT_PRECISION="ieee" if dtype_is_fp32 else "tf32")
 
 
+def all_configs(kernel):
+    """Every (BLOCK_M, BLOCK_N, warps, stages) of `kernel` in CONFIGS, any architecture and head
+    dim: the autotuner's candidates before pruning."""
+    return sorted({c for (name, _, _), cs in CONFIGS.items() if name == kernel for c in cs})
+
+
 def _prune(kernel):
     def prune(configs, named_args, **kwargs):
         """Keep this GPU's and head dim's candidates (CONFIGS)."""
@@ -146,13 +152,12 @@ def _prune(kernel):
 def _autotune(kernel):
     if _INTERPRET:  # one config: nothing to prune or benchmark
         return triton.autotune(configs=[_config(_INTERPRET_CONFIG)], key=[])
-    candidates = sorted({c for (name, _, _), cs in CONFIGS.items() if name == kernel for c in cs})
     # Keyed on the head dim, the window (causal is window_right = 0) and the sequence
     # length rounded to a power of two, so varying lengths do not re-tune every time.
     # cache_results (Triton >= 3.2): the choice is kept on disk, in Triton's cache directory.
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
-    return triton.autotune(configs=[_config(c) for c in candidates],
+    return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN"],
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
