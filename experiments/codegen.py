@@ -209,11 +209,12 @@ UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_me
 
 
 def config_name(cfg):
-    """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks); BLOCK_S/warps/stages for
-    the merge kernel."""
+    """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks), with "/tma" for a TMA
+    candidate; BLOCK_S/warps/stages for the merge kernel."""
     k = cfg.kwargs
     tiles = [k["BLOCK_S"]] if "BLOCK_S" in k else [k.get("BLOCK_M", "-"), k.get("BLOCK_N", "-")]
-    return "/".join(map(str, [*tiles, cfg.num_warps, cfg.num_stages]))
+    return "/".join(map(str, [*tiles, cfg.num_warps, cfg.num_stages,
+                              *([flash_triton.TMA] if k.get("USE_TMA") else [])]))
 
 
 def sweep(conf, log=print):

@@ -17,7 +17,12 @@ def test_config_table_is_small_and_fits_a_warpgroup():
             c[2] for c in flash_triton.CONFIGS["fwd", major, 128]]
     for (kernel, major, _), configs in flash_triton.CONFIGS.items():
         assert 1 <= len(configs) <= 4, (kernel, major)
-        for block_m, block_n, warps, _ in configs:
+        # a TMA candidate (5th element) only where TMA exists (sm_90+), and never alone: the
+        # pointer candidates serve the inputs a TMA copy cannot read
+        assert all(c[4:] in ((), (flash_triton.TMA,)) for c in configs), configs
+        assert major == 9 or all(len(c) == 4 for c in configs), (kernel, major)
+        assert any(len(c) == 4 for c in configs), (kernel, major)
+        for block_m, block_n, warps, *_ in configs:
             rows = {"fwd": block_m, "dq": block_m, "dkdv": block_n}[kernel]  # a dot's M
             if major == 9:  # wgmma: at least 64 rows (a warpgroup of 4 warps); a second
                 # warpgroup over 64 rows splits the dot's columns (the codegen report: wgmma)
@@ -27,20 +32,26 @@ def test_config_table_is_small_and_fits_a_warpgroup():
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
 def test_forward_uses_wgmma_without_spills_on_sm90a():
-    # One compile (a few seconds): the forward at head dim 64, the first sm_90a candidate.
+    # Two compiles (a few seconds each): the forward at head dim 64, the first sm_90a candidate
+    # (pointer loads, pipelined with cp.async) and the first TMA one (TMA copies instead).
     code = ("from experiments import codegen as cg; from longflash import flash_triton as ft; "
-            "m = cg.compile_one('fwd', 'bfloat16', 'plain', 64, 'sm90a', "
-            "ft.configs_for('fwd', 9, 64)[0]); "
-            "print(m['wgmma_count'], m['mma_count'], m['spill_bytes'], m['cp_async_count'])")
+            "cs = ft.configs_for('fwd', 9, 64); "
+            "tma = [c for c in cs if c.kwargs['USE_TMA']][0]; "
+            "ms = [cg.compile_one('fwd', 'bfloat16', 'plain', 64, 'sm90a', c) "
+            "for c in (cs[0], tma)]; "
+            "[print(m['wgmma_count'], m['mma_count'], m['spill_bytes'], m['cp_async_count'], "
+            "m['tma_count']) for m in ms]")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    wgmma, mma, spills, cp_async = map(int, out.stdout.split()[-4:])
-    assert wgmma > 0 and mma == 0, out.stdout
-    assert spills == 0, out.stdout
-    assert cp_async > 0, "K/V loads are not pipelined: " + out.stdout
+    pointer, tma = ([int(x) for x in line.split()] for line in out.stdout.splitlines()[-2:])
+    for wgmma, mma, spills, _, _ in (pointer, tma):
+        assert wgmma > 0 and mma == 0, out.stdout
+        assert spills == 0, out.stdout
+    assert pointer[3] > 0 and pointer[4] == 0, "K/V loads are not pipelined: " + out.stdout
+    assert tma[4] > 0 and tma[3] == 0, "K/V tiles are not TMA copies: " + out.stdout
 
 
 def test_check_flags_a_spilling_forward():

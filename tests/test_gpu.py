@@ -46,6 +46,32 @@ def test_compile_inductor_gpu():
     torch.testing.assert_close(fn(q, k, v), eager)
 
 
+def test_tma_only_where_a_copy_can_read_gpu():
+    """The TMA candidates run only on Hopper, in fp16/bf16, with 16-byte aligned rows
+    (flash_triton._tma_ok); other inputs get the pointer candidates (the autotuner keys its
+    choice on tma_ok) and the same result."""
+    from longflash import flash_triton
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    shape = (2, 300, 4, 64)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    assert flash_triton._tma_ok(x) == int(hopper)
+    assert flash_triton._tma_ok(x.float()) == 0
+    assert flash_triton._tma_ok(torch.randn(2, 300, 4, 59, device="cuda",
+                                            dtype=torch.bfloat16)) == 0  # 118-byte rows
+    shifted = [torch.randn(x.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(shape)
+               for _ in range(3)]  # starts 2 bytes past a 16-byte boundary
+    assert flash_triton._tma_ok(*shifted) == 0
+    aligned = [t.clone() for t in shifted]
+    for t in shifted + aligned:
+        t.requires_grad_()
+    outs = [longflash.attention(*qkv, causal=True) for qkv in (aligned, shifted)]
+    grads = [torch.autograd.grad(o.float().square().sum(), qkv)
+             for o, qkv in zip(outs, (aligned, shifted))]
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=5e-2, rtol=5e-2)
+
+
 VARIANTS = [
     ("window", dict(causal=True, window_size=(256, 0))),
     ("alibi-softcap", dict(causal=True, alibi=(8,), softcap=30.0)),
@@ -75,11 +101,12 @@ def test_varlen_gpu():
 
 
 # Last in the file: the tests above autotune, and so compile every candidate of these shapes.
-@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("index", range(3))
 @pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[2]], ids=shape_id)
 def test_every_config_gpu(shape, index, monkeypatch):
-    """Each candidate of this GPU's config table (the index-th of each kernel), not only the
-    one the autotuner keeps: bf16, causal, head dims 64, 80 (the 128 bucket) and 256."""
+    """Each candidate of this GPU's config table (the index-th of each kernel, TMA ones
+    included), not only the one the autotuner keeps: bf16, causal, head dims 64, 80 (the 128
+    bucket) and 256."""
     from longflash import flash_triton
     major = torch.cuda.get_device_capability()[0]
     force_configs(monkeypatch, {

@@ -14,13 +14,24 @@ import torch
 import longflash
 from longflash import _common, attention_ref, attention_varlen_ref, blockwise
 from conftest import INTERPRET, check_close
-from test_correctness import make_inputs, run
+from test_correctness import KERNEL_FUNCTIONS, force_configs, make_inputs, run
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # The blockwise path with several tile shapes (so short sequences span many blocks), and
-# the Triton kernels with their own (interpreter) tiles.
+# the Triton kernels with their own (interpreter) tiles, with pointer loads and with the TMA
+# candidates' tensor descriptors ("tma").
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
-    ([("triton", None)] if INTERPRET else [])
+    ([("triton", None), ("triton", "tma")] if INTERPRET else [])
+VARLEN_BACKENDS = BACKENDS + (["triton-tma"] if INTERPRET else [])
+
+
+def use_tma(monkeypatch):
+    """Launch the Triton kernels with tensor descriptors (the interpreter's tile, USE_TMA)."""
+    import triton
+    from longflash.flash_triton import _INTERPRET_CONFIG
+    force_configs(monkeypatch, {kernel: triton.Config(dict(
+        BLOCK_M=_INTERPRET_CONFIG[0], BLOCK_N=_INTERPRET_CONFIG[1], USE_TMA=True))
+        for kernel in KERNEL_FUNCTIONS})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
@@ -51,11 +62,14 @@ def ref_kwargs(kw):
 
 
 @pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
-                         ids=[f"{b}-{t[0]}x{t[1]}" if t else b for b, t in BACKEND_TILES])
+                         ids=[f"{b}-{t}" if t == "tma" else f"{b}-{t[0]}x{t[1]}" if t else b
+                              for b, t in BACKEND_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_variant_against_reference(backend, tiles, dtype, shape, kw, monkeypatch):
-    if tiles:
+    if tiles == "tma":
+        use_tma(monkeypatch)
+    elif tiles:
         monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
         monkeypatch.setattr(blockwise, "BLOCK_N", tiles[1])
     check_variant(shape, dtype, kw, backend)
@@ -198,12 +212,16 @@ def packed(lengths_q, lengths_k, nheads=4, nheads_kv=2, headdim=16, dtype=torch.
             max(lengths_q), max(lengths_k))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", VARLEN_BACKENDS)
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True),
                                 dict(causal=True, window_size=(6, -1), alibi=(3, 4), softcap=1.0,
                                      dropout_p=0.2, seed=11)], ids=["full", "causal", "all"])
-def test_varlen_against_reference(backend, kw):
-    """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence."""
+def test_varlen_against_reference(backend, kw, monkeypatch):
+    """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
+    TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
+    if backend == "triton-tma":
+        use_tma(monkeypatch)
+        backend = "triton"
     kw = kwargs_for(kw)
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([17, 0, 40], [23, 5, 31])
     do = torch.randn_like(q)

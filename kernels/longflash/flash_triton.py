@@ -34,15 +34,16 @@ Where it was tested and where it breaks:
 - Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
   in CI against Triton 3.6.0, the H100/H200 machines' version, and the newest Triton):
   compiled for sm_90a at every config in CONFIGS, the forward and dQ kernels spill nothing at
-  head dims 64 and 128, every tl.dot of every loop is a wgmma, and K/V (Q/dO) loads are
-  pipelined with cp.async. The dK/dV kernel has a spill-free candidate at head dim 64 and
-  spills 0-276 B at 128 (Triton's tutorial fused backward: 980 B and 11.7 KB). Head dim 256
-  compiles and spills a little (dK/dV); see results/codegen/sm90a.csv.
-- Tiles are addressed with plain pointers and masks (block pointers are gone from Triton 3.9;
-  tensor descriptors / TMA would need an on-device allocator and 16-byte-aligned strides, which
-  arbitrary strides, odd head dims and packed batches do not give): bounds are checked only
-  on the blocks that straddle a sequence end or a window edge, and the head-dim mask only when
-  the head dim is not a power of two. No TMA, no warp specialization yet.
+  head dims 64 and 128, every tl.dot of every loop is a wgmma, and the loop's loads are
+  pipelined (cp.async, or TMA copies). See results/codegen/sm90a.csv for dK/dV and head dim
+  256, which spill a little.
+- Two ways to read a loop's tiles (K/V; Q/dO in dK/dV), chosen per config (USE_TMA): pointers
+  and masks (every GPU, the interpreter; bounds checked only on the blocks that straddle a
+  sequence end or a window edge, the head-dim mask only when the head dim is not a power of
+  two), or on Hopper TMA copies through a tensor descriptor made on the device for each
+  (sequence, head) slice, which zero-fills past the sequence end and the head dim by itself.
+  TMA needs 16-byte aligned rows and Triton's allocator (`_tma_ok`); other inputs get the
+  pointer candidates. No warp specialization (Triton's automatic one targets Blackwell).
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
@@ -64,36 +65,42 @@ if _INTERPRET:
     fix_triton_interpreter()
 
 
-# -- configs: (BLOCK_M, BLOCK_N, num_warps, num_stages), at most 4 per kernel, architecture
-# (major compute capability) and head-dim bucket (BLOCK_D 16..64 -> 64). Chosen offline, untimed,
-# from `python -m experiments.codegen` (results/codegen/sm90a.csv, sm80.csv): on sm_90 the
-# candidates that compile with the fewest spills with Triton 3.6.0 and the newest Triton (the
-# forward and dQ at head dims 64/128 spill nothing), with every tl.dot on wgmma (a warpgroup of 4
-# warps needs >= 64 rows in the dot's M dimension: BLOCK_M in the forward and dQ, BLOCK_N in
-# dK/dV) and K/V loads pipelined (num_stages), in the usual FlashAttention-2 shapes (Triton
-# tutorial 06). dK/dV holds two (BLOCK_N, head dim) fp32 accumulators: on sm_90 its tiles have
-# 8 warps over BLOCK_N = 128 (64 at d256) and short query blocks (BLOCK_M 16/32), which spill
-# 0-276 B where (64, 128, 8, 2) spilled 0.9-2 KB at d128; at d64 the larger (64, 128) tile (0.2
-# KB) stays beside a spill-free one for the autotuner to judge. Two per head dim at most on
-# sm_90, so that the first use of the RQ1 sweep (bf16, head dims 64/128/256) compiles 19
-# kernels. Not tuned on a GPU yet: autotuning picks among these on first use and keeps its
-# choice on disk (triton.autotune(cache_results=True)).
+# -- configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, TMA]), at most 3 per kernel,
+# architecture (major compute capability) and head-dim bucket (BLOCK_D 16..64 -> 64). Chosen
+# offline, untimed, from `python -m experiments.codegen` (results/codegen/sm90a.csv, sm80.csv):
+# on sm_90 the candidates that compile with the fewest spills with Triton 3.6.0 and the newest
+# Triton (the forward and dQ at head dims 64/128 spill nothing), with every tl.dot on wgmma (a
+# warpgroup of 4 warps needs >= 64 rows in the dot's M dimension: BLOCK_M in the forward and dQ,
+# BLOCK_N in dK/dV) and the loop's loads pipelined (num_stages), in the usual FlashAttention-2
+# shapes (Triton tutorial 06). dK/dV holds two (BLOCK_N, head dim) fp32 accumulators: on sm_90
+# its tiles have 8 warps over BLOCK_N = 128 (64 at d256) and short query blocks (BLOCK_M 16/32),
+# which spill 0-276 B where (64, 128, 8, 2) spilled 0.9-2 KB at d128; at d64 the larger
+# (64, 128) tile (0.2 KB) stays beside a spill-free one for the autotuner to judge.
+# TMA (sm_90 only): the loop's tiles (K/V; Q/dO in dK/dV) come by TMA copies through a tensor
+# descriptor instead of cp.async with computed addresses: no address registers, so fewer
+# registers (d128 forward 153-173 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
+# with both Tritons, d256 60-176 B instead of 196-308 B), and the forward affords 128 x 128 tiles
+# without spilling. Each kernel and head dim has one or two TMA candidates beside the pointer
+# ones, which remain for inputs a TMA copy cannot read (_tma_ok). The first use of the RQ1 sweep
+# (bf16, head dims 64/128/256) compiles 28 kernels. Not tuned on a GPU yet: autotuning picks
+# among these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
+TMA = "tma"  # the 5th element of a TMA candidate
 CONFIGS = {
-    ("fwd", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3)],
-    ("fwd", 9, 128): [(128, 64, 8, 3), (128, 32, 8, 3)],
-    ("fwd", 9, 256): [(128, 64, 8, 2), (128, 32, 8, 2)],
+    ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
+    ("fwd", 9, 128): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
+    ("fwd", 9, 256): [(128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2, TMA)],
     ("fwd", 8, 64): [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 8, 128): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 8, 256): [(64, 64, 4, 2), (64, 32, 4, 2)],
-    ("dkdv", 9, 64): [(64, 128, 8, 3), (32, 128, 8, 3)],
-    ("dkdv", 9, 128): [(32, 128, 8, 2), (16, 128, 8, 2)],
-    ("dkdv", 9, 256): [(16, 64, 8, 3)],
+    ("dkdv", 9, 64): [(64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 3, TMA)],
+    ("dkdv", 9, 128): [(32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2, TMA)],
+    ("dkdv", 9, 256): [(16, 64, 8, 3), (16, 64, 8, 3, TMA)],
     ("dkdv", 8, 64): [(64, 64, 4, 3), (32, 128, 4, 3)],
     ("dkdv", 8, 128): [(64, 64, 4, 2), (32, 64, 4, 3)],
     ("dkdv", 8, 256): [(32, 64, 4, 2), (32, 32, 4, 2)],
-    ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3)],
-    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3)],
-    ("dq", 9, 256): [(64, 32, 8, 2)],
+    ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, TMA)],
+    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2, TMA)],
+    ("dq", 9, 256): [(64, 32, 8, 2), (64, 32, 8, 2, TMA)],
     ("dq", 8, 64): [(64, 64, 4, 3), (128, 32, 4, 3)],
     ("dq", 8, 128): [(64, 64, 4, 2), (64, 32, 4, 3)],
     ("dq", 8, 256): [(64, 32, 4, 2), (32, 32, 4, 2)],
@@ -103,9 +110,9 @@ _INTERPRET_CONFIG = (32, 16, 4, 1)  # one small asymmetric tile: block edges on 
 
 
 def _config(c):
-    block_m, block_n, warps, stages = c
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps,
-                         num_stages=stages)
+    block_m, block_n, warps, stages, *tma = c
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": tma == [TMA]},
+                         num_warps=warps, num_stages=stages)
 
 
 def _table_key(kernel, major, headdim):
@@ -138,15 +145,24 @@ def all_configs(kernel):
 
 def _prune(kernel):
     def prune(configs, named_args, **kwargs):
-        """Keep this GPU's and head dim's candidates (CONFIGS)."""
+        """Keep this GPU's and head dim's candidates (CONFIGS); the TMA ones only where the
+        launcher found the inputs fit (tma_ok)."""
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
         wanted = CONFIGS[_table_key(kernel, capability, kwargs.get(
             "HEAD_DIM", named_args.get("HEAD_DIM")))]
-        kept = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                       c.num_stages) in wanted]
-        return kept or configs[:1]
+        pointers = [c for c in configs if not c.kwargs["USE_TMA"]]
+        usable = configs if kwargs.get("tma_ok", named_args.get("tma_ok")) else pointers
+        kept = [c for c in usable if _entry(c) in wanted]
+        return kept or pointers[:1]
     return prune
+
+
+def _entry(config):
+    """The CONFIGS entry of a triton.Config."""
+    k = config.kwargs
+    return (k["BLOCK_M"], k["BLOCK_N"], config.num_warps, config.num_stages,
+            *([TMA] if k.get("USE_TMA") else []))
 
 
 def _autotune(kernel):
@@ -159,7 +175,7 @@ def _autotune(kernel):
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
     return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
-                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN"],
+                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok"],
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
 
 
@@ -321,6 +337,30 @@ def _store_block(base, x, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_R
 
 
 @triton.jit
+def _tiles(base, n_rows, stride, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+           BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """What a loop reads its tiles from: with USE_TMA a tensor descriptor of the (n_rows,
+    HEAD_DIM) slice at base, whose (BLOCK_ROWS, BLOCK_D) tiles are TMA copies (Hopper) with
+    zeros past both ends; else base itself (pointer loads, _load_block)."""
+    if USE_TMA:
+        base = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_D])
+    return base
+
+
+@triton.jit
+def _load_tile(tiles, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_ROWS) of what _tiles returned; zeros past the ends."""
+    if USE_TMA:
+        x = tiles.load([start, 0])
+    else:
+        x = _load_block(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D,
+                        ROWS_IN_BOUNDS)
+    return x
+
+
+@triton.jit
 def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other,
                ROWS_IN_BOUNDS: tl.constexpr = False):
     """Per-row statistics (lse, delta) of rows [start, start + BLOCK_ROWS)."""
@@ -340,13 +380,13 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
                     softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # -- compute scores --
-        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
-                        not MASKED)
+        k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                     USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                         window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
@@ -361,8 +401,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
             p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
                                    dropout_p)
         # -- update output accumulator --
-        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
-                        not MASKED)
+        v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                     USE_TMA)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
@@ -375,11 +415,12 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
               stride_lb, stride_lh, stride_ab, stride_ah,
-              nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, window_left, window_right,
-              qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+              nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, window_left,
+              window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              USE_TMA: tl.constexpr = False):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -403,18 +444,20 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     # -- keys: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked --
     lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_M, BLOCK_N)
+    K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                    INPUT_PRECISION)
+                                    INPUT_PRECISION, USE_TMA)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                    BLOCK_M, BLOCK_N, INPUT_PRECISION)
+                                    BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                    INPUT_PRECISION)
+                                    INPUT_PRECISION, USE_TMA)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -453,12 +496,12 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr):
+                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-                        not MASKED)
+        q = _load_tile(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, not MASKED,
+                       USE_TMA)
         # lse = -inf marks a row that saw no key; +inf makes its probabilities exactly 0.
         lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"), not MASKED)
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -469,8 +512,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          HAS_SOFTCAP, HAS_ALIBI)
         pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
         # -- dV += p_dropped^T dO --
-        do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-                         not MASKED)
+        do = _load_tile(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                        not MASKED, USE_TMA)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         if HAS_DROPOUT:
             scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None],
@@ -495,11 +538,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                    stride_lb, stride_lh, stride_ab, stride_ah,
-                   nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, window_left,
+                   nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, window_left,
                    window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   USE_TMA: tl.constexpr = False):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -519,8 +563,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     # GQA: the query heads of this key head take turns; no atomics, so dK, dV are deterministic.
     for g in range(group_size):
         off_h = off_hk * group_size + g
-        Q_h = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
-        DO_h = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don
+        Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
+                     stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        DO_h = _tiles(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
+                      seqlen_q, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
         LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
         Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
         slope = 0.0
@@ -531,13 +577,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                 window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      INPUT_PRECISION)
+                                      INPUT_PRECISION, USE_TMA)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                      BLOCK_M, BLOCK_N, INPUT_PRECISION)
+                                      BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      INPUT_PRECISION)
+                                      INPUT_PRECISION, USE_TMA)
     _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                  dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
@@ -551,14 +597,14 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr):
+                       INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
-                        not MASKED)
-        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
-                        not MASKED)
+        k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                       USE_TMA)
+        v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                       USE_TMA)
         # -- recompute p from the saved lse --
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
@@ -583,11 +629,12 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                  stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_ab, stride_ah,
-                 nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, window_left, window_right,
-                 qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+                 nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, window_left,
+                 window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 USE_TMA: tl.constexpr = False):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -612,18 +659,20 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     # -- keys: the same ranges as the forward --
     lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_M, BLOCK_N)
+    K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                             HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                            INPUT_PRECISION)
+                            INPUT_PRECISION, USE_TMA)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
-                            BLOCK_N, INPUT_PRECISION)
+                            BLOCK_N, INPUT_PRECISION, USE_TMA)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                             HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                            INPUT_PRECISION)
+                            INPUT_PRECISION, USE_TMA)
     _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
@@ -669,7 +718,35 @@ def _strides(x):
     return (0, *x.stride()[:2]) if x.dim() == 3 else tuple(x.stride()[:3])
 
 
-def _launch_args(q, k, lse, opts):
+def _tma_allocator(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_ok(*tiled):
+    """1 if the TMA candidates may run on these tensors (those whose tiles a TMA kernel
+    copies), else 0. A TMA copy needs Hopper or newer, a 16-byte aligned start and row strides
+    that are multiples of 16 bytes (the head dim is any: the copy zero-fills past it); a tensor
+    descriptor made on the device needs scratch memory from Triton's allocator, torch's unless
+    the caller set one (triton.set_allocator). 16-bit inputs only (fp32 is not compiled with
+    TMA in the codegen report)."""
+    x = tiled[0]
+    if (_INTERPRET or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9
+            or x.dtype not in (torch.float16, torch.bfloat16)
+            or not hasattr(tl, "make_tensor_descriptor")):
+        return 0
+    if not all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-3) > 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tiled):
+        return 0
+    try:
+        from triton.runtime import _allocation
+        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            triton.set_allocator(_tma_allocator)
+    except (ImportError, AttributeError):  # a Triton whose allocator we cannot see: no TMA
+        return 0
+    return 1
+
+
+def _launch_args(q, k, lse, opts, tiled):
     """Shapes, strides and scalars shared by the three main kernels."""
     if opts.varlen:
         batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
@@ -689,7 +766,7 @@ def _launch_args(q, k, lse, opts):
         stride_ab=0 if alibi is None else alibi.stride(0),
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)),
+        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=_tma_ok(*tiled),
         window_left=opts.window_left, window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
@@ -704,7 +781,7 @@ def forward(q, k, v, opts):
     """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences."""
     q, k, v = _last_dim_contiguous(q, k, v)
     o, lse = empty_outputs(q, opts.varlen)
-    batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(q, k, lse, opts)
+    batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(q, k, lse, opts, (k, v))
     if batch * nheads * seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
@@ -718,7 +795,8 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
     lse = lse.contiguous()
-    batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars = _launch_args(q, k, lse, opts)
+    batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars = _launch_args(
+        q, k, lse, opts, (q, k, v, do))
     if dq.numel() == 0 or dk.numel() == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
