@@ -29,6 +29,22 @@ def test_config_table_is_small_and_fits_a_warpgroup():
                 assert rows >= 64 and warps in (4, 8), (kernel, block_m, block_n, warps)
 
 
+def test_prune_keeps_tma_candidates_only_where_tma_ok():
+    """The autotuner's pruning: this head dim's sm_90 candidates (a CPU tensor counts as sm_90),
+    the TMA ones only when the launcher found the inputs fit (tma_ok, part of the key)."""
+    from longflash import flash_triton
+    q = torch.empty(1, 8, 1, 128)
+    for kernel in ("fwd", "dkdv", "dq"):
+        candidates = [flash_triton._config(c) for c in flash_triton.all_configs(kernel)]
+        prune = flash_triton._prune(kernel)
+        table = flash_triton.CONFIGS[kernel, 9, 128]
+        for tma_ok in (0, 1):
+            kept = [flash_triton._entry(c) for c in prune(candidates, dict(Q=q), HEAD_DIM=128,
+                                                          tma_ok=tma_ok)]
+            assert kept == sorted(c for c in table if tma_ok or len(c) == 4), (kernel, tma_ok)
+        assert any(len(c) == 5 for c in table), kernel  # there is something to prune
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
 def test_forward_uses_wgmma_without_spills_on_sm90a():
