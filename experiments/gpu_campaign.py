@@ -216,7 +216,8 @@ def probe_env(path):
     import torch
     info = dict(python=platform.python_version(), torch=torch.__version__,
                 cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
-                ncu=shutil.which("ncu"), nvidia_smi=shutil.which("nvidia-smi"))
+                ncu=shutil.which("ncu"), nvidia_smi=shutil.which("nvidia-smi"),
+                longflash_tma=os.environ.get("LONGFLASH_TMA", "1"))  # 0: TMA candidates off
     for mod in ("triton", "numpy", "pandas", "transformers", "jax", "jax_triton"):
         try:
             info[mod] = __import__(mod).__version__

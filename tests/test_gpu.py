@@ -46,7 +46,7 @@ def test_compile_inductor_gpu():
     torch.testing.assert_close(fn(q, k, v), eager)
 
 
-def test_tma_only_where_a_copy_can_read_gpu():
+def test_tma_only_where_a_copy_can_read_gpu(monkeypatch):
     """The TMA candidates run only on Hopper, in fp16/bf16, with 16-byte aligned rows
     (flash_triton._tma_ok); other inputs get the pointer candidates (the autotuner keys its
     choice on tma_ok) and the same result."""
@@ -61,6 +61,9 @@ def test_tma_only_where_a_copy_can_read_gpu():
     shifted = [torch.randn(x.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(shape)
                for _ in range(3)]  # starts 2 bytes past a 16-byte boundary
     assert flash_triton._tma_ok(*shifted) == 0
+    with monkeypatch.context() as m:
+        m.setenv("LONGFLASH_TMA", "0")
+        assert flash_triton._tma_ok(x) == 0
     aligned = [t.clone() for t in shifted]
     for t in shifted + aligned:
         t.requires_grad_()

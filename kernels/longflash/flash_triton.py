@@ -79,7 +79,7 @@ if _INTERPRET:
 # TMA (sm_90 only): the loop's tiles (K/V; Q/dO in dK/dV) come by TMA copies through a tensor
 # descriptor instead of cp.async with computed addresses: no address registers, so fewer
 # registers (d128 forward 153-173 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
-# with both Tritons, d256 60-176 B instead of 196-308 B), and the forward affords 128 x 128 tiles
+# with both Tritons, d256 64-176 B instead of 196-308 B), and the forward affords 128 x 128 tiles
 # without spilling. Each kernel and head dim has one or two TMA candidates beside the pointer
 # ones, which remain for inputs a TMA copy cannot read (_tma_ok). The first use of the RQ1 sweep
 # (bf16, head dims 64/128/256) compiles 28 kernels. Not tuned on a GPU yet: autotuning picks
@@ -235,6 +235,14 @@ def _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
         q_start = 0
         k_start = 0
     return tl.cast(q_start, tl.int64), tl.cast(k_start, tl.int64), seqlen_q, seqlen_k
+
+
+@triton.jit
+def _query_block_start(BLOCK_M: tl.constexpr):
+    """The first query row of this program's block (forward, dQ). Program ids run over the
+    query blocks in reverse: causally the last blocks see the most keys, so they start first and
+    the short ones fill the tail of the grid (longest first; the same set of blocks)."""
+    return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
 
 
 @triton.jit
@@ -421,7 +429,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               USE_TMA: tl.constexpr = False):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
     off_hk = off_h // group_size
@@ -635,7 +643,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  USE_TMA: tl.constexpr = False):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
     off_hk = off_h // group_size
@@ -728,9 +736,10 @@ def _tma_ok(*tiled):
     that are multiples of 16 bytes (the head dim is any: the copy zero-fills past it); a tensor
     descriptor made on the device needs scratch memory from Triton's allocator, torch's unless
     the caller set one (triton.set_allocator). 16-bit inputs only (fp32 is not compiled with
-    TMA in the codegen report)."""
+    TMA in the codegen report). LONGFLASH_TMA=0 in the environment turns TMA off."""
     x = tiled[0]
-    if (_INTERPRET or not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9
+    if (_INTERPRET or os.environ.get("LONGFLASH_TMA", "1") == "0" or not x.is_cuda
+            or torch.cuda.get_device_capability(x.device)[0] < 9
             or x.dtype not in (torch.float16, torch.bfloat16)
             or not hasattr(tl, "make_tensor_descriptor")):
         return 0
