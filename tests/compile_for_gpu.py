@@ -2,7 +2,9 @@
 
     python tests/compile_for_gpu.py 90:bfloat16:plain:80 80:float16:all:256
 
-"all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences).
+"all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences). On
+capability 9 and above the kernels are compiled with pointer loads and with TMA copies
+(USE_TMA), as the autotuner may launch either there.
 
 Triton's interpreter (the CPU tests) executes kernels as NumPy and never runs the
 compiler, so type and layout errors that only the real compiler sees would first
@@ -42,12 +44,14 @@ def compile_all(capability, dtype, features, headdim):
                 BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
                 INPUT_PRECISION="ieee" if dtype == "float32" else "tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
-    compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
     compile_kernel(flash_triton._attn_bwd_preprocess, dict(O=p, DO=p, **stats),
                    dict(IS_VARLEN=on, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=128), target)
     grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
-    compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
-    compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
+    for tma in (False, True) if capability >= 90 else (False,):
+        meta["USE_TMA"] = tma
+        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
+        compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
+        compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
 
 
 if __name__ == "__main__":

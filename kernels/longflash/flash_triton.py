@@ -428,7 +428,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              USE_TMA: tl.constexpr = False):
+              USE_TMA: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -551,7 +551,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_TMA: tl.constexpr = False):
+                   USE_TMA: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -642,7 +642,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_TMA: tl.constexpr = False):
+                 USE_TMA: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads

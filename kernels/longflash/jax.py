@@ -399,15 +399,17 @@ def _triton_launch(q, k, cfg):
     return dict(
         stride_lb=nheads * seqlen_q, stride_lh=seqlen_q, stride_ab=0, stride_ah=0,
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)),
+        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=0,
         window_left=window_left, window_right=window_right,
         qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale, softcap=0.0,
         dropout_p=0.0, seed_lo=0, seed_hi=0,
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, IS_VARLEN=False,
         HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
         INPUT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
-        # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims
-        BLOCK_M=64 if headdim <= 128 else 32, BLOCK_N=64 if headdim <= 128 else 32,
+        # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims; pointer
+        # loads (a TMA descriptor made on the device needs Triton's allocator, which
+        # jax-triton's launch does not set up)
+        BLOCK_M=64 if headdim <= 128 else 32, BLOCK_N=64 if headdim <= 128 else 32, USE_TMA=False,
         num_warps=4, num_stages=2)
 
 
