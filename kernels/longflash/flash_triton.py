@@ -78,7 +78,7 @@ if _INTERPRET:
 # (64, 128) tile (0.2 KB) stays beside a spill-free one for the autotuner to judge.
 # TMA (sm_90 only): the loop's tiles (K/V; Q/dO in dK/dV) come by TMA copies through a tensor
 # descriptor instead of cp.async with computed addresses: no address registers, so fewer
-# registers (d128 forward 153-173 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
+# registers (d128 forward 153-178 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
 # with both Tritons, d256 64-176 B instead of 196-308 B), and the forward affords 128 x 128 tiles
 # without spilling. Each kernel and head dim has one or two TMA candidates beside the pointer
 # ones, which remain for inputs a TMA copy cannot read (_tma_ok). The first use of the RQ1 sweep
