@@ -27,11 +27,9 @@ VARLEN_BACKENDS = BACKENDS + (["triton-tma"] if INTERPRET else [])
 
 def use_tma(monkeypatch):
     """Launch the Triton kernels with tensor descriptors (the interpreter's tile, USE_TMA)."""
-    import triton
-    from longflash.flash_triton import _INTERPRET_CONFIG
-    force_configs(monkeypatch, {kernel: triton.Config(dict(
-        BLOCK_M=_INTERPRET_CONFIG[0], BLOCK_N=_INTERPRET_CONFIG[1], USE_TMA=True))
-        for kernel in KERNEL_FUNCTIONS})
+    from longflash.flash_triton import _INTERPRET_CONFIG, TMA, _config
+    force_configs(monkeypatch, {kernel: _config((*_INTERPRET_CONFIG, TMA))
+                                for kernel in KERNEL_FUNCTIONS})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
