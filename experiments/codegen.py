@@ -27,11 +27,17 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
     mma_count          Ampere-style MMA instructions in the PTX (mma.sync)
     tma_count          TMA copies in the PTX (cp.async.bulk.tensor)
     cp_async_count     asynchronous global->shared copies in the PTX (cp.async.ca / .cg)
+    warps              warps per program as compiled (Triton's metadata): the config's, or more
+                       where Triton warp-specialized the kernel (a TMA-copy warpgroup beside
+                       the compute warpgroups: 12 from the forward's WS candidates' 4)
+    setmaxnreg_count   register reallocations between warpgroups in the PTX (setmaxnreg): the
+                       sign of a warp-specialized kernel
     compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) on this machine
 
 --check exits non-zero when a kernel breaks the limits of issue 14 (`check` below) at a config
-the launcher can choose on sm_90a, when the decoding kernel spills, or when a kernel needs more
-shared memory than an H100 block can have. Must run without TRITON_INTERPRET=1.
+the launcher can choose on sm_90a, when the decoding kernel spills, when a kernel needs more
+shared memory than an H100 block can have, or when a warp-specialized candidate ("/ws") did not
+compile to a warp-specialized kernel (Triton's pass can leave a loop as it is, silently). Must run without TRITON_INTERPRET=1.
 """
 
 import argparse
@@ -179,6 +185,8 @@ def compile_one(kernel, dtype, flags, headdim, arch, cfg):
     compile_s = time.perf_counter() - t0
     ptx = compiled.asm["ptx"]
     return dict(compile_s=compile_s, shared_mem_bytes=compiled.metadata.shared,
+                warps=compiled.metadata.num_warps,
+                setmaxnreg_count=len(re.findall(r"\bsetmaxnreg\.", ptx)),
                 **ptxas_report(ptx, arch),
                 wgmma_count=len(re.findall(r"\bwgmma\.mma_async", ptx)),
                 mma_count=len(re.findall(r"\bmma\.sync", ptx)),
@@ -205,16 +213,18 @@ def ptxas_report(ptx, arch):
 
 UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_mem_bytes="B",
              wgmma_count="count", mma_count="count", tma_count="count", cp_async_count="count",
-             compile_s="s")
+             warps="count", setmaxnreg_count="count", compile_s="s")
 
 
 def config_name(cfg):
     """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks), with "/tma" for a TMA
-    candidate; BLOCK_S/warps/stages for the merge kernel."""
+    candidate and "/tma/ws" for a warp-specialized one; BLOCK_S/warps/stages for the merge
+    kernel."""
     k = cfg.kwargs
     tiles = [k["BLOCK_S"]] if "BLOCK_S" in k else [k.get("BLOCK_M", "-"), k.get("BLOCK_N", "-")]
     return "/".join(map(str, [*tiles, cfg.num_warps, cfg.num_stages,
-                              *([flash_triton.TMA] if k.get("USE_TMA") else [])]))
+                              *([flash_triton.TMA] if k.get("USE_TMA") else []),
+                              *([flash_triton.WS] if k.get("WARP_SPECIALIZE") else [])]))
 
 
 def sweep(conf, log=print):
@@ -245,7 +255,7 @@ def sweep(conf, log=print):
                                 f"{key['config']:13s} " + " ".join(
                                     f"{m}={metrics[m]:.3g}" for m in
                                     ("registers", "spill_bytes", "wgmma_count", "mma_count",
-                                     "tma_count", "compile_s")))
+                                     "tma_count", "warps", "compile_s")))
                             for causal in (False, True):
                                 for metric, value in metrics.items():
                                     rows.append(dict(key, causal=causal, metric=metric,
@@ -272,6 +282,12 @@ def check(rows):
         if m["shared_mem_bytes"][0] > H100_MAX_SHARED_BYTES:  # would not launch at all
             problems.append(f"{where}: {m['shared_mem_bytes'][0]:.0f} B of shared memory, "
                             f"above the H100's {H100_MAX_SHARED_BYTES} B per block")
+        if config.endswith("/" + flash_triton.WS) and not (
+                m.get("setmaxnreg_count", (0,))[0] > 0
+                and m.get("warps", (0,))[0] > int(config.split("/")[2])):
+            problems.append(f"{where}: a warp-specialized candidate compiled without warp "
+                            f"specialization (warps {m.get('warps', ('?',))[0]}, setmaxnreg "
+                            f"{m.get('setmaxnreg_count', ('?',))[0]})")
         if flags != "plain" or headdim == 256:
             continue  # variants and d=256: reported, no limit (d=256 must compile)
         if kernel == "fwd" and (spills > 0 or wgmma == 0 or mma > 0):

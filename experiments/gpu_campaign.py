@@ -13,7 +13,13 @@ crash or a hang is a row with status "error" (or "unsupported" for a missing too
 line, never a lost stage.
 
 Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
-tiny sizes with the Triton interpreter):
+tiny sizes with the Triton interpreter). Each stage starts with a preflight of the Hopper-only
+kernel candidates that no GPU had run before (TMA copies; the forward's warp specialization):
+each forced in turn on a small odd shape against the float64 reference, one subprocess per kind
+with its own timeout; a kind that fails or hangs is switched off for the rest of the stage
+(LONGFLASH_TMA=0, LONGFLASH_WS=0 in the steps' environment), so that one broken candidate costs
+a minute, not the stage's autotuning (rows preflight_tma, preflight_ws: the worst relative
+error, or the failure in the note).
   1  env        device, versions, SM count, L2, memory, nvidia-smi, ncu (a JSON)
      speedup    RQ1 (experiments.speedup --full): head dims 128 then 64, 1K..16K tokens,
                 causal and not, fwd/bwd/fwd_bwd, LongFlash against SDPA flash / cuDNN /
@@ -119,10 +125,16 @@ def _py(*args):
     return ["-m", *args]
 
 
-def _probe(name, **kw):
+def _probe(name, argv_tail=(), **kw):
     """A probe of this module, writing results/gpu_campaign/<stem>-stageN-<name>.json."""
     return Step(name, _py("experiments.gpu_campaign", "--probe", name, "--probe-out",
-                          f"{{pre}}-{name}.json"), files=[f"{name}.json"], **kw)
+                          f"{{pre}}-{name}.json", *argv_tail), files=[f"{name}.json"], **kw)
+
+
+def _preflight(headdims, dry):
+    """The preflight of the TMA and warp-specialized candidates at the stage's head dims."""
+    return _probe("preflight", estimate_s=30, timeout_s=300,
+                  argv_tail=["--", ",".join(map(str, (64,) if dry else headdims))])
 
 
 def _speedup(name, argv, **kw):
@@ -144,6 +156,7 @@ def stage_steps(stage, dry):
             rq1 = ["--full", "--headdims", "128,64",
                    "--seqlens", "1024,2048,4096,8192,16384", "--long-seqlens", ""]
         return [
+            _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
             _speedup("speedup", rq1, estimate_s=60, timeout_s=430, reserve_s=100),
             Step("pytest", _py("pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
@@ -166,6 +179,7 @@ def stage_steps(stage, dry):
                        "--long-seqlens", "65536", "--long-budget-s", "60"]
             exact = ["--full", "--parts", "exactness"]   # ring steps on gloo ranks (its CPU)
         return [
+            _preflight((128, 256), dry),
             _probe("env", estimate_s=5, timeout_s=60),
             _speedup("speedup_long", long_, estimate_s=30, timeout_s=150, reserve_s=330),
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
@@ -183,6 +197,7 @@ def stage_steps(stage, dry):
         decode = (["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"] if dry
                   else ["--full", "--parts", "decode"])
         return [
+            _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
             _probe("hf", estimate_s=15, timeout_s=60),
             _probe("jax", estimate_s=10, timeout_s=60),
@@ -217,7 +232,8 @@ def probe_env(path):
     info = dict(python=platform.python_version(), torch=torch.__version__,
                 cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
                 ncu=shutil.which("ncu"), nvidia_smi=shutil.which("nvidia-smi"),
-                longflash_tma=os.environ.get("LONGFLASH_TMA", "1"))  # 0: TMA candidates off
+                longflash_tma=os.environ.get("LONGFLASH_TMA", "1"),  # 0: TMA candidates off
+                longflash_ws=os.environ.get("LONGFLASH_WS", "1"))  # 0: no warp specialization
     for mod in ("triton", "numpy", "pandas", "transformers", "jax", "jax_triton"):
         try:
             info[mod] = __import__(mod).__version__
@@ -421,6 +437,114 @@ def probe_jax(path):
     print(rows)
 
 
+# The preflight: the Hopper-only candidates, in the order they are checked (the warp-specialized
+# ones read their tiles by TMA too), each with the switch that turns it off.
+PREFLIGHT_KINDS = {"tma": "LONGFLASH_TMA", "ws": "LONGFLASH_WS"}
+PREFLIGHT_TIMEOUT_S = 120
+# Relative error (Frobenius norm) in bf16 that a working tile stays far below (about 4e-3); a
+# broken one (an unwritten or misread tile) is off by order 1. tests/test_gpu.py applies the
+# strict tolerance rule to every candidate later in stage 1.
+PREFLIGHT_TOLERANCE = 3e-2
+
+
+def probe_preflight(path, headdims):
+    """Each kind of Hopper-only candidate in a subprocess of its own (a hang or an illegal
+    address ends that subprocess only); a kind that fails is switched off for the stage's
+    later steps through the JSON's "env" (run_stage applies it)."""
+    rows, env = [], {}
+    for kind, switch in PREFLIGHT_KINDS.items():
+        metric = f"preflight_{kind}"
+        if env:  # TMA is off, and the warp-specialized candidates need it
+            rows.append(_row(metric, float("nan"), "", "unsupported", "TMA switched off"))
+            env[switch] = "0"
+            continue
+        argv = [sys.executable, "-m", "experiments.gpu_campaign", "--probe", "preflight-kind",
+                "--probe-out", "-", "--", kind, headdims]
+        try:
+            res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                                 timeout=PREFLIGHT_TIMEOUT_S)
+            print(res.stdout + res.stderr)
+            found = [ln for ln in res.stdout.splitlines() if ln.startswith("PREFLIGHT ")]
+            last = ([ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+                    or [""])[-1]
+            row = json.loads(found[-1][len("PREFLIGHT "):]) if found and res.returncode == 0 \
+                else _row(metric, float("nan"), "", "error", f"exit {res.returncode}: {last[:300]}")
+        except subprocess.TimeoutExpired as exc:
+            print(_text(exc.stdout) + _text(exc.stderr))
+            row = _row(metric, float("nan"), "", "error",
+                       f"no result after {PREFLIGHT_TIMEOUT_S} s (a hang?)")
+        rows.append(row)
+        if row["status"] == "error":
+            env[switch] = "0"
+        print(f"preflight {kind}: {row['status']} {row['value']} {row['note']}", flush=True)
+    _dump(path, dict(rows=rows, env=env))
+
+
+def _kind(config):
+    k = config.kwargs
+    return "ws" if k.get("WARP_SPECIALIZE") else "tma" if k.get("USE_TMA") else "pointer"
+
+
+def probe_preflight_kind(kind, headdims):
+    """The candidates of one kind, each forced in turn (a kernel without one runs its first
+    candidate), forward and backward, causal and not, on a small odd shape with GQA, against
+    the float64 reference: prints one row, "PREFLIGHT {json}"."""
+    import torch
+    import longflash
+    from longflash import flash_triton as ft
+
+    metric, errors = f"preflight_{kind}", []
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
+    major = torch.cuda.get_device_capability()[0] if cuda else 9
+    kernels = {"fwd": ft._attn_fwd, "dkdv": ft._attn_bwd_dkdv, "dq": ft._attn_bwd_dq}
+    gen = torch.Generator(device).manual_seed(0)
+    try:
+        for headdim in headdims:
+            batch, seqlen_q, seqlen_k, nheads, nheads_kv = \
+                (2, 777, 1031, 4, 2) if cuda else (1, 150, 203, 2, 1)
+            q, do = (torch.randn(batch, seqlen_q, nheads, headdim, device=device, dtype=dtype,
+                                 generator=gen) for _ in range(2))
+            k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device=device, dtype=dtype,
+                                generator=gen) for _ in range(2))
+            usable = ft._ws_ok(q, k, v) if kind == "ws" else ft._tma_ok(k, v)
+            if cuda and not usable:
+                row = _row(metric, float("nan"), "", "unsupported",
+                           f"the launcher would not choose them here (d={headdim})")
+                print("PREFLIGHT " + json.dumps(row))
+                return
+            tables = {name: ft.configs_for(name, major, headdim) for name in kernels}
+            mine = {name: [c for c in cs if _kind(c) == kind] for name, cs in tables.items()}
+            for i in range(max(map(len, mine.values()))):
+                for name, fn in kernels.items():  # one config: the autotuner runs it as it is
+                    fn.configs = [mine[name][i % len(mine[name])] if mine[name]
+                                  else tables[name][0]]
+                for causal in (False, True):
+                    errors += _relative_errors(longflash, q, k, v, do, causal)
+    except Exception as exc:  # noqa: BLE001 - a failure here is the finding
+        row = _row(metric, float("nan"), "", "error", f"{type(exc).__name__}: {exc}"[:500])
+    else:
+        worst = float("nan") if any(e != e for e in errors) else max(errors)
+        ok = worst < PREFLIGHT_TOLERANCE  # NaN fails too
+        row = _row(metric, worst, "", "ok" if ok else "error",
+                   f"{len(errors) // 4} runs, head dims {list(headdims)}, worst relative error "
+                   f"of o, dq, dk, dv against float64 (limit {PREFLIGHT_TOLERANCE})")
+    print("PREFLIGHT " + json.dumps(row, default=str))
+
+
+def _relative_errors(longflash, q, k, v, do, causal):
+    """||x - ref|| / ||ref|| of o, dq, dk, dv, the reference in float64."""
+    import torch
+    x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o = longflash.attention(*x, causal=causal, backend="triton")
+    o64, _ = longflash.attention_ref(*x64, causal=causal)
+    grads = torch.autograd.grad(o, x, do)
+    grads64 = torch.autograd.grad(o64, x64, do.double())
+    return [float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
+            for a, b in zip((o, *grads), (o64, *grads64))]
+
+
 # ----------------------------------------------------------------------------- the stage
 
 def _fill(argv, **values):
@@ -557,9 +681,13 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
             if os.path.exists(p):
                 try:
                     with open(p) as f:
-                        probes[step.name] = json.load(f).get("rows", [])
+                        found = json.load(f)
                 except (ValueError, OSError):
-                    pass
+                    continue
+                probes[step.name] = found.get("rows", [])
+                if found.get("env"):  # the preflight switched something off
+                    env.update(found["env"])
+                    log(f"-- {step.name}: the later steps run with {found['env']}")
 
     rows = campaign_rows(records, probes)
     write_results(rows, camp + ".csv", key_columns=["step"])
@@ -626,7 +754,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="wall budget of the stage (default %(default).0f s)")
     parser.add_argument("--check", nargs="+", metavar="TAR", help="check archives and exit")
-    parser.add_argument("--probe", choices=("env", "speedup", "ncu", "hf", "jax"),
+    parser.add_argument("--probe", choices=("env", "speedup", "ncu", "hf", "jax", "preflight",
+                                            "preflight-kind"),
                         help=argparse.SUPPRESS)   # one step, run by the campaign itself
     parser.add_argument("--probe-out", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -639,6 +768,10 @@ def main():
         fn = dict(env=probe_env, ncu=probe_ncu, hf=probe_hf, jax=probe_jax)
         if args.probe == "speedup":
             probe_speedup(args.probe_out, rest)
+        elif args.probe == "preflight":
+            probe_preflight(args.probe_out, *rest)
+        elif args.probe == "preflight-kind":
+            probe_preflight_kind(rest[0], [int(d) for d in rest[1].split(",")])
         else:
             fn[args.probe](args.probe_out)
         return

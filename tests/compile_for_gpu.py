@@ -4,7 +4,8 @@
 
 "all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
-(USE_TMA), as the autotuner may launch either there.
+(USE_TMA), as the autotuner may launch either there, and on capability 9 in 16-bit types the
+forward also warp-specialized (WARP_SPECIALIZE).
 
 Triton's interpreter (the CPU tests) executes kernels as NumPy and never runs the
 compiler, so type and layout errors that only the real compiler sees would first
@@ -24,7 +25,7 @@ from longflash import flash_triton
 TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def compile_kernel(kernel, pointers, constexprs, target):
+def compile_kernel(kernel, pointers, constexprs, target, **options):
     fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # unwrap autotune
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                  for name in fn.arg_names}
@@ -32,7 +33,7 @@ def compile_kernel(kernel, pointers, constexprs, target):
                       if name in signature})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=target)
+    return triton.compile(src, target=target, options=options or None)
 
 
 def compile_all(capability, dtype, features, headdim):
@@ -49,9 +50,14 @@ def compile_all(capability, dtype, features, headdim):
     grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     for tma in (False, True) if capability >= 90 else (False,):
         meta["USE_TMA"] = tma
-        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
+        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
+                       dict(meta, WARP_SPECIALIZE=False), target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
+    if capability == 90 and dtype != "float32":  # the forward's warp-specialized candidates
+        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
+                       dict(meta, BLOCK_M=128, USE_TMA=True, WARP_SPECIALIZE=True), target,
+                       num_warps=4)
 
 
 if __name__ == "__main__":

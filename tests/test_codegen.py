@@ -18,8 +18,11 @@ def test_config_table_is_small_and_fits_a_warpgroup():
     for (kernel, major, _), configs in flash_triton.CONFIGS.items():
         assert 1 <= len(configs) <= 4, (kernel, major)
         # a TMA candidate (5th element) only where TMA exists (sm_90+), and never alone: the
-        # pointer candidates serve the inputs a TMA copy cannot read
-        assert all(c[4:] in ((), (flash_triton.TMA,)) for c in configs), configs
+        # pointer candidates serve the inputs a TMA copy cannot read; a warp-specialized one
+        # (6th) in the forward only, TMA too, with 4 warps (Triton's Hopper pass makes them 12)
+        assert all(c[4:] in ((), (flash_triton.TMA,), (flash_triton.TMA, flash_triton.WS))
+                   for c in configs), configs
+        assert all(c[2] == 4 and kernel == "fwd" for c in configs if len(c) == 6), configs
         assert major == 9 or all(len(c) == 4 for c in configs), (kernel, major)
         assert any(len(c) == 4 for c in configs), (kernel, major)
         for block_m, block_n, warps, *_ in configs:
@@ -31,43 +34,51 @@ def test_config_table_is_small_and_fits_a_warpgroup():
 
 def test_prune_keeps_tma_candidates_only_where_tma_ok():
     """The autotuner's pruning: this head dim's sm_90 candidates (a CPU tensor counts as sm_90),
-    the TMA ones only when the launcher found the inputs fit (tma_ok, part of the key)."""
+    the TMA ones only when the launcher found the inputs fit (tma_ok, part of the key), the
+    warp-specialized ones (forward) only where ws_ok too."""
     from longflash import flash_triton
     q = torch.empty(1, 8, 1, 128)
     for kernel in ("fwd", "dkdv", "dq"):
-        candidates = [flash_triton._config(c) for c in flash_triton.all_configs(kernel)]
+        candidates = [flash_triton._config(c, kernel) for c in flash_triton.all_configs(kernel)]
         prune = flash_triton._prune(kernel)
         table = flash_triton.CONFIGS[kernel, 9, 128]
-        for tma_ok in (0, 1):
+        for tma_ok, ws_ok in ((0, 0), (1, 0), (1, 1)):
             kept = [flash_triton._entry(c) for c in prune(candidates, dict(Q=q), HEAD_DIM=128,
-                                                          tma_ok=tma_ok)]
-            assert kept == sorted(c for c in table if tma_ok or len(c) == 4), (kernel, tma_ok)
+                                                          tma_ok=tma_ok, ws_ok=ws_ok)]
+            assert kept == sorted(c for c in table if len(c) == 4 or (tma_ok and len(c) == 5)
+                                  or (ws_ok and len(c) == 6)), (kernel, tma_ok, ws_ok)
         assert any(len(c) == 5 for c in table), kernel  # there is something to prune
+    assert any(len(c) == 6 for c in flash_triton.CONFIGS["fwd", 9, 128])
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
 def test_forward_uses_wgmma_without_spills_on_sm90a():
-    # Two compiles (a few seconds each): the forward at head dim 64, the first sm_90a candidate
-    # (pointer loads, pipelined with cp.async) and the first TMA one (TMA copies instead).
+    # Three compiles (a few seconds each): the forward at head dim 64, the first sm_90a
+    # candidate (pointer loads, pipelined with cp.async), the first TMA one (TMA copies
+    # instead) and the warp-specialized one (a TMA-copy warpgroup and two compute warpgroups).
     code = ("from experiments import codegen as cg; from longflash import flash_triton as ft; "
             "cs = ft.configs_for('fwd', 9, 64); "
             "tma = [c for c in cs if c.kwargs['USE_TMA']][0]; "
+            "ws = [c for c in cs if c.kwargs['WARP_SPECIALIZE']][0]; "
             "ms = [cg.compile_one('fwd', 'bfloat16', 'plain', 64, 'sm90a', c) "
-            "for c in (cs[0], tma)]; "
+            "for c in (cs[0], tma, ws)]; "
             "[print(m['wgmma_count'], m['mma_count'], m['spill_bytes'], m['cp_async_count'], "
-            "m['tma_count']) for m in ms]")
+            "m['tma_count'], m['warps'], m['setmaxnreg_count']) for m in ms]")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    pointer, tma = ([int(x) for x in line.split()] for line in out.stdout.splitlines()[-2:])
-    for wgmma, mma, spills, _, _ in (pointer, tma):
+    pointer, tma, ws = ([int(x) for x in line.split()]
+                        for line in out.stdout.splitlines()[-3:])
+    for wgmma, mma, spills, *_ in (pointer, tma, ws):
         assert wgmma > 0 and mma == 0, out.stdout
         assert spills == 0, out.stdout
     assert pointer[3] > 0 and pointer[4] == 0, "K/V loads are not pipelined: " + out.stdout
     assert tma[4] > 0 and tma[3] == 0, "K/V tiles are not TMA copies: " + out.stdout
+    assert pointer[5:] == [8, 0] and tma[5:] == [8, 0], out.stdout
+    assert ws[5] == 12 and ws[6] > 0, "not warp-specialized: " + out.stdout
 
 
 def test_check_flags_a_spilling_forward():

@@ -98,10 +98,11 @@ def force_configs(monkeypatch, configs):
 
 
 def gpu_tiles(kernel):
-    """The (BLOCK_M, BLOCK_N, TMA) tiles a GPU may launch `kernel` with (flash_triton.CONFIGS,
-    every architecture and head dim; TMA: whether the loop reads its tiles by TMA copies)."""
+    """The (BLOCK_M, BLOCK_N, flags) tiles a GPU may launch `kernel` with (flash_triton.CONFIGS,
+    every architecture and head dim; flags: TMA if the loop reads its tiles by TMA copies, WS
+    for the forward's warp-specialized code path)."""
     from longflash import flash_triton
-    return sorted({(*c[:2], len(c) == 5) for c in flash_triton.all_configs(kernel)})
+    return sorted({(*c[:2], tuple(c[4:])) for c in flash_triton.all_configs(kernel)})
 
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
@@ -111,14 +112,15 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     """The interpreter otherwise runs one small tile; here every tile of the GPU config table
     (case i: the i-th tile of each kernel), so the block ranges and edge masks of the shapes a
     GPU launches are checked before a GPU runs them, and the TMA candidates' tensor descriptors
-    (zeros past the sequence end and the head dim, one descriptor per sequence and head).
+    (zeros past the sequence end and the head dim, one descriptor per sequence and head), and
+    the forward's warp-specialized code path (one loop, every block masked).
     Lengths span several tiles, neither a multiple of any; seqlen_q > seqlen_k (rows that see
     no key when causal) and the reverse; head dim 40 pads to 64."""
-    import triton
+    from longflash.flash_triton import _config
     force_configs(monkeypatch, {
-        kernel: triton.Config(dict(zip(("BLOCK_M", "BLOCK_N", "USE_TMA"),
-                                       gpu_tiles(kernel)[case % len(gpu_tiles(kernel))])))
-        for kernel in KERNEL_FUNCTIONS})
+        kernel: _config((block_m, block_n, 4, 1, *flags), kernel)  # warps, stages: unused here
+        for kernel in KERNEL_FUNCTIONS
+        for block_m, block_n, flags in [gpu_tiles(kernel)[case % len(gpu_tiles(kernel))]]})
     shape = (1, 300, 203, 2, 1, 40) if causal else (2, 203, 300, 2, 2, 64)
     check_against_reference(shape, torch.float16, causal, backend="triton")
 

@@ -75,6 +75,23 @@ def test_tma_only_where_a_copy_can_read_gpu(monkeypatch):
         torch.testing.assert_close(b, a, atol=5e-2, rtol=5e-2)
 
 
+def test_warp_specialized_only_on_hopper_with_tma_gpu(monkeypatch):
+    """The forward's warp-specialized candidates (sm_90 only: Triton's Hopper pass) need TMA
+    for q, k and v (flash_triton._ws_ok, part of the forward's autotuning key); LONGFLASH_WS=0
+    turns them off, and LONGFLASH_TMA=0 with them."""
+    from longflash import flash_triton
+    x = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert flash_triton._ws_ok(x, x, x) == int(hopper)
+    assert flash_triton._ws_ok(x.float(), x.float(), x.float()) == 0
+    shifted = torch.randn(x.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(x.shape)
+    assert flash_triton._ws_ok(shifted, x, x) == 0  # q unaligned: no TMA copy of q
+    for name in ("LONGFLASH_WS", "LONGFLASH_TMA"):
+        with monkeypatch.context() as m:
+            m.setenv(name, "0")
+            assert flash_triton._ws_ok(x, x, x) == 0
+
+
 VARIANTS = [
     ("window", dict(causal=True, window_size=(256, 0))),
     ("alibi-softcap", dict(causal=True, alibi=(8,), softcap=30.0)),
@@ -104,12 +121,12 @@ def test_varlen_gpu():
 
 
 # Last in the file: the tests above autotune, and so compile every candidate of these shapes.
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))  # the most candidates a kernel has (test_codegen)
 @pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[2]], ids=shape_id)
 def test_every_config_gpu(shape, index, monkeypatch):
-    """Each candidate of this GPU's config table (the index-th of each kernel, TMA ones
-    included), not only the one the autotuner keeps: bf16, causal, head dims 64, 80 (the 128
-    bucket) and 256."""
+    """Each candidate of this GPU's config table (the index-th of each kernel, TMA and
+    warp-specialized ones included), not only the one the autotuner keeps: bf16, causal, head
+    dims 64, 80 (the 128 bucket) and 256."""
     from longflash import flash_triton
     major = torch.cuda.get_device_capability()[0]
     force_configs(monkeypatch, {

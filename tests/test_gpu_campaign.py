@@ -54,14 +54,45 @@ def test_failing_and_hanging_steps_become_error_rows(tmp_path):
 
 def test_dry_stage1_archive_mirrors_the_repository(tmp_path):
     tar_path, records = gc.run_stage(1, tmp_path, dry=True, log_print=lambda m: 0)
-    assert [r["status"] for r in records] == ["ok"] * 3, records
+    assert [r["status"] for r in records] == ["ok"] * 4, records
     assert os.path.basename(tar_path) == "stage1.tar.gz"
     assert gc.check_archive(tar_path) == []
     with tarfile.open(tar_path) as tar:
         names = set(tar.getnames())
     assert {"results/speedup/dryrun.csv", "results/speedup/dryrun.log",
             "results/speedup/dryrun.json", "results/gpu_campaign/dryrun-stage1.csv",
-            "results/gpu_campaign/dryrun-stage1-env.json"} <= names
+            "results/gpu_campaign/dryrun-stage1-env.json",
+            "results/gpu_campaign/dryrun-stage1-preflight.json"} <= names
+
+
+def test_a_failed_preflight_switches_its_kind_off_for_the_later_steps(tmp_path):
+    """A probe's JSON may carry "env" (the preflight: LONGFLASH_TMA / LONGFLASH_WS = "0"); the
+    steps after it run with it."""
+    write = ("import json, sys; json.dump(dict(rows=[], env=dict(LONGFLASH_WS='0')), "
+             "open(sys.argv[1], 'w'))")
+    see = "import os, sys; sys.exit(0 if os.environ.get('LONGFLASH_WS') == '0' else 5)"
+    steps = [gc.Step("see_before", ["-c", see.replace("== '0'", "!= '0'")], estimate_s=1),
+             gc.Step("preflight", ["-c", write, "{pre}-preflight.json"], estimate_s=1,
+                     files=["preflight.json"]),
+             gc.Step("see_after", ["-c", see], estimate_s=1)]
+    _, records = gc.run_stage(1, tmp_path, dry=True, steps=steps, log_print=lambda m: 0)
+    assert [r["status"] for r in records] == ["ok"] * 3, records
+
+
+def test_preflight_row_is_an_error_when_a_candidate_is_wrong(monkeypatch, capsys):
+    """One kind's check (the interpreter here, the GPU in a stage): the row's status says
+    whether its candidates computed attention; a wrong result makes it an error."""
+    import json
+    from longflash import flash_triton as ft
+    for fn in (ft._attn_fwd, ft._attn_bwd_dkdv, ft._attn_bwd_dq):  # restored afterwards
+        monkeypatch.setattr(fn, "configs", fn.configs)
+    gc.probe_preflight_kind("ws", [16])
+    row = json.loads(capsys.readouterr().out.split("PREFLIGHT ")[-1])
+    assert row["status"] == "ok" and row["value"] < 1e-2, row
+    monkeypatch.setattr(gc, "_relative_errors", lambda *a: [1e-3, 0.5, 1e-3, float("nan")])
+    gc.probe_preflight_kind("ws", [16])
+    row = json.loads(capsys.readouterr().out.split("PREFLIGHT ")[-1])
+    assert row["status"] == "error", row
 
 
 def test_parse_ncu_csv_sums_kernels_in_bytes():

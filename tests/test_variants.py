@@ -18,17 +18,21 @@ from test_correctness import KERNEL_FUNCTIONS, force_configs, make_inputs, run
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # The blockwise path with several tile shapes (so short sequences span many blocks), and
-# the Triton kernels with their own (interpreter) tiles, with pointer loads and with the TMA
-# candidates' tensor descriptors ("tma").
+# the Triton kernels with their own (interpreter) tiles, with pointer loads, with the TMA
+# candidates' tensor descriptors ("tma"), and with the forward's warp-specialized candidates'
+# code path ("ws": q by descriptor too, one loop, every key block masked; the interpreter runs
+# it unspecialized).
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
-    ([("triton", None), ("triton", "tma")] if INTERPRET else [])
-VARLEN_BACKENDS = BACKENDS + (["triton-tma"] if INTERPRET else [])
+    ([("triton", None), ("triton", "tma"), ("triton", "ws")] if INTERPRET else [])
+VARLEN_BACKENDS = BACKENDS + (["triton-tma", "triton-ws"] if INTERPRET else [])
 
 
-def use_tma(monkeypatch):
-    """Launch the Triton kernels with tensor descriptors (the interpreter's tile, USE_TMA)."""
-    from longflash.flash_triton import _INTERPRET_CONFIG, TMA, _config
-    force_configs(monkeypatch, {kernel: _config((*_INTERPRET_CONFIG, TMA))
+def use_tma(monkeypatch, ws=False):
+    """Launch the Triton kernels with tensor descriptors (the interpreter's tile, USE_TMA), and
+    with ws the forward's warp-specialized code path (WARP_SPECIALIZE)."""
+    from longflash.flash_triton import _INTERPRET_CONFIG, TMA, WS, _config
+    flags = (TMA, WS) if ws else (TMA,)
+    force_configs(monkeypatch, {kernel: _config((*_INTERPRET_CONFIG, *flags), kernel)
                                 for kernel in KERNEL_FUNCTIONS})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
@@ -60,13 +64,14 @@ def ref_kwargs(kw):
 
 
 @pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
-                         ids=[f"{b}-{t}" if t == "tma" else f"{b}-{t[0]}x{t[1]}" if t else b
+                         ids=[f"{b}-{t}" if t in ("tma", "ws") else f"{b}-{t[0]}x{t[1]}" if t
+                              else b
                               for b, t in BACKEND_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_variant_against_reference(backend, tiles, dtype, shape, kw, monkeypatch):
-    if tiles == "tma":
-        use_tma(monkeypatch)
+    if tiles in ("tma", "ws"):
+        use_tma(monkeypatch, ws=tiles == "ws")
     elif tiles:
         monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
         monkeypatch.setattr(blockwise, "BLOCK_N", tiles[1])
@@ -217,8 +222,8 @@ def packed(lengths_q, lengths_k, nheads=4, nheads_kv=2, headdim=16, dtype=torch.
 def test_varlen_against_reference(backend, kw, monkeypatch):
     """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
     TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
-    if backend == "triton-tma":
-        use_tma(monkeypatch)
+    if backend in ("triton-tma", "triton-ws"):
+        use_tma(monkeypatch, ws=backend == "triton-ws")
         backend = "triton"
     kw = kwargs_for(kw)
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([17, 0, 40], [23, 5, 31])

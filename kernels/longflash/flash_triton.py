@@ -43,7 +43,10 @@ Where it was tested and where it breaks:
   two), or on Hopper TMA copies through a tensor descriptor made on the device for each
   (sequence, head) slice, which zero-fills past the sequence end and the head dim by itself.
   TMA needs 16-byte aligned rows and Triton's allocator (`_tma_ok`); other inputs get the
-  pointer candidates. No warp specialization (Triton's automatic one targets Blackwell).
+  pointer candidates. On Hopper the forward also has warp-specialized candidates (WS in
+  CONFIGS: Triton's automatic warp specialization, a TMA-copy warpgroup feeding two compute
+  warpgroups; one loop over every visible key block, all masked; `_ws_ok`, LONGFLASH_WS=0
+  turns them off). The backward kernels are not warp-specialized.
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
@@ -84,11 +87,22 @@ if _INTERPRET:
 # ones, which remain for inputs a TMA copy cannot read (_tma_ok). The first use of the RQ1 sweep
 # (bf16, head dims 64/128/256) compiles 28 kernels. Not tuned on a GPU yet: autotuning picks
 # among these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
-TMA = "tma"  # the 5th element of a TMA candidate
+# Warp specialization (sm_90 forward only, WS after TMA): Triton >= 3.4 splits the forward's key
+# loop into a TMA-copy warpgroup and two compute warpgroups of 64 query rows each (12 warps from
+# num_warps=4, registers moved to the compute warpgroups by setmaxnreg), FlashAttention-3's
+# producer/consumer layout. Triton's Hopper pass takes only a kernel with one loop whose tiles, q's
+# too, are TMA copies (with 8 warps, or with the three-loop kernel, it silently does nothing or
+# fails to compile), so a WS candidate masks every key block. Spill-free at d64/128/256 with
+# Triton 3.6.0 and 3.9.0 at these tiles; one per head dim, beside the three others.
+TMA = "tma"  # a candidate's 5th element: tiles by TMA copies
+WS = "ws"    # its 6th: the forward's key loop warp-specialized (needs TMA)
 CONFIGS = {
-    ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
-    ("fwd", 9, 128): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
-    ("fwd", 9, 256): [(128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2, TMA)],
+    ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA),
+                     (128, 128, 4, 2, TMA, WS)],
+    ("fwd", 9, 128): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA),
+                      (128, 128, 4, 2, TMA, WS)],
+    ("fwd", 9, 256): [(128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2, TMA),
+                      (128, 64, 4, 2, TMA, WS)],
     ("fwd", 8, 64): [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 8, 128): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 8, 256): [(64, 64, 4, 2), (64, 32, 4, 2)],
@@ -109,10 +123,13 @@ PREPROCESS_BLOCK_M = 128
 _INTERPRET_CONFIG = (32, 16, 4, 1)  # one small asymmetric tile: block edges on tiny shapes
 
 
-def _config(c):
-    block_m, block_n, warps, stages, *tma = c
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": tma == [TMA]},
-                         num_warps=warps, num_stages=stages)
+def _config(c, kernel):
+    """The triton.Config of a CONFIGS entry of `kernel`."""
+    block_m, block_n, warps, stages, *flags = c
+    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags}
+    if kernel == "fwd":  # the one kernel with a warp-specialized variant
+        kwargs["WARP_SPECIALIZE"] = WS in flags
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
 def _table_key(kernel, major, headdim):
@@ -126,7 +143,7 @@ def configs_for(kernel, major, headdim):
     "dq") on a GPU of this major compute capability (9 for H100) and head dim."""
     if kernel == "preprocess":
         return [triton.Config({"BLOCK_M": PREPROCESS_BLOCK_M}, num_warps=4, num_stages=1)]
-    return [_config(c) for c in CONFIGS[_table_key(kernel, major, headdim)]]
+    return [_config(c, kernel) for c in CONFIGS[_table_key(kernel, major, headdim)]]
 
 
 def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
@@ -138,21 +155,24 @@ def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=
 
 
 def all_configs(kernel):
-    """Every (BLOCK_M, BLOCK_N, warps, stages) of `kernel` in CONFIGS, any architecture and head
-    dim: the autotuner's candidates before pruning."""
+    """Every (BLOCK_M, BLOCK_N, warps, stages[, TMA[, WS]]) of `kernel` in CONFIGS, any
+    architecture and head dim: the autotuner's candidates before pruning."""
     return sorted({c for (name, _, _), cs in CONFIGS.items() if name == kernel for c in cs})
 
 
 def _prune(kernel):
     def prune(configs, named_args, **kwargs):
         """Keep this GPU's and head dim's candidates (CONFIGS); the TMA ones only where the
-        launcher found the inputs fit (tma_ok)."""
+        launcher found the inputs fit (tma_ok), the warp-specialized ones only where it found
+        that they may run (ws_ok, forward)."""
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
         wanted = CONFIGS[_table_key(kernel, capability, kwargs.get(
             "HEAD_DIM", named_args.get("HEAD_DIM")))]
+        arg = lambda name: kwargs.get(name, named_args.get(name, 0))  # noqa: E731
         pointers = [c for c in configs if not c.kwargs["USE_TMA"]]
-        usable = configs if kwargs.get("tma_ok", named_args.get("tma_ok")) else pointers
+        usable = [c for c in configs if (not c.kwargs["USE_TMA"] or arg("tma_ok"))
+                  and (not c.kwargs.get("WARP_SPECIALIZE") or arg("ws_ok"))]
         kept = [c for c in usable if _entry(c) in wanted]
         return kept or pointers[:1]
     return prune
@@ -162,20 +182,21 @@ def _entry(config):
     """The CONFIGS entry of a triton.Config."""
     k = config.kwargs
     return (k["BLOCK_M"], k["BLOCK_N"], config.num_warps, config.num_stages,
-            *([TMA] if k.get("USE_TMA") else []))
+            *([TMA] if k.get("USE_TMA") else []), *([WS] if k.get("WARP_SPECIALIZE") else []))
 
 
 def _autotune(kernel):
     if _INTERPRET:  # one config: nothing to prune or benchmark
-        return triton.autotune(configs=[_config(_INTERPRET_CONFIG)], key=[])
+        return triton.autotune(configs=[_config(_INTERPRET_CONFIG, kernel)], key=[])
     # Keyed on the head dim, the window (causal is window_right = 0) and the sequence
     # length rounded to a power of two, so varying lengths do not re-tune every time.
     # cache_results (Triton >= 3.2): the choice is kept on disk, in Triton's cache directory.
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
-    return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
+    return triton.autotune(configs=[_config(c, kernel) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
-                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok"],
+                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
+                                *(["ws_ok"] if kernel == "fwd" else [])],
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
 
 
@@ -383,37 +404,63 @@ def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other,
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
+def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
+                   seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                   softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """One key block of the forward: scores, online softmax, acc += p v."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    # -- compute scores --
+    k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                   USE_TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                    window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
+                    HAS_SOFTCAP, HAS_ALIBI)
+    # -- online softmax: new row max, rescale what was accumulated --
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+    # -- update output accumulator --
+    v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                   USE_TMA)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_ij
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, hi, bh, seed_lo,
                     seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                     softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                    WARP_SPECIALIZE: tl.constexpr):
+    """Key blocks [lo, hi) of query block start_m. WARP_SPECIALIZE (Hopper, a kernel with this
+    one loop): Triton gives the loop's TMA copies a warpgroup of their own and splits the
+    query rows between two compute warpgroups (FlashAttention-3's producer/consumer layout)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        # -- compute scores --
-        k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
-                     USE_TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
-                        window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
-                        HAS_SOFTCAP, HAS_ALIBI)
-        # -- online softmax: new row max, rescale what was accumulated --
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:
-            p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
-                                   dropout_p)
-        # -- update output accumulator --
-        v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
-                     USE_TMA)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-        m_i = m_ij
+    if WARP_SPECIALIZE:  # tl.range's warp_specialize exists from Triton 3.4 on
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            acc, l_i, m_i = _attn_fwd_step(
+                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
+                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attn_fwd_step(
+                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
+                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
     return acc, l_i, m_i
 
 
@@ -423,12 +470,12 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
               stride_lb, stride_lh, stride_ab, stride_ah,
-              nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, window_left,
+              nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok, window_left,
               window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -444,7 +491,11 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
 
-    q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    if WARP_SPECIALIZE:  # q by a TMA copy too: Triton's Hopper pass rejects pointer loads
+        q = _load_tile(_tiles(Q, seqlen_q, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, True), start_m,
+                       stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+    else:
+        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -457,15 +508,20 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
-                                    HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                    INPUT_PRECISION, USE_TMA)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
-                                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                    BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
-                                    HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                    INPUT_PRECISION, USE_TMA)
+    if WARP_SPECIALIZE:  # Triton warp-specializes a kernel of one loop: every block masked
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, hi, *rest, True, HAS_SOFTCAP,
+                                        HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+                                        INPUT_PRECISION, USE_TMA, True)
+    else:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, mid_lo, *rest, True,
+                                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
+                                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True,
+                                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -755,6 +811,16 @@ def _tma_ok(*tiled):
     return 1
 
 
+def _ws_ok(q, k, v):
+    """1 if the forward's warp-specialized candidates may run: TMA for q, k and v (_tma_ok), a
+    Hopper GPU (the sm_90 pass; Blackwell's is another, not compiled here) and a Triton whose
+    tl.range takes warp_specialize. LONGFLASH_WS=0 in the environment turns them off."""
+    if (os.environ.get("LONGFLASH_WS", "1") == "0" or not _tma_ok(q, k, v)
+            or torch.cuda.get_device_capability(q.device)[0] != 9):
+        return 0
+    return int("warp_specialize" in inspect.signature(tl.range).parameters)
+
+
 def _launch_args(q, k, lse, opts, tiled):
     """Shapes, strides and scalars shared by the three main kernels."""
     if opts.varlen:
@@ -795,7 +861,8 @@ def forward(q, k, v, opts):
         return o, lse.fill_(float("-inf"))
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _attn_fwd[grid](q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"],
-                    *_strides(q), *_strides(k), *_strides(v), *_strides(o), **scalars)
+                    *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                    ws_ok=_ws_ok(q, k, v), **scalars)
     return o, lse
 
 

@@ -440,7 +440,8 @@ def _triton_forward(q, k, v, cfg):
                   jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32)),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
         Q=q, K=k, V=v, **_triton_unused(), **_triton_strides("q", q), **_triton_strides("k", k),
-        **_triton_strides("v", v), **_triton_strides("o", q), **launch)
+        **_triton_strides("v", v), **_triton_strides("o", q), **launch,
+        ws_ok=0, WARP_SPECIALIZE=False)  # warp specialization reads q by TMA too
     return o, lse
 
 
