@@ -28,7 +28,8 @@ multiplying by strides, so tensors over 2^31 elements are addressed safely.
 Where it was tested and where it breaks:
 - Tested on CPU under TRITON_INTERPRET=1 (Triton 3.9; and 3.6 with the GPU machines'
   Python, torch and NumPy: `make gpu-image-check`) in fp16 and fp32, at every tile of
-  CONFIGS as well as a small one; the GPU tests (marker `gpu`) target H100/H200 with
+  CONFIGS as well as a small one (the warp-specialized forward's code path too, which the
+  interpreter runs unspecialized); the GPU tests (marker `gpu`) target H100/H200 with
   Triton >= 3.0 but have not been run at the time of writing: nothing here has been timed
   on a GPU.
 - Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
@@ -68,7 +69,7 @@ if _INTERPRET:
     fix_triton_interpreter()
 
 
-# -- configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, TMA]), at most 3 per kernel,
+# -- configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, TMA[, WS]]), at most 4 per kernel,
 # architecture (major compute capability) and head-dim bucket (BLOCK_D 16..64 -> 64). Chosen
 # offline, untimed, from `python -m experiments.codegen` (results/codegen/sm90a.csv, sm80.csv):
 # on sm_90 the candidates that compile with the fewest spills with Triton 3.6.0 and the newest
@@ -84,8 +85,10 @@ if _INTERPRET:
 # registers (d128 forward 153-178 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
 # with both Tritons, d256 64-176 B instead of 196-308 B), and the forward affords 128 x 128 tiles
 # without spilling. Each kernel and head dim has one or two TMA candidates beside the pointer
-# ones, which remain for inputs a TMA copy cannot read (_tma_ok). The first use of the RQ1 sweep
-# (bf16, head dims 64/128/256) compiles 28 kernels. Not tuned on a GPU yet: autotuning picks
+# ones, which remain for inputs a TMA copy cannot read (_tma_ok). sm_80 dK/dV at d256:
+# (32, 64, 4, 2) compiled to 32 registers and 22 KB of spills with both Tritons; (32, 64, 8, 2)
+# and (16, 32, 4, 2) spill 0.2-0.5 KB. The first use of the RQ1 sweep (bf16, head dims
+# 64/128/256) compiles 31 kernels. Not tuned on a GPU yet: autotuning picks
 # among these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
 # Warp specialization (sm_90 forward only, WS after TMA): Triton >= 3.4 splits the forward's key
 # loop into a TMA-copy warpgroup and two compute warpgroups of 64 query rows each (12 warps from
@@ -111,7 +114,7 @@ CONFIGS = {
     ("dkdv", 9, 256): [(16, 64, 8, 3), (16, 64, 8, 3, TMA)],
     ("dkdv", 8, 64): [(64, 64, 4, 3), (32, 128, 4, 3)],
     ("dkdv", 8, 128): [(64, 64, 4, 2), (32, 64, 4, 3)],
-    ("dkdv", 8, 256): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    ("dkdv", 8, 256): [(32, 64, 8, 2), (16, 32, 4, 2)],
     ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, TMA)],
     ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2, TMA)],
     ("dq", 9, 256): [(64, 32, 8, 2), (64, 32, 8, 2, TMA)],
