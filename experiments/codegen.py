@@ -37,7 +37,8 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
 --check exits non-zero when a kernel breaks the limits of issue 14 (`check` below) at a config
 the launcher can choose on sm_90a, when the decoding kernel spills, when a kernel needs more
 shared memory than an H100 block can have, or when a warp-specialized candidate ("/ws") did not
-compile to a warp-specialized kernel (Triton's pass can leave a loop as it is, silently). Must run without TRITON_INTERPRET=1.
+compile to a warp-specialized kernel (Triton's pass can leave a loop as it is, silently). Must
+run without TRITON_INTERPRET=1.
 """
 
 import argparse

@@ -90,13 +90,14 @@ if _INTERPRET:
 # and (16, 32, 4, 2) spill 0.2-0.5 KB. The first use of the RQ1 sweep (bf16, head dims
 # 64/128/256) compiles 31 kernels. Not tuned on a GPU yet: autotuning picks
 # among these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
-# Warp specialization (sm_90 forward only, WS after TMA): Triton >= 3.4 splits the forward's key
-# loop into a TMA-copy warpgroup and two compute warpgroups of 64 query rows each (12 warps from
-# num_warps=4, registers moved to the compute warpgroups by setmaxnreg), FlashAttention-3's
-# producer/consumer layout. Triton's Hopper pass takes only a kernel with one loop whose tiles, q's
-# too, are TMA copies (with 8 warps, or with the three-loop kernel, it silently does nothing or
-# fails to compile), so a WS candidate masks every key block. Spill-free at d64/128/256 with
-# Triton 3.6.0 and 3.9.0 at these tiles; one per head dim, beside the three others.
+# Warp specialization (sm_90 forward only, WS after TMA): Triton (3.6.0, 3.9.0) splits the
+# forward's key loop into a TMA-copy warpgroup and two compute warpgroups of 64 query rows each
+# (12 warps from num_warps=4, registers moved to the compute warpgroups by setmaxnreg),
+# FlashAttention-3's producer/consumer layout. Triton's Hopper pass takes only a kernel with one
+# loop whose tiles, q's too, are TMA copies (with 8 warps, or with the three-loop kernel, it
+# silently does nothing or fails to compile), so a WS candidate masks every key block.
+# Spill-free at d64/128/256 with Triton 3.6.0 and 3.9.0 at these tiles; one per head dim, beside
+# the three others.
 TMA = "tma"  # a candidate's 5th element: tiles by TMA copies
 WS = "ws"    # its 6th: the forward's key loop warp-specialized (needs TMA)
 CONFIGS = {
@@ -450,7 +451,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
     one loop): Triton gives the loop's TMA copies a warpgroup of their own and splits the
     query rows between two compute warpgroups (FlashAttention-3's producer/consumer layout)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    if WARP_SPECIALIZE:  # tl.range's warp_specialize exists from Triton 3.4 on
+    if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
