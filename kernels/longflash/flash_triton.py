@@ -504,22 +504,22 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # -- keys: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked --
+    # -- keys: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
+    # specialized, all of [lo, hi) masked in one loop (Triton's Hopper pass takes one loop) --
     lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_M, BLOCK_N)
+    first_hi = mid_lo
+    if WARP_SPECIALIZE:
+        first_hi = hi
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
-    if WARP_SPECIALIZE:  # Triton warp-specializes a kernel of one loop: every block masked
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, hi, *rest, True, HAS_SOFTCAP,
-                                        HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                        INPUT_PRECISION, USE_TMA, True)
-    else:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, mid_lo, *rest, True,
-                                        HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, True,
+                                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                    BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+    if not WARP_SPECIALIZE:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
