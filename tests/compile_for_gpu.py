@@ -4,8 +4,8 @@
 
 "all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
-(USE_TMA), as the autotuner may launch either there, and on capability 9 in 16-bit types the
-forward also warp-specialized (WARP_SPECIALIZE).
+(USE_TMA), as the autotuner may launch either there, and on capability 9 in 16-bit types also
+warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ).
 
 Triton's interpreter (the CPU tests) executes kernels as NumPy and never runs the
 compiler, so type and layout errors that only the real compiler sees would first
@@ -50,13 +50,17 @@ def compile_all(capability, dtype, features, headdim):
     grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     for tma in (False, True) if capability >= 90 else (False,):
         meta["USE_TMA"] = tma
-        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
-                       dict(meta, WARP_SPECIALIZE=False), target)
+        meta["WARP_SPECIALIZE"] = False
+        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
-    if capability == 90 and dtype != "float32":  # the forward's warp-specialized candidates
+    if capability == 90 and dtype != "float32":  # the warp-specialized candidates
+        ws = dict(meta, USE_TMA=True, WARP_SPECIALIZE=True)
         compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
-                       dict(meta, BLOCK_M=128, USE_TMA=True, WARP_SPECIALIZE=True), target,
+                       dict(ws, BLOCK_M=128), target, num_warps=4)
+        compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(ws, BLOCK_M=32, BLOCK_N=128),
+                       target, num_warps=4)
+        compile_kernel(flash_triton._attn_bwd_dq, grads, dict(ws, BLOCK_M=128), target,
                        num_warps=4)
 
 

@@ -19,10 +19,12 @@ def test_config_table_is_small_and_fits_a_warpgroup():
         assert 1 <= len(configs) <= 4, (kernel, major)
         # a TMA candidate (5th element) only where TMA exists (sm_90+), and never alone: the
         # pointer candidates serve the inputs a TMA copy cannot read; a warp-specialized one
-        # (6th) in the forward only, TMA too, with 4 warps (Triton's Hopper pass makes them 12)
+        # (6th) TMA too, with 4 warps and 128 rows in its dots' M dimension (Triton's Hopper pass
+        # makes them 12 warps: a copy warpgroup and two compute warpgroups of 64 rows)
         assert all(c[4:] in ((), (flash_triton.TMA,), (flash_triton.TMA, flash_triton.WS))
                    for c in configs), configs
-        assert all(c[2] == 4 and kernel == "fwd" for c in configs if len(c) == 6), configs
+        m_rows = {"fwd": 0, "dq": 0, "dkdv": 1}[kernel]
+        assert all(c[2] == 4 and c[m_rows] == 128 for c in configs if len(c) == 6), configs
         assert major == 9 or all(len(c) == 4 for c in configs), (kernel, major)
         assert any(len(c) == 4 for c in configs), (kernel, major)
         for block_m, block_n, warps, *_ in configs:
@@ -35,7 +37,7 @@ def test_config_table_is_small_and_fits_a_warpgroup():
 def test_prune_keeps_tma_candidates_only_where_tma_ok():
     """The autotuner's pruning: this head dim's sm_90 candidates (a CPU tensor counts as sm_90),
     the TMA ones only when the launcher found the inputs fit (tma_ok, part of the key), the
-    warp-specialized ones (forward) only where ws_ok too."""
+    warp-specialized ones only where ws_ok too."""
     from longflash import flash_triton
     q = torch.empty(1, 8, 1, 128)
     for kernel in ("fwd", "dkdv", "dq"):
@@ -48,7 +50,8 @@ def test_prune_keeps_tma_candidates_only_where_tma_ok():
             assert kept == sorted(c for c in table if len(c) == 4 or (tma_ok and len(c) == 5)
                                   or (ws_ok and len(c) == 6)), (kernel, tma_ok, ws_ok)
         assert any(len(c) == 5 for c in table), kernel  # there is something to prune
-    assert any(len(c) == 6 for c in flash_triton.CONFIGS["fwd", 9, 128])
+    for kernel in ("fwd", "dkdv", "dq"):
+        assert any(len(c) == 6 for c in flash_triton.CONFIGS[kernel, 9, 128]), kernel
 
 
 @pytest.mark.slow

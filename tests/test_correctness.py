@@ -100,7 +100,7 @@ def force_configs(monkeypatch, configs):
 def gpu_tiles(kernel):
     """The (BLOCK_M, BLOCK_N, flags) tiles a GPU may launch `kernel` with (flash_triton.CONFIGS,
     every architecture and head dim; flags: TMA if the loop reads its tiles by TMA copies, WS
-    for the forward's warp-specialized code path)."""
+    for the warp-specialized code path)."""
     from longflash import flash_triton
     return sorted({(*c[:2], tuple(c[4:])) for c in flash_triton.all_configs(kernel)})
 
@@ -113,7 +113,8 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     (case i: the i-th tile of each kernel), so the block ranges and edge masks of the shapes a
     GPU launches are checked before a GPU runs them, and the TMA candidates' tensor descriptors
     (zeros past the sequence end and the head dim, one descriptor per sequence and head), and
-    the forward's warp-specialized code path (one loop, every block masked).
+    the warp-specialized code paths (one loop, every block masked; dK/dV's over the query heads
+    of a GQA group and their query blocks together).
     Lengths span several tiles, neither a multiple of any; seqlen_q > seqlen_k (rows that see
     no key when causal) and the reverse; head dim 40 pads to 64."""
     from longflash.flash_triton import _config

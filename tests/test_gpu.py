@@ -76,8 +76,8 @@ def test_tma_only_where_a_copy_can_read_gpu(monkeypatch):
 
 
 def test_warp_specialized_only_on_hopper_with_tma_gpu(monkeypatch):
-    """The forward's warp-specialized candidates (sm_90 only: Triton's Hopper pass) need TMA
-    for q, k and v (flash_triton._ws_ok, part of the forward's autotuning key); LONGFLASH_WS=0
+    """The warp-specialized candidates (sm_90 only: Triton's Hopper pass) need TMA for every
+    tile they copy (flash_triton._ws_ok, part of each kernel's autotuning key); LONGFLASH_WS=0
     turns them off, and LONGFLASH_TMA=0 with them."""
     from longflash import flash_triton
     x = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)

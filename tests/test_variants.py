@@ -19,21 +19,23 @@ from test_correctness import KERNEL_FUNCTIONS, force_configs, make_inputs, run
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # The blockwise path with several tile shapes (so short sequences span many blocks), and
 # the Triton kernels with their own (interpreter) tiles, with pointer loads, with the TMA
-# candidates' tensor descriptors ("tma"), and with the forward's warp-specialized candidates'
-# code path ("ws": q by descriptor too, one loop, every key block masked; the interpreter runs
-# it unspecialized).
+# candidates' tensor descriptors ("tma"), and with the warp-specialized candidates' code paths
+# ("ws": everything by descriptor, one loop, every block masked, dK/dV's GQA loop folded into it;
+# the interpreter runs them unspecialized).
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
     ([("triton", None), ("triton", "tma"), ("triton", "ws")] if INTERPRET else [])
 VARLEN_BACKENDS = BACKENDS + (["triton-tma", "triton-ws"] if INTERPRET else [])
 
 
-def use_tma(monkeypatch, ws=False):
+def use_tma(monkeypatch, ws=False, varlen=False):
     """Launch the Triton kernels with tensor descriptors (the interpreter's tile, USE_TMA), and
-    with ws the forward's warp-specialized code path (WARP_SPECIALIZE)."""
+    with ws their warp-specialized code paths (WARP_SPECIALIZE) where the launcher would choose
+    them: not dQ's for packed sequences (flash_triton.backward)."""
     from longflash.flash_triton import _INTERPRET_CONFIG, TMA, WS, _config
-    flags = (TMA, WS) if ws else (TMA,)
-    force_configs(monkeypatch, {kernel: _config((*_INTERPRET_CONFIG, *flags), kernel)
-                                for kernel in KERNEL_FUNCTIONS})
+    force_configs(monkeypatch, {
+        kernel: _config((*_INTERPRET_CONFIG, TMA, *([WS] if ws and not (varlen and kernel == "dq")
+                                                   else [])), kernel)
+        for kernel in KERNEL_FUNCTIONS})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
@@ -223,7 +225,7 @@ def test_varlen_against_reference(backend, kw, monkeypatch):
     """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
     TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
     if backend in ("triton-tma", "triton-ws"):
-        use_tma(monkeypatch, ws=backend == "triton-ws")
+        use_tma(monkeypatch, ws=backend == "triton-ws", varlen=True)
         backend = "triton"
     kw = kwargs_for(kw)
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([17, 0, 40], [23, 5, 31])

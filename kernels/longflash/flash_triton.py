@@ -90,14 +90,16 @@ if _INTERPRET:
 # and (16, 32, 4, 2) spill 0.2-0.5 KB. The first use of the RQ1 sweep (bf16, head dims
 # 64/128/256) compiles 31 kernels. Not tuned on a GPU yet: autotuning picks
 # among these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
-# Warp specialization (sm_90 forward only, WS after TMA): Triton (3.6.0, 3.9.0) splits the
-# forward's key loop into a TMA-copy warpgroup and two compute warpgroups of 64 query rows each
-# (12 warps from num_warps=4, registers moved to the compute warpgroups by setmaxnreg),
-# FlashAttention-3's producer/consumer layout. Triton's Hopper pass takes only a kernel with one
-# loop whose tiles, q's too, are TMA copies (with 8 warps, or with the three-loop kernel, it
-# silently does nothing or fails to compile), so a WS candidate masks every key block.
-# Spill-free at d64/128/256 with Triton 3.6.0 and 3.9.0 at these tiles; one per head dim, beside
-# the three others.
+# Warp specialization (sm_90, WS after TMA): Triton (3.6.0, 3.9.0) splits a kernel's loop into a
+# TMA-copy warpgroup and two compute warpgroups of 64 rows each (query rows in the forward and
+# dQ, key rows in dK/dV; 12 warps from num_warps=4, registers moved to the compute warpgroups by
+# setmaxnreg), FlashAttention-3's producer/consumer layout. Triton's Hopper pass takes only a
+# kernel with one loop in which everything held across the loop (q; k, v in dK/dV; q, dO, lse,
+# delta in dQ) comes by TMA copies (with 8 warps, with the three-loop kernels or a pointer load
+# there, it silently does nothing or fails to compile), so a WS candidate masks every block, and
+# dK/dV folds its GQA loop into its query loop. Spill-free in bf16 at these tiles with Triton
+# 3.6.0 (forward d64/128/256, dK/dV d64/128, dQ d64/128/256); dK/dV at d256 has none (every
+# tile tried spilled 4 KB). One per kernel and head dim, beside the others.
 TMA = "tma"  # a candidate's 5th element: tiles by TMA copies
 WS = "ws"    # its 6th: the forward's key loop warp-specialized (needs TMA)
 CONFIGS = {
@@ -110,15 +112,19 @@ CONFIGS = {
     ("fwd", 8, 64): [(128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 8, 128): [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
     ("fwd", 8, 256): [(64, 64, 4, 2), (64, 32, 4, 2)],
-    ("dkdv", 9, 64): [(64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 3, TMA)],
-    ("dkdv", 9, 128): [(32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2, TMA)],
+    ("dkdv", 9, 64): [(64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 3, TMA),
+                      (64, 128, 4, 2, TMA, WS)],
+    ("dkdv", 9, 128): [(32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2, TMA),
+                       (32, 128, 4, 3, TMA, WS)],
     ("dkdv", 9, 256): [(16, 64, 8, 3), (16, 64, 8, 3, TMA)],
     ("dkdv", 8, 64): [(64, 64, 4, 3), (32, 128, 4, 3)],
     ("dkdv", 8, 128): [(64, 64, 4, 2), (32, 64, 4, 3)],
     ("dkdv", 8, 256): [(32, 64, 8, 2), (16, 32, 4, 2)],
-    ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, TMA)],
-    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2, TMA)],
-    ("dq", 9, 256): [(64, 32, 8, 2), (64, 32, 8, 2, TMA)],
+    ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, TMA),
+                    (128, 128, 4, 2, TMA, WS)],
+    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2, TMA),
+                     (128, 128, 4, 2, TMA, WS)],
+    ("dq", 9, 256): [(64, 32, 8, 2), (64, 32, 8, 2, TMA), (128, 32, 4, 2, TMA, WS)],
     ("dq", 8, 64): [(64, 64, 4, 3), (128, 32, 4, 3)],
     ("dq", 8, 128): [(64, 64, 4, 2), (64, 32, 4, 3)],
     ("dq", 8, 256): [(64, 32, 4, 2), (32, 32, 4, 2)],
@@ -130,9 +136,8 @@ _INTERPRET_CONFIG = (32, 16, 4, 1)  # one small asymmetric tile: block edges on 
 def _config(c, kernel):
     """The triton.Config of a CONFIGS entry of `kernel`."""
     block_m, block_n, warps, stages, *flags = c
-    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags}
-    if kernel == "fwd":  # the one kernel with a warp-specialized variant
-        kwargs["WARP_SPECIALIZE"] = WS in flags
+    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags,
+              "WARP_SPECIALIZE": WS in flags}
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -200,7 +205,7 @@ def _autotune(kernel):
     return triton.autotune(configs=[_config(c, kernel) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
-                                *(["ws_ok"] if kernel == "fwd" else [])],
+                                "ws_ok"],
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
 
 
@@ -405,6 +410,15 @@ def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other,
     return x
 
 
+@triton.jit
+def _load_rows_tma(base, start, n_rows, BLOCK_ROWS: tl.constexpr):
+    """_load_rows by a TMA copy, zeros past n_rows (base 16-byte aligned): what a warp-
+    specialized kernel holds across its loop must come so (Triton's Hopper pass rejects a
+    pointer load there)."""
+    rows = tl.make_tensor_descriptor(base, shape=[n_rows], strides=[1], block_shape=[BLOCK_ROWS])
+    return rows.load([start])
+
+
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -558,6 +572,61 @@ def _attn_bwd_preprocess(O, DO, Delta, CU_Q, stride_ob, stride_on, stride_oh,
 
 
 @triton.jit
+def _load_head_tile(tiles, start, g, stride, n_rows, HEAD_DIM: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr,
+                    USE_TMA: tl.constexpr, GROUPED: tl.constexpr):
+    """_load_tile of query head g of a GQA group: with GROUPED from a (rows, group, HEAD_DIM)
+    tensor descriptor of the group's heads (_attn_bwd_dkdv_ws), else from tiles of that head."""
+    if GROUPED:
+        x = tiles.load([start, g, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        x = _load_tile(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D,
+                       ROWS_IN_BOUNDS, USE_TMA)
+    return x
+
+
+@triton.jit
+def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, offs_n, start_m,
+                        g, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
+                        qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        USE_TMA: tl.constexpr, GROUPED: tl.constexpr):
+    """One query block (of query head g) of dK/dV: p^T recomputed from the saved lse,
+    dV += p^T dO, dK += dS^T q."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_head_tile(Q, start_m, g, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, not MASKED,
+                        USE_TMA, GROUPED)
+    # lse = -inf marks a row that saw no key; +inf makes its probabilities exactly 0.
+    lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"), not MASKED)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    # -- recompute p^T from the saved lse --
+    qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
+    sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
+                     window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
+                     HAS_SOFTCAP, HAS_ALIBI)
+    pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
+    # -- dV += p_dropped^T dO --
+    do = _load_head_tile(DO, start_m, g, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                         not MASKED, USE_TMA, GROUPED)
+    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+    if HAS_DROPOUT:
+        scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+        dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dpT = dpT * scaleT
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+    # -- dS = p * (dP - delta), through softcap; dK += dS^T q --
+    delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0, not MASKED)
+    dsT = pT * (dpT - delta[None, :])
+    if HAS_SOFTCAP:
+        dsT = dsT * (1.0 - tT * tT)
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, start_n, lo, hi,
                          bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
                          qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
@@ -565,37 +634,52 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Query blocks [lo, hi) of one query head for key block start_n."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, not MASKED,
-                       USE_TMA)
-        # lse = -inf marks a row that saw no key; +inf makes its probabilities exactly 0.
-        lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"), not MASKED)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        # -- recompute p^T from the saved lse --
-        qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
-                         HAS_SOFTCAP, HAS_ALIBI)
-        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
-        # -- dV += p_dropped^T dO --
-        do = _load_tile(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-                        not MASKED, USE_TMA)
-        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-        if HAS_DROPOUT:
-            scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None],
-                                    dropout_p)
-            dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-            dpT = dpT * scaleT
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        # -- dS = p * (dP - delta), through softcap; dK += dS^T q --
-        delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0, not MASKED)
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
+                                     offs_n, start_m, 0, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
+                                     window_left, window_right, qk_scale, softcap, softmax_scale,
+                                     slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
+                                     HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION,
+                                     USE_TMA, False)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_qh, stride_don,
+                      stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, bh, seed_lo,
+                      seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                      softmax_scale, dropout_p, HAS_SOFTCAP: tl.constexpr,
+                      HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr):
+    """Query blocks [lo, hi) of every query head g of the group (Q, DO, LSE, Delta, ALIBI and bh
+    at the group's first head) for key block start_n, warp-specialized (Hopper): one loop over
+    (g, query block), every block masked, q and dO by TMA copies through (seqlen_q, group_size,
+    HEAD_DIM) descriptors. Triton's Hopper pass takes only a kernel with one loop, so the GQA
+    loop of _attn_bwd_dkdv is folded into it; it gives the copies a warpgroup and splits the key
+    rows between two compute warpgroups (FlashAttention-3's backward layout)."""
+    Q = tl.make_tensor_descriptor(Q, shape=[seqlen_q, group_size, HEAD_DIM],
+                                  strides=[stride_qn, stride_qh, 1],
+                                  block_shape=[BLOCK_M, 1, BLOCK_D])
+    DO = tl.make_tensor_descriptor(DO, shape=[seqlen_q, group_size, HEAD_DIM],
+                                   strides=[stride_don, stride_doh, 1],
+                                   block_shape=[BLOCK_M, 1, BLOCK_D])
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    for i in tl.range(0, group_size * blocks, warp_specialize=True):
+        g = i // blocks
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + g * stride_ah)
+        dk, dv = _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE + g * stride_lh,
+                                     Delta + g * stride_lh, stride_qn, stride_don, offs_n,
+                                     lo + (i - g * blocks) * BLOCK_M, g, bh + g, seed_lo, seed_hi,
+                                     seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                                     softcap, softmax_scale, slope, dropout_p, True, HAS_SOFTCAP,
+                                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                     INPUT_PRECISION, True, True)
     return dk, dv
 
 
@@ -606,12 +690,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                    stride_lb, stride_lh, stride_ab, stride_ah,
-                   nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, window_left,
-                   window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+                   nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok,
+                   window_left, window_right, qk_scale, softmax_scale, softcap, dropout_p,
+                   seed_lo, seed_hi,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_TMA: tl.constexpr):
+                   USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -620,42 +705,93 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                                                      IS_VARLEN)
     K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
     V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
-    k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-    v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked --
+    # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
+    # specialized, all of [lo, hi) masked, of every query head of the group, in one loop --
     lo, mid_lo, mid_hi, hi = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N)
-    # GQA: the query heads of this key head take turns; no atomics, so dK, dV are deterministic.
-    for g in range(group_size):
-        off_h = off_hk * group_size + g
-        Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
-                     stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        DO_h = _tiles(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
-                      seqlen_q, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-        LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
-        Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
-        args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
-        rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
-                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      INPUT_PRECISION, USE_TMA)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
-                                      HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                      BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
-                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                      INPUT_PRECISION, USE_TMA)
+    if WARP_SPECIALIZE:  # k, v by TMA copies too: Triton's Hopper pass rejects pointer loads
+        k = _load_tile(_tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, True), start_n,
+                       stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, False, True)
+        v = _load_tile(_tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, True), start_n,
+                       stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, False, True)
+        off_h = off_hk * group_size  # the group's first query head
+        dk, dv = _attn_bwd_dkdv_ws(
+            dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn,
+            DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
+            LSE + off_b * stride_lb + off_h * stride_lh + q_start,
+            Delta + off_b * stride_lb + off_h * stride_lh + q_start,
+            ALIBI + off_b * stride_ab + off_h * stride_ah, stride_qn, stride_qh, stride_don,
+            stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, off_b * nheads + off_h,
+            seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+            softmax_scale, dropout_p, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+            BLOCK_M, BLOCK_N, INPUT_PRECISION)
+    else:
+        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        # GQA: the query heads of this key head take turns; no atomics, so dK, dV are
+        # deterministic.
+        for g in range(group_size):
+            off_h = off_hk * group_size + g
+            Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
+                         stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+            DO_h = _tiles(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
+                          seqlen_q, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+            LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
+            Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
+            args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
+            rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                    window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True,
+                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
+                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True,
+                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
     _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                  dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
                  start_n, stride_dvn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh,
+                      seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                      softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                      HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                      USE_TMA: tl.constexpr):
+    """One key block of dQ: p recomputed from the saved lse, dQ += dS k."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                   USE_TMA)
+    v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+                   USE_TMA)
+    # -- recompute p from the saved lse --
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                   window_right, qk_scale, softcap, softmax_scale, slope, MASKED, HAS_SOFTCAP,
+                   HAS_ALIBI)
+    p = tl.math.exp2(s - lse[:, None])
+    # -- dS = p * (dP - delta), through dropout and softcap; dQ += dS k --
+    dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+    if HAS_DROPOUT:
+        dp = dp * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
+                                 dropout_p)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
 
 
 @triton.jit
@@ -665,29 +801,24 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                       INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                       WARP_SPECIALIZE: tl.constexpr):
+    """Key blocks [lo, hi) of query block start_m; WARP_SPECIALIZE as in _attn_fwd_inner."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
-                       USE_TMA)
-        v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
-                       USE_TMA)
-        # -- recompute p from the saved lse --
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
-                       window_right, qk_scale, softcap, softmax_scale, slope, MASKED, HAS_SOFTCAP,
-                       HAS_ALIBI)
-        p = tl.math.exp2(s - lse[:, None])
-        # -- dS = p * (dP - delta), through dropout and softcap; dQ += dS k --
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        if HAS_DROPOUT:
-            dp = dp * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
-                                     dropout_p)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            dq = _attn_bwd_dq_step(
+                dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
+                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            dq = _attn_bwd_dq_step(
+                dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
+                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
     return dq
 
 
@@ -697,12 +828,13 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                  stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_ab, stride_ah,
-                 nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, window_left,
-                 window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
+                 nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok,
+                 window_left, window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo,
+                 seed_hi,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_TMA: tl.constexpr):
+                 USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -711,36 +843,50 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                                                      IS_VARLEN)
     K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
     V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
-    q = _load_block(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, start_m,
-                    stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-    do = _load_block(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don, start_m,
-                     stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
+    DO += off_b * stride_dob + off_h * stride_doh + q_start * stride_don
+    if WARP_SPECIALIZE:  # q, dO by TMA copies too: Triton's Hopper pass rejects pointer loads
+        q = _load_tile(_tiles(Q, seqlen_q, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, True), start_m,
+                       stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+        do = _load_tile(_tiles(DO, seqlen_q, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, True),
+                        start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
+    else:
+        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+        do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
     stats = off_b * stride_lb + off_h * stride_lh + q_start
-    lse = _load_rows(LSE + stats, start_m, seqlen_q, BLOCK_M, float("inf"))
+    if WARP_SPECIALIZE:
+        lse = _load_rows_tma(LSE + stats, start_m, seqlen_q, BLOCK_M)
+        delta = _load_rows_tma(Delta + stats, start_m, seqlen_q, BLOCK_M)
+    else:
+        lse = _load_rows(LSE + stats, start_m, seqlen_q, BLOCK_M, float("inf"))
+        delta = _load_rows(Delta + stats, start_m, seqlen_q, BLOCK_M, 0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = _load_rows(Delta + stats, start_m, seqlen_q, BLOCK_M, 0.0)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # -- keys: the same ranges as the forward --
+    # -- keys: the same ranges as the forward (warp-specialized: all of [lo, hi) masked) --
     lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_M, BLOCK_N)
+    first_hi = mid_lo
+    if WARP_SPECIALIZE:
+        first_hi = hi
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, True, HAS_SOFTCAP,
                             HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                            INPUT_PRECISION, USE_TMA)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
-                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
-                            BLOCK_N, INPUT_PRECISION, USE_TMA)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
-                            HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                            INPUT_PRECISION, USE_TMA)
+                            INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+    if not WARP_SPECIALIZE:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
+                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True,
+                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                BLOCK_N, INPUT_PRECISION, USE_TMA, False)
     _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
@@ -815,18 +961,20 @@ def _tma_ok(*tiled):
     return 1
 
 
-def _ws_ok(q, k, v):
-    """1 if the forward's warp-specialized candidates may run: TMA for q, k and v (_tma_ok), a
-    Hopper GPU (the sm_90 pass; Blackwell's is another, not compiled here) and a Triton whose
-    tl.range takes warp_specialize. LONGFLASH_WS=0 in the environment turns them off."""
-    if (os.environ.get("LONGFLASH_WS", "1") == "0" or not _tma_ok(q, k, v)
-            or torch.cuda.get_device_capability(q.device)[0] != 9):
+def _ws_ok(*tiled):
+    """1 if the warp-specialized candidates may run: TMA for every tile they copy (_tma_ok; q,
+    k and v in the forward, q, k, v and dO in the backward), a Hopper GPU (the sm_90 pass;
+    Blackwell's is another, not compiled here) and a Triton whose tl.range takes
+    warp_specialize. LONGFLASH_WS=0 in the environment turns them off."""
+    if (os.environ.get("LONGFLASH_WS", "1") == "0" or not _tma_ok(*tiled)
+            or torch.cuda.get_device_capability(tiled[0].device)[0] != 9):
         return 0
     return int("warp_specialize" in inspect.signature(tl.range).parameters)
 
 
-def _launch_args(q, k, lse, opts, tiled):
-    """Shapes, strides and scalars shared by the three main kernels."""
+def _launch_args(q, k, lse, opts, tiled, ws_tiled):
+    """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
+    `tiled` (what a loop copies) fit, warp-specialized ones where `ws_tiled` (every tile) do."""
     if opts.varlen:
         batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
             opts.max_seqlen_k
@@ -846,7 +994,7 @@ def _launch_args(q, k, lse, opts, tiled):
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=_tma_ok(*tiled),
-        window_left=opts.window_left, window_right=opts.window_right,
+        ws_ok=_ws_ok(*ws_tiled), window_left=opts.window_left, window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
@@ -860,13 +1008,13 @@ def forward(q, k, v, opts):
     """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences."""
     q, k, v = _last_dim_contiguous(q, k, v)
     o, lse = empty_outputs(q, opts.varlen)
-    batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(q, k, lse, opts, (k, v))
+    batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(
+        q, k, lse, opts, (k, v), (q, k, v))
     if batch * nheads * seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _attn_fwd[grid](q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"],
-                    *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                    ws_ok=_ws_ok(q, k, v), **scalars)
+                    *_strides(q), *_strides(k), *_strides(v), *_strides(o), **scalars)
     return o, lse
 
 
@@ -874,13 +1022,18 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     """Gradients (dq, dk, dv) of sum(o * do) + sum(lse * dlse); dlse may be None."""
     do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
     dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-    lse = lse.contiguous()
+    if opts.varlen:
+        lse = lse.contiguous()
+        delta = torch.empty_like(lse)
+    else:  # rows of 16 bytes multiples: the warp-specialized dQ reads them by TMA copies
+        seqlen_q = lse.shape[-1]
+        stats = lse.new_empty(2, *lse.shape[:-1], triton.cdiv(seqlen_q, 4) * 4)[..., :seqlen_q]
+        lse, delta = stats[0].copy_(lse), stats[1]
     batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars = _launch_args(
-        q, k, lse, opts, (q, k, v, do))
+        q, k, lse, opts, (q, k, v, do), (q, k, v, do))
     if dq.numel() == 0 or dk.numel() == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
-    delta = torch.empty_like(lse)
     block_m = 32 if _INTERPRET else PREPROCESS_BLOCK_M
     _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
         o, do, delta, pointers["CU_Q"], *_strides(o), *_strides(do), scalars["stride_lb"],
@@ -894,6 +1047,8 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv)  # noqa: E731
     _attn_bwd_dkdv[grid_kv](*tensors, dk, dv, *extra, *strides, *_strides(dk), *_strides(dv),
                             **scalars)
+    # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized dQ.
+    scalars["ws_ok"] = int(scalars["ws_ok"] and not opts.varlen)
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _attn_bwd_dq[grid_q](*tensors, dq, *extra, *strides, *_strides(dq), **scalars)
     return dq, dk, dv

@@ -399,7 +399,7 @@ def _triton_launch(q, k, cfg):
     return dict(
         stride_lb=nheads * seqlen_q, stride_lh=seqlen_q, stride_ab=0, stride_ah=0,
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=0,
+        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=0, ws_ok=0,
         window_left=window_left, window_right=window_right,
         qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale, softcap=0.0,
         dropout_p=0.0, seed_lo=0, seed_hi=0,
@@ -407,10 +407,10 @@ def _triton_launch(q, k, cfg):
         HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
         INPUT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims; pointer
-        # loads (a TMA descriptor made on the device needs Triton's allocator, which
-        # jax-triton's launch does not set up)
+        # loads, so no warp specialization either (a TMA descriptor made on the device needs
+        # Triton's allocator, which jax-triton's launch does not set up)
         BLOCK_M=64 if headdim <= 128 else 32, BLOCK_N=64 if headdim <= 128 else 32, USE_TMA=False,
-        num_warps=4, num_stages=2)
+        WARP_SPECIALIZE=False, num_warps=4, num_stages=2)
 
 
 def _triton_strides(name, x):
@@ -440,8 +440,7 @@ def _triton_forward(q, k, v, cfg):
                   jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32)),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
         Q=q, K=k, V=v, **_triton_unused(), **_triton_strides("q", q), **_triton_strides("k", k),
-        **_triton_strides("v", v), **_triton_strides("o", q), **launch,
-        ws_ok=0, WARP_SPECIALIZE=False)  # warp specialization reads q by TMA too
+        **_triton_strides("v", v), **_triton_strides("o", q), **launch)
     return o, lse
 
 
