@@ -14,7 +14,7 @@ line, never a lost stage.
 
 Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
 tiny sizes with the Triton interpreter). Each stage starts with a preflight of the Hopper-only
-kernel candidates that no GPU had run before (TMA copies; the forward's warp specialization):
+kernel candidates that no GPU had run before (TMA copies; warp specialization):
 each forced in turn on a small odd shape against the float64 reference, one subprocess per kind
 with its own timeout; a kind that fails or hangs is switched off for the rest of the stage
 (LONGFLASH_TMA=0, LONGFLASH_WS=0 in the steps' environment), so that one broken candidate costs

@@ -41,7 +41,7 @@ def test_prune_keeps_tma_candidates_only_where_tma_ok():
     from longflash import flash_triton
     q = torch.empty(1, 8, 1, 128)
     for kernel in ("fwd", "dkdv", "dq"):
-        candidates = [flash_triton._config(c, kernel) for c in flash_triton.all_configs(kernel)]
+        candidates = [flash_triton._config(c) for c in flash_triton.all_configs(kernel)]
         prune = flash_triton._prune(kernel)
         table = flash_triton.CONFIGS[kernel, 9, 128]
         for tma_ok, ws_ok in ((0, 0), (1, 0), (1, 1)):

@@ -119,7 +119,7 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     no key when causal) and the reverse; head dim 40 pads to 64."""
     from longflash.flash_triton import _config
     force_configs(monkeypatch, {
-        kernel: _config((block_m, block_n, 4, 1, *flags), kernel)  # warps, stages: unused here
+        kernel: _config((block_m, block_n, 4, 1, *flags))  # warps, stages: unused here
         for kernel in KERNEL_FUNCTIONS
         for block_m, block_n, flags in [gpu_tiles(kernel)[case % len(gpu_tiles(kernel))]]})
     shape = (1, 300, 203, 2, 1, 40) if causal else (2, 203, 300, 2, 2, 64)

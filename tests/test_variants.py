@@ -34,7 +34,7 @@ def use_tma(monkeypatch, ws=False, varlen=False):
     from longflash.flash_triton import _INTERPRET_CONFIG, TMA, WS, _config
     force_configs(monkeypatch, {
         kernel: _config((*_INTERPRET_CONFIG, TMA, *([WS] if ws and not (varlen and kernel == "dq")
-                                                   else [])), kernel)
+                                                   else [])))
         for kernel in KERNEL_FUNCTIONS})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)

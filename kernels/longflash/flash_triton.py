@@ -28,8 +28,8 @@ multiplying by strides, so tensors over 2^31 elements are addressed safely.
 Where it was tested and where it breaks:
 - Tested on CPU under TRITON_INTERPRET=1 (Triton 3.9; and 3.6 with the GPU machines'
   Python, torch and NumPy: `make gpu-image-check`) in fp16 and fp32, at every tile of
-  CONFIGS as well as a small one (the warp-specialized forward's code path too, which the
-  interpreter runs unspecialized); the GPU tests (marker `gpu`) target H100/H200 with
+  CONFIGS as well as a small one (the warp-specialized code paths too, which the interpreter
+  runs unspecialized); the GPU tests (marker `gpu`) target H100/H200 with
   Triton >= 3.0 but have not been run at the time of writing: nothing here has been timed
   on a GPU.
 - Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
@@ -44,10 +44,12 @@ Where it was tested and where it breaks:
   two), or on Hopper TMA copies through a tensor descriptor made on the device for each
   (sequence, head) slice, which zero-fills past the sequence end and the head dim by itself.
   TMA needs 16-byte aligned rows and Triton's allocator (`_tma_ok`); other inputs get the
-  pointer candidates. On Hopper the forward also has warp-specialized candidates (WS in
+  pointer candidates. On Hopper each kernel also has warp-specialized candidates (WS in
   CONFIGS: Triton's automatic warp specialization, a TMA-copy warpgroup feeding two compute
-  warpgroups; one loop over every visible key block, all masked; `_ws_ok`, LONGFLASH_WS=0
-  turns them off). The backward kernels are not warp-specialized.
+  warpgroups; one loop over every visible block, all masked, which in dK/dV also runs over the
+  query heads of a GQA group; `_ws_ok`, LONGFLASH_WS=0 turns them off; not dK/dV at head dim
+  256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA copy cannot
+  read).
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
@@ -88,7 +90,7 @@ if _INTERPRET:
 # ones, which remain for inputs a TMA copy cannot read (_tma_ok). sm_80 dK/dV at d256:
 # (32, 64, 4, 2) compiled to 32 registers and 22 KB of spills with both Tritons; (32, 64, 8, 2)
 # and (16, 32, 4, 2) spill 0.2-0.5 KB. The first use of the RQ1 sweep (bf16, head dims
-# 64/128/256) compiles 31 kernels. Not tuned on a GPU yet: autotuning picks
+# 64/128/256) compiles 36 kernels. Not tuned on a GPU yet: autotuning picks
 # among these on first use and keeps its choice on disk (triton.autotune(cache_results=True)).
 # Warp specialization (sm_90, WS after TMA): Triton (3.6.0, 3.9.0) splits a kernel's loop into a
 # TMA-copy warpgroup and two compute warpgroups of 64 rows each (query rows in the forward and
@@ -98,10 +100,10 @@ if _INTERPRET:
 # delta in dQ) comes by TMA copies (with 8 warps, with the three-loop kernels or a pointer load
 # there, it silently does nothing or fails to compile), so a WS candidate masks every block, and
 # dK/dV folds its GQA loop into its query loop. Spill-free in bf16 at these tiles with Triton
-# 3.6.0 (forward d64/128/256, dK/dV d64/128, dQ d64/128/256); dK/dV at d256 has none (every
-# tile tried spilled 4 KB). One per kernel and head dim, beside the others.
+# 3.6.0 (forward d64/128/256, dK/dV d64/128, dQ d64/128/256; 3.9.0 the same but dQ d256, 80 B);
+# dK/dV at d256 has none (every tile tried spilled 4 KB). One per kernel and head dim.
 TMA = "tma"  # a candidate's 5th element: tiles by TMA copies
-WS = "ws"    # its 6th: the forward's key loop warp-specialized (needs TMA)
+WS = "ws"    # its 6th: the kernel's loop warp-specialized (needs TMA)
 CONFIGS = {
     ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA),
                      (128, 128, 4, 2, TMA, WS)],
@@ -133,8 +135,8 @@ PREPROCESS_BLOCK_M = 128
 _INTERPRET_CONFIG = (32, 16, 4, 1)  # one small asymmetric tile: block edges on tiny shapes
 
 
-def _config(c, kernel):
-    """The triton.Config of a CONFIGS entry of `kernel`."""
+def _config(c):
+    """The triton.Config of a CONFIGS entry."""
     block_m, block_n, warps, stages, *flags = c
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags,
               "WARP_SPECIALIZE": WS in flags}
@@ -152,7 +154,7 @@ def configs_for(kernel, major, headdim):
     "dq") on a GPU of this major compute capability (9 for H100) and head dim."""
     if kernel == "preprocess":
         return [triton.Config({"BLOCK_M": PREPROCESS_BLOCK_M}, num_warps=4, num_stages=1)]
-    return [_config(c, kernel) for c in CONFIGS[_table_key(kernel, major, headdim)]]
+    return [_config(c) for c in CONFIGS[_table_key(kernel, major, headdim)]]
 
 
 def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
@@ -196,13 +198,13 @@ def _entry(config):
 
 def _autotune(kernel):
     if _INTERPRET:  # one config: nothing to prune or benchmark
-        return triton.autotune(configs=[_config(_INTERPRET_CONFIG, kernel)], key=[])
+        return triton.autotune(configs=[_config(_INTERPRET_CONFIG)], key=[])
     # Keyed on the head dim, the window (causal is window_right = 0) and the sequence
     # length rounded to a power of two, so varying lengths do not re-tune every time.
     # cache_results (Triton >= 3.2): the choice is kept on disk, in Triton's cache directory.
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
-    return triton.autotune(configs=[_config(c, kernel) for c in all_configs(kernel)],
+    return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
                                 "ws_ok"],
