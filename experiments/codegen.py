@@ -29,7 +29,7 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
     cp_async_count     asynchronous global->shared copies in the PTX (cp.async.ca / .cg)
     warps              warps per program as compiled (Triton's metadata): the config's, or more
                        where Triton warp-specialized the kernel (a TMA-copy warpgroup beside
-                       the compute warpgroups: 12 from the forward's WS candidates' 4)
+                       the compute warpgroups: 12 from the WS candidates' 4)
     setmaxnreg_count   register reallocations between warpgroups in the PTX (setmaxnreg): the
                        sign of a warp-specialized kernel
     compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) on this machine
