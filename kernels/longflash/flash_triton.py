@@ -401,6 +401,16 @@ def _load_tile(tiles, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS:
 
 
 @triton.jit
+def _load_held(base, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr, BY_TMA: tl.constexpr):
+    """The tile a program holds across its loop (q in the forward and dQ, k and v in dK/dV):
+    with BY_TMA one TMA copy through a fresh descriptor, as a warp-specialized loop needs
+    (Triton's Hopper pass rejects a pointer load there), else pointer loads."""
+    tiles = _tiles(base, n_rows, stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, BY_TMA)
+    return _load_tile(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, False, BY_TMA)
+
+
+@triton.jit
 def _load_rows(base, start, n_rows, BLOCK_ROWS: tl.constexpr, other,
                ROWS_IN_BOUNDS: tl.constexpr = False):
     """Per-row statistics (lse, delta) of rows [start, start + BLOCK_ROWS)."""
@@ -511,11 +521,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
 
-    if WARP_SPECIALIZE:  # q by a TMA copy too: Triton's Hopper pass rejects pointer loads
-        q = _load_tile(_tiles(Q, seqlen_q, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, True), start_m,
-                       stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
-    else:
-        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q = _load_held(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -714,11 +720,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     # specialized, all of [lo, hi) masked, of every query head of the group, in one loop --
     lo, mid_lo, mid_hi, hi = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N)
-    if WARP_SPECIALIZE:  # k, v by TMA copies too: Triton's Hopper pass rejects pointer loads
-        k = _load_tile(_tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, True), start_n,
-                       stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, False, True)
-        v = _load_tile(_tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, True), start_n,
-                       stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, False, True)
+    k = _load_held(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
+    v = _load_held(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
+    if WARP_SPECIALIZE:
         off_h = off_hk * group_size  # the group's first query head
         dk, dv = _attn_bwd_dkdv_ws(
             dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn,
@@ -731,8 +735,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
             softmax_scale, dropout_p, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
             BLOCK_M, BLOCK_N, INPUT_PRECISION)
     else:
-        k = _load_block(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-        v = _load_block(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         # GQA: the query heads of this key head take turns; no atomics, so dK, dV are
         # deterministic.
         for g in range(group_size):
@@ -847,14 +849,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
     DO += off_b * stride_dob + off_h * stride_doh + q_start * stride_don
-    if WARP_SPECIALIZE:  # q, dO by TMA copies too: Triton's Hopper pass rejects pointer loads
-        q = _load_tile(_tiles(Q, seqlen_q, stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, True), start_m,
-                       stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
-        do = _load_tile(_tiles(DO, seqlen_q, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, True),
-                        start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, False, True)
-    else:
-        q = _load_block(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
-        do = _load_block(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q = _load_held(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
+    do = _load_held(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+                    WARP_SPECIALIZE)
     stats = off_b * stride_lb + off_h * stride_lh + q_start
     if WARP_SPECIALIZE:
         lse = _load_rows_tma(LSE + stats, start_m, seqlen_q, BLOCK_M)
