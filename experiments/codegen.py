@@ -10,12 +10,14 @@ dK/dV, dQ) at every config the launcher can choose on that architecture
 Llama-like shape (one query, 4 query heads per KV head; the merge for the split count chosen at
 batch 1, 8 KV heads, 128K keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and
 each compile-time variant flag of the kernel (softcap, alibi, dropout, varlen; paged for the
-decoding kernel; "plain" is none of them), then reads the ptxas report (`ptxas -v`, the ptxas
-shipped in the triton package) and the PTX.
+decoding kernel; "plain" is none of them; "full_tiles" is the warp-specialized candidates
+compiled without masks, as they run when no block needs one, flash_triton._full_tiles), then
+reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
 
 Causal attention is a runtime argument of the kernels (window_right = 0), so one binary
 serves causal and non-causal attention: each compile is written as two rows (causal True and
-False) with the same numbers.
+False) with the same numbers; "full_tiles" compiles serve non-causal attention only (one row,
+causal False).
 
 Rows (results schema of experiments/results.py, provider "longflash", mode "fwd" for the
 forward and decoding kernels and "bwd" for the three backward kernels, extra key columns
@@ -68,7 +70,7 @@ from longflash import decode_triton, flash_triton  # noqa: E402
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge"]
-FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen"]
+FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
 FLAGS = FLASH_FLAGS + ["paged"]
 KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged"], "decode_merge": ["plain"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
@@ -95,7 +97,8 @@ class Config:
                                 "results", "codegen")
 
 
-QUICK = dict(archs=("sm90a",), headdims=(64, 128), dtypes=("bfloat16",), flags=("plain",))
+QUICK = dict(archs=("sm90a",), headdims=(64, 128), dtypes=("bfloat16",),
+             flags=("plain", "full_tiles"))
 
 
 def ptxas_path(capability=90):
@@ -166,9 +169,9 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
                                    dropout=flags == "dropout")
     fn = {"fwd": flash_triton._attn_fwd, "preprocess": flash_triton._attn_bwd_preprocess,
           "dkdv": flash_triton._attn_bwd_dkdv, "dq": flash_triton._attn_bwd_dq}[kernel]
-    fn = fn if isinstance(fn, triton.runtime.JITFunction) else fn.fn  # unwrap autotune
+    fn = flash_triton.jit_function(fn)
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
-    return fn, tensors, meta
+    return fn, tensors, dict(meta, FULL_TILES=flags == "full_tiles")
 
 
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
@@ -238,7 +241,8 @@ def sweep(conf, log=print):
                 candidates = configs_for(kernel, ARCHS[arch] // 10, headdim)
                 for dtype in conf.dtypes:
                     for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
-                        for cfg in candidates:
+                        for cfg in [c for c in candidates if flags != "full_tiles"
+                                    or c.kwargs.get("WARP_SPECIALIZE")]:
                             mode = "bwd" if kernel in ("preprocess", "dkdv", "dq") else "fwd"
                             key = dict(arch=arch, kernel=kernel, config=config_name(cfg),
                                        flags=flags, experiment="codegen", provider="longflash",
@@ -257,7 +261,7 @@ def sweep(conf, log=print):
                                     f"{m}={metrics[m]:.3g}" for m in
                                     ("registers", "spill_bytes", "wgmma_count", "mma_count",
                                      "tma_count", "warps", "compile_s")))
-                            for causal in (False, True):
+                            for causal in (False,) if flags == "full_tiles" else (False, True):
                                 for metric, value in metrics.items():
                                     rows.append(dict(key, causal=causal, metric=metric,
                                                      value=value, unit=UNITS[metric],
@@ -289,7 +293,7 @@ def check(rows):
             problems.append(f"{where}: a warp-specialized candidate compiled without warp "
                             f"specialization (warps {m.get('warps', ('?',))[0]}, setmaxnreg "
                             f"{m.get('setmaxnreg_count', ('?',))[0]})")
-        if flags != "plain" or headdim == 256:
+        if flags not in ("plain", "full_tiles") or headdim == 256:
             continue  # variants and d=256: reported, no limit (d=256 must compile)
         if kernel == "fwd" and (spills > 0 or wgmma == 0 or mma > 0):
             problems.append(f"{where}: forward must be spill-free with wgmma "

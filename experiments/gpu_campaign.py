@@ -63,6 +63,7 @@ generate_tokens; jax: max_abs_diff); key column `step`.
 import argparse
 import csv
 import io
+import itertools
 import json
 import os
 import shlex
@@ -488,7 +489,8 @@ def _kind(config):
 def probe_preflight_kind(kind, headdims):
     """The candidates of one kind, each forced in turn (a kernel without one runs its first
     candidate), forward and backward, causal and not, on a small odd shape with GQA, against
-    the float64 reference: prints one row, "PREFLIGHT {json}"."""
+    the float64 reference; the warp-specialized ones also without masks (FULL_TILES), non-causal
+    on lengths that are multiples of every tile. Prints one row, "PREFLIGHT {json}"."""
     import torch
     import longflash
     from longflash import flash_triton as ft
@@ -500,9 +502,11 @@ def probe_preflight_kind(kind, headdims):
     kernels = {"fwd": ft._attn_fwd, "dkdv": ft._attn_bwd_dkdv, "dq": ft._attn_bwd_dq}
     gen = torch.Generator(device).manual_seed(0)
     try:
-        for headdim in headdims:
-            batch, seqlen_q, seqlen_k, nheads, nheads_kv = \
-                (2, 777, 1031, 4, 2) if cuda else (1, 150, 203, 2, 1)
+        shapes = [((2, 777, 1031, 4, 2) if cuda else (1, 150, 203, 2, 1), (False, True))]
+        if kind == "ws":
+            shapes.append(((2, 1024, 2048, 4, 2) if cuda else (1, 256, 256, 2, 1), (False,)))
+        for headdim, ((batch, seqlen_q, seqlen_k, nheads, nheads_kv), causals) in (
+                itertools.product(headdims, shapes)):
             q, do = (torch.randn(batch, seqlen_q, nheads, headdim, device=device, dtype=dtype,
                                  generator=gen) for _ in range(2))
             k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device=device, dtype=dtype,
@@ -519,7 +523,7 @@ def probe_preflight_kind(kind, headdims):
                 for name, fn in kernels.items():  # one config: the autotuner runs it as it is
                     fn.configs = [mine[name][i % len(mine[name])] if mine[name]
                                   else tables[name][0]]
-                for causal in (False, True):
+                for causal in causals:
                     errors += _relative_errors(longflash, q, k, v, do, causal)
     except Exception as exc:  # noqa: BLE001 - a failure here is the finding
         row = _row(metric, float("nan"), "", "error", f"{type(exc).__name__}: {exc}"[:500])

@@ -5,7 +5,8 @@
 "all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
 (USE_TMA), as the autotuner may launch either there, and on capability 9 in 16-bit types also
-warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ).
+warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ), with and without the masks that
+FULL_TILES drops.
 
 Triton's interpreter (the CPU tests) executes kernels as NumPy and never runs the
 compiler, so type and layout errors that only the real compiler sees would first
@@ -26,7 +27,7 @@ TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def compile_kernel(kernel, pointers, constexprs, target, **options):
-    fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn  # unwrap autotune
+    fn = flash_triton.jit_function(kernel)
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                  for name in fn.arg_names}
     signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale", "softcap", "dropout_p")
@@ -50,18 +51,20 @@ def compile_all(capability, dtype, features, headdim):
     grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     for tma in (False, True) if capability >= 90 else (False,):
         meta["USE_TMA"] = tma
-        meta["WARP_SPECIALIZE"] = False
+        meta["WARP_SPECIALIZE"] = meta["FULL_TILES"] = False
         compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
-    if capability == 90 and dtype != "float32":  # the warp-specialized candidates
-        ws = dict(meta, USE_TMA=True, WARP_SPECIALIZE=True)
-        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
-                       dict(ws, BLOCK_M=128), target, num_warps=4)
-        compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(ws, BLOCK_M=32, BLOCK_N=128),
-                       target, num_warps=4)
-        compile_kernel(flash_triton._attn_bwd_dq, grads, dict(ws, BLOCK_M=128), target,
-                       num_warps=4)
+    if capability == 90 and dtype != "float32":  # the warp-specialized candidates, masked
+        # and not (FULL_TILES, never with packed sequences)
+        for full_tiles in (False,) if on else (False, True):
+            ws = dict(meta, USE_TMA=True, WARP_SPECIALIZE=True, FULL_TILES=full_tiles)
+            compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
+                           dict(ws, BLOCK_M=128), target, num_warps=4)
+            compile_kernel(flash_triton._attn_bwd_dkdv, grads,
+                           dict(ws, BLOCK_M=32, BLOCK_N=128), target, num_warps=4)
+            compile_kernel(flash_triton._attn_bwd_dq, grads, dict(ws, BLOCK_M=128), target,
+                           num_warps=4)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,42 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     check_against_reference(shape, torch.float16, causal, backend="triton")
 
 
+def test_full_tiles_only_where_no_block_needs_a_mask():
+    """FULL_TILES (a warp-specialized loop without masks): only without a causal mask or
+    window, packed sequences or a partial tile."""
+    from longflash.flash_triton import _full_tiles
+    args = dict(WARP_SPECIALIZE=True, window_left=-1, window_right=-1, IS_VARLEN=False,
+                seqlen_q=256, seqlen_k=384, BLOCK_M=128, BLOCK_N=128)
+    assert _full_tiles(args)
+    for change in (dict(WARP_SPECIALIZE=False), dict(window_right=0), dict(window_left=7),
+                   dict(IS_VARLEN=True), dict(seqlen_q=255), dict(seqlen_k=320)):
+        assert not _full_tiles({**args, **change}), change
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_triton_interpreter_ws_full_tiles(causal, monkeypatch):
+    """The warp-specialized tiles of every kernel on lengths that are multiples of each: without
+    causal mask every kernel takes the unmasked loop (FULL_TILES), with it none does; both
+    match float64. Head dim 40: the tiles' zero-filled head-dim padding is all that remains."""
+    from longflash import flash_triton
+    from longflash.flash_triton import WS, _config
+    chosen = []
+    for name in KERNEL_FUNCTIONS.values():
+        values = getattr(flash_triton, name).fn.values  # the heuristics under the autotuner
+        rule = values["FULL_TILES"]
+        monkeypatch.setitem(values, "FULL_TILES", lambda args, rule=rule: chosen.append(
+            rule(args)) or chosen[-1])
+    tiles = {kernel: [t for t in gpu_tiles(kernel) if WS in t[2]] for kernel in KERNEL_FUNCTIONS}
+    for case in range(max(map(len, tiles.values()))):
+        force_configs(monkeypatch, {
+            kernel: _config((block_m, block_n, 4, 1, *flags))
+            for kernel, ws in tiles.items()
+            for block_m, block_n, flags in [ws[case % len(ws)]]})
+        check_against_reference((1, 256, 384, 4, 2, 40), torch.float16, causal, backend="triton")
+    assert len(chosen) == 3 * case + 3 and set(chosen) == {not causal}, chosen
+
+
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 
 

@@ -92,6 +92,25 @@ def test_warp_specialized_only_on_hopper_with_tma_gpu(monkeypatch):
             assert flash_triton._ws_ok(x, x, x) == 0
 
 
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_warp_specialized_full_tiles_gpu(headdim, monkeypatch):
+    """The warp-specialized candidates without masks (FULL_TILES: non-causal, lengths multiples
+    of their tiles), which test_every_config_gpu (causal) never reaches; a kernel without one
+    runs its first candidate. bf16 against float64."""
+    from longflash import flash_triton
+    major = torch.cuda.get_device_capability()[0]
+    tables = {kernel: flash_triton.configs_for(kernel, major, headdim)
+              for kernel in KERNEL_FUNCTIONS}
+    ws = {kernel: [c for c in configs if c.kwargs["WARP_SPECIALIZE"]]
+          for kernel, configs in tables.items()}
+    if not any(ws.values()):
+        pytest.skip(f"no warp-specialized candidate on sm_{major}0 at head dim {headdim}")
+    force_configs(monkeypatch, {kernel: (ws[kernel] or tables[kernel])[0]
+                                for kernel in KERNEL_FUNCTIONS})
+    check_against_reference((2, 2048, 4096, 4, 2, headdim), torch.bfloat16, False,
+                            backend="triton", device="cuda")
+
+
 VARIANTS = [
     ("window", dict(causal=True, window_size=(256, 0))),
     ("alibi-softcap", dict(causal=True, alibi=(8,), softcap=30.0)),

@@ -46,8 +46,9 @@ Where it was tested and where it breaks:
   TMA needs 16-byte aligned rows and Triton's allocator (`_tma_ok`); other inputs get the
   pointer candidates. On Hopper each kernel also has warp-specialized candidates (WS in
   CONFIGS: Triton's automatic warp specialization, a TMA-copy warpgroup feeding two compute
-  warpgroups; one loop over every visible block, all masked, which in dK/dV also runs over the
-  query heads of a GQA group; `_ws_ok`, LONGFLASH_WS=0 turns them off; not dK/dV at head dim
+  warpgroups; one loop over every visible block, all masked unless no block needs a mask
+  (FULL_TILES: no causal mask or window, lengths multiples of the tiles), which in dK/dV also
+  runs over the query heads of a GQA group; `_ws_ok`, LONGFLASH_WS=0 turns them off; not dK/dV at head dim
   256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA copy cannot
   read).
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
@@ -98,7 +99,8 @@ if _INTERPRET:
 # setmaxnreg), FlashAttention-3's producer/consumer layout. Triton's Hopper pass takes only a
 # kernel with one loop in which everything held across the loop (q; k, v in dK/dV; q, dO, lse,
 # delta in dQ) comes by TMA copies (with 8 warps, with the three-loop kernels or a pointer load
-# there, it silently does nothing or fails to compile), so a WS candidate masks every block, and
+# there, it silently does nothing or fails to compile), so a WS candidate masks every block
+# (a second compile masks none where no block needs a mask: FULL_TILES, _full_tiles), and
 # dK/dV folds its GQA loop into its query loop. Spill-free in bf16 at these tiles with Triton
 # 3.6.0 (forward d64/128/256, dK/dV d64/128, dQ d64/128/256; 3.9.0 the same but dQ d256, 80 B);
 # dK/dV at d256 has none (every tile tried spilled 4 KB). One per kernel and head dim.
@@ -209,6 +211,25 @@ def _autotune(kernel):
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
                                 "ws_ok"],
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
+
+
+def _full_tiles(args):
+    """FULL_TILES: no block of this call needs a mask (no causal mask or window, one sequence
+    per batch row, both lengths multiples of the tiles), so a warp-specialized loop, which
+    otherwise masks every block, masks none, as the non-causal Triton tutorial does. False for
+    the other candidates: they mask only the blocks at an edge already, and one compile of
+    theirs serves every call."""
+    return bool(args["WARP_SPECIALIZE"] and args["window_left"] < 0 and args["window_right"] < 0
+                and not args["IS_VARLEN"] and args["seqlen_q"] % args["BLOCK_M"] == 0
+                and args["seqlen_k"] % args["BLOCK_N"] == 0)
+
+
+def jit_function(kernel):
+    """The @triton.jit function under a kernel's autotuner and heuristics, to compile or launch
+    it directly with every constexpr given (experiments/codegen.py, the JAX binding)."""
+    while isinstance(kernel, (triton.runtime.Autotuner, triton.runtime.Heuristics)):
+        kernel = kernel.fn
+    return kernel
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -495,6 +516,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
 
 
 @_autotune("fwd")
+@triton.heuristics({"FULL_TILES": _full_tiles})
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -505,7 +527,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FULL_TILES: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -527,7 +549,8 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # -- keys: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
-    # specialized, all of [lo, hi) masked in one loop (Triton's Hopper pass takes one loop) --
+    # specialized, all of [lo, hi) in one loop (Triton's Hopper pass takes one loop), masked
+    # unless FULL_TILES --
     lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_M, BLOCK_N)
     first_hi = mid_lo
@@ -538,7 +561,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, True,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                     BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     if not WARP_SPECIALIZE:
@@ -658,16 +681,17 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
 def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_qh, stride_don,
                       stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, bh, seed_lo,
                       seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                      softmax_scale, dropout_p, HAS_SOFTCAP: tl.constexpr,
+                      softmax_scale, dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                       HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr):
     """Query blocks [lo, hi) of every query head g of the group (Q, DO, LSE, Delta, ALIBI and bh
     at the group's first head) for key block start_n, warp-specialized (Hopper): one loop over
-    (g, query block), every block masked, q and dO by TMA copies through (seqlen_q, group_size,
-    HEAD_DIM) descriptors. Triton's Hopper pass takes only a kernel with one loop, so the GQA
-    loop of _attn_bwd_dkdv is folded into it; it gives the copies a warpgroup and splits the key
-    rows between two compute warpgroups (FlashAttention-3's backward layout)."""
+    (g, query block), every block masked if MASKED (not FULL_TILES), q and dO by TMA copies
+    through (seqlen_q, group_size, HEAD_DIM) descriptors. Triton's Hopper pass takes only a
+    kernel with one loop, so the GQA loop of _attn_bwd_dkdv is folded into it; it gives the
+    copies a warpgroup and splits the key rows between two compute warpgroups (FlashAttention-
+    3's backward layout)."""
     Q = tl.make_tensor_descriptor(Q, shape=[seqlen_q, group_size, HEAD_DIM],
                                   strides=[stride_qn, stride_qh, 1],
                                   block_shape=[BLOCK_M, 1, BLOCK_D])
@@ -685,13 +709,14 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
                                      Delta + g * stride_lh, stride_qn, stride_don, offs_n,
                                      lo + (i - g * blocks) * BLOCK_M, g, bh + g, seed_lo, seed_hi,
                                      seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                                     softcap, softmax_scale, slope, dropout_p, True, HAS_SOFTCAP,
+                                     softcap, softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP,
                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
                                      INPUT_PRECISION, True, True)
     return dk, dv
 
 
 @_autotune("dkdv")
+@triton.heuristics({"FULL_TILES": _full_tiles})
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -704,7 +729,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                   USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                   FULL_TILES: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -717,7 +743,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
-    # specialized, all of [lo, hi) masked, of every query head of the group, in one loop --
+    # specialized, all of [lo, hi), of every query head of the group, in one loop, masked
+    # unless FULL_TILES --
     lo, mid_lo, mid_hi, hi = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N)
     k = _load_held(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
@@ -732,8 +759,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
             ALIBI + off_b * stride_ab + off_h * stride_ah, stride_qn, stride_qh, stride_don,
             stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, off_b * nheads + off_h,
             seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-            softmax_scale, dropout_p, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-            BLOCK_M, BLOCK_N, INPUT_PRECISION)
+            softmax_scale, dropout_p, not FULL_TILES, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, INPUT_PRECISION)
     else:
         # GQA: the query heads of this key head take turns; no atomics, so dK, dV are
         # deterministic.
@@ -827,6 +854,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
 
 
 @_autotune("dq")
+@triton.heuristics({"FULL_TILES": _full_tiles})
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -838,7 +866,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                 USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                 FULL_TILES: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -865,7 +894,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # -- keys: the same ranges as the forward (warp-specialized: all of [lo, hi) masked) --
+    # -- keys: the same ranges as the forward (warp-specialized: all of [lo, hi) in one loop,
+    # masked unless FULL_TILES) --
     lo, mid_lo, mid_hi, hi = _key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                         BLOCK_M, BLOCK_N)
     first_hi = mid_lo
@@ -876,9 +906,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, True, HAS_SOFTCAP,
-                            HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                            INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, not FULL_TILES,
+                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
+                            BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     if not WARP_SPECIALIZE:
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,

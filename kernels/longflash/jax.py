@@ -410,7 +410,7 @@ def _triton_launch(q, k, cfg):
         # loads, so no warp specialization either (a TMA descriptor made on the device needs
         # Triton's allocator, which jax-triton's launch does not set up)
         BLOCK_M=64 if headdim <= 128 else 32, BLOCK_N=64 if headdim <= 128 else 32, USE_TMA=False,
-        WARP_SPECIALIZE=False, num_warps=4, num_stages=2)
+        WARP_SPECIALIZE=False, FULL_TILES=False, num_warps=4, num_stages=2)
 
 
 def _triton_strides(name, x):
@@ -435,7 +435,7 @@ def _triton_forward(q, k, v, cfg):
     batch, seqlen_q, nheads, _ = q.shape
     launch = _triton_launch(q, k, cfg)
     o, lse = jax_triton.triton_call(
-        kernel=flash_triton._attn_fwd.fn,  # the kernel under the autotuner
+        kernel=flash_triton.jit_function(flash_triton._attn_fwd),
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32)),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
@@ -467,12 +467,12 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
     strides = {**_triton_strides("q", q), **_triton_strides("k", k), **_triton_strides("v", v),
                **_triton_strides("do", do)}
     dk, dv = jax_triton.triton_call(
-        kernel=flash_triton._attn_bwd_dkdv.fn,
+        kernel=flash_triton.jit_function(flash_triton._attn_bwd_dkdv),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(triton.cdiv(seqlen_k, launch["BLOCK_N"]), batch * nheads_kv),
         **tensors, **strides, **_triton_strides("dk", k), **_triton_strides("dv", v), **launch)
     dq = jax_triton.triton_call(
-        kernel=flash_triton._attn_bwd_dq.fn,
+        kernel=flash_triton.jit_function(flash_triton._attn_bwd_dq),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
         **tensors, **strides, **_triton_strides("dq", q), **launch)
