@@ -48,9 +48,9 @@ Where it was tested and where it breaks:
   CONFIGS: Triton's automatic warp specialization, a TMA-copy warpgroup feeding two compute
   warpgroups; one loop over every visible block, all masked unless no block needs a mask
   (FULL_TILES: no causal mask or window, lengths multiples of the tiles), which in dK/dV also
-  runs over the query heads of a GQA group; `_ws_ok`, LONGFLASH_WS=0 turns them off; not dK/dV at head dim
-  256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA copy cannot
-  read).
+  runs over the query heads of a GQA group; `_ws_ok`, LONGFLASH_WS=0 turns them off; not dK/dV
+  at head dim 256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA
+  copy cannot read).
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
@@ -424,9 +424,9 @@ def _load_tile(tiles, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS:
 @triton.jit
 def _load_held(base, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                BLOCK_D: tl.constexpr, BY_TMA: tl.constexpr):
-    """The tile a program holds across its loop (q in the forward and dQ, k and v in dK/dV):
-    with BY_TMA one TMA copy through a fresh descriptor, as a warp-specialized loop needs
-    (Triton's Hopper pass rejects a pointer load there), else pointer loads."""
+    """The tile a program holds across its loop (q in the forward, q and dO in dQ, k and v in
+    dK/dV): with BY_TMA one TMA copy through a fresh descriptor, as a warp-specialized loop
+    needs (Triton's Hopper pass rejects a pointer load there), else pointer loads."""
     tiles = _tiles(base, n_rows, stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, BY_TMA)
     return _load_tile(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, False, BY_TMA)
 
