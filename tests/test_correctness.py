@@ -105,6 +105,15 @@ def gpu_tiles(kernel):
     return sorted({(*c[:2], tuple(c[4:])) for c in flash_triton.all_configs(kernel)})
 
 
+def force_tiles(monkeypatch, tiles, case):
+    """Launch each kernel with the case-th of its tiles[kernel] (cycling through shorter lists),
+    tiles as gpu_tiles gives them; warps and stages do not matter to the interpreter."""
+    from longflash.flash_triton import _config
+    force_configs(monkeypatch, {kernel: _config((block_m, block_n, 4, 1, *flags))
+                                for kernel, ts in tiles.items()
+                                for block_m, block_n, flags in [ts[case % len(ts)]]})
+
+
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", range(max(len(gpu_tiles(k)) for k in KERNEL_FUNCTIONS)))
@@ -117,11 +126,7 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     of a GQA group and their query blocks together).
     Lengths span several tiles, neither a multiple of any; seqlen_q > seqlen_k (rows that see
     no key when causal) and the reverse; head dim 40 pads to 64."""
-    from longflash.flash_triton import _config
-    force_configs(monkeypatch, {
-        kernel: _config((block_m, block_n, 4, 1, *flags))  # warps, stages: unused here
-        for kernel in KERNEL_FUNCTIONS
-        for block_m, block_n, flags in [gpu_tiles(kernel)[case % len(gpu_tiles(kernel))]]})
+    force_tiles(monkeypatch, {kernel: gpu_tiles(kernel) for kernel in KERNEL_FUNCTIONS}, case)
     shape = (1, 300, 203, 2, 1, 40) if causal else (2, 203, 300, 2, 2, 64)
     check_against_reference(shape, torch.float16, causal, backend="triton")
 
@@ -145,7 +150,7 @@ def test_triton_interpreter_ws_full_tiles(causal, monkeypatch):
     causal mask every kernel takes the unmasked loop (FULL_TILES), with it none does; both
     match float64. Head dim 40: the tiles' zero-filled head-dim padding is all that remains."""
     from longflash import flash_triton
-    from longflash.flash_triton import WS, _config
+    from longflash.flash_triton import WS
     chosen = []
     for name in KERNEL_FUNCTIONS.values():
         values = getattr(flash_triton, name).fn.values  # the heuristics under the autotuner
@@ -154,10 +159,7 @@ def test_triton_interpreter_ws_full_tiles(causal, monkeypatch):
             rule(args)) or chosen[-1])
     tiles = {kernel: [t for t in gpu_tiles(kernel) if WS in t[2]] for kernel in KERNEL_FUNCTIONS}
     for case in range(max(map(len, tiles.values()))):
-        force_configs(monkeypatch, {
-            kernel: _config((block_m, block_n, 4, 1, *flags))
-            for kernel, ws in tiles.items()
-            for block_m, block_n, flags in [ws[case % len(ws)]]})
+        force_tiles(monkeypatch, tiles, case)
         check_against_reference((1, 256, 384, 4, 2, 40), torch.float16, causal, backend="triton")
     assert len(chosen) == 3 * case + 3 and set(chosen) == {not causal}, chosen
 

@@ -177,7 +177,7 @@ def _prune(kernel):
     def prune(configs, named_args, **kwargs):
         """Keep this GPU's and head dim's candidates (CONFIGS); the TMA ones only where the
         launcher found the inputs fit (tma_ok), the warp-specialized ones only where it found
-        that they may run (ws_ok, forward)."""
+        that they may run (ws_ok)."""
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
         wanted = CONFIGS[_table_key(kernel, capability, kwargs.get(
