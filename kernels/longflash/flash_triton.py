@@ -235,13 +235,26 @@ def jit_function(kernel):
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
-def _visible(i, j, seqlen_q, seqlen_k, window_left, window_right):
-    """True where query i may see key j (broadcast shapes), as _common.visible:
-    i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right."""
-    diag = i + (seqlen_k - seqlen_q)
-    mask = (i < seqlen_q) & (j < seqlen_k)
-    mask = mask & ((window_right < 0) | (j <= diag + window_right))
-    return mask & ((window_left < 0) | (j >= diag - window_left))
+def _visible(rows, cols, n_rows, n_cols, before, after, ROW_BOUNDS: tl.constexpr):
+    """True where tile row r may see column c, as _common.visible in tile orientation: rows
+    (R, 1) are queries in the forward and dQ (n_rows = seqlen_q, before/after = window_left/
+    right), keys in dK/dV (n_rows = seqlen_k, the window mirrored: before = window_right), and
+    r + n_cols - n_rows - before <= c <= r + n_cols - n_rows + after inside both lengths.
+    ROW_BOUNDS: each row's interval of columns first (a few registers per thread, since a
+    thread holds few rows of an MMA tile), then two compares per score: fewer instructions, but
+    a few more live registers, which spill in the 255-register dK/dV tiles (sm_90a codegen)."""
+    if ROW_BOUNDS:
+        diag = rows + (n_cols - n_rows)
+        first = tl.where(before < 0, 0, diag - before)
+        last = tl.where(after < 0, n_cols - 1, tl.minimum(diag + after, n_cols - 1))
+        last = tl.where(rows < n_rows, last, -1)  # a row past the end sees nothing
+        mask = (cols >= first) & (cols <= last)
+    else:  # each score tested against its column's diagonal (the same set)
+        diag = cols + (n_rows - n_cols)
+        mask = (cols < n_cols) & (rows < n_rows)
+        mask = mask & ((before < 0) | (rows <= diag + before))
+        mask = mask & ((after < 0) | (rows >= diag - after))
+    return mask
 
 
 @triton.jit
@@ -305,11 +318,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(qk, i, j, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-            softmax_scale, slope, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            HAS_ALIBI: tl.constexpr):
+def _scores(qk, rows, cols, n_rows, n_cols, before, after, qk_scale, softcap, softmax_scale,
+            slope, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+            ROW_BOUNDS: tl.constexpr = True):
     """Scores in log2 units from q.k, in FlashAttention-2's order (scale, softcap, ALiBi, mask),
-    as blockwise._scores; also t = tanh(s / softcap) for the softcap gradient."""
+    as blockwise._scores; also t = tanh(s / softcap) for the softcap gradient. The tile's rows
+    and columns as in _visible: (queries, keys) in the forward and dQ, (keys, queries) in
+    dK/dV."""
     if HAS_SOFTCAP:
         t = _tanh(qk * (softmax_scale / softcap))
         s = t * (softcap * 1.4426950408889634)
@@ -317,10 +332,10 @@ def _scores(qk, i, j, seqlen_q, seqlen_k, window_left, window_right, qk_scale, s
         t = qk  # unused
         s = qk * qk_scale
     if HAS_ALIBI:
-        distance = tl.abs(i + (seqlen_k - seqlen_q) - j).to(tl.float32)
+        distance = tl.abs(rows + (n_cols - n_rows) - cols).to(tl.float32)  # |i + Nk - Nq - j|
         s = s - (slope * 1.4426950408889634) * distance
     if MASKED:
-        s = tl.where(_visible(i, j, seqlen_q, seqlen_k, window_left, window_right), s,
+        s = tl.where(_visible(rows, cols, n_rows, n_cols, before, after, ROW_BOUNDS), s,
                      float("-inf"))
     return s, t
 
@@ -633,10 +648,12 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
     lse = _load_rows(LSE, start_m, seqlen_q, BLOCK_M, float("inf"), not MASKED)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     # -- recompute p^T from the saved lse --
+    # Row bounds only in the warp-specialized loop (GROUPED), whose compute warpgroups have
+    # registers to spare; the 8-warp tiles sit at 255 registers (_visible).
     qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)  # (BLOCK_N, BLOCK_M)
-    sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left,
-                     window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
-                     HAS_SOFTCAP, HAS_ALIBI)
+    sT, tT = _scores(qkT, offs_n[:, None], offs_m[None, :], seqlen_k, seqlen_q, window_right,
+                     window_left, qk_scale, softcap, softmax_scale, slope, MASKED,
+                     HAS_SOFTCAP, HAS_ALIBI, GROUPED)
     pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
     # -- dV += p_dropped^T dO --
     do = _load_head_tile(DO, start_m, g, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
