@@ -143,6 +143,15 @@ def test_full_tiles_only_where_no_block_needs_a_mask():
         assert not _full_tiles({**args, **change}), change
 
 
+def test_autotuning_key_stops_growing_at_64k_tokens():
+    """Lengths share an autotuning choice per power of two up to 64K and one beyond it, so a
+    1M-token call reuses the 64K choice instead of timing every candidate at seconds a run."""
+    from longflash.flash_triton import seqlen_bucket
+    assert [seqlen_bucket(n, n) for n in (1, 17, 1024, 1025)] == [1, 32, 1024, 2048]
+    assert seqlen_bucket(4096, 100) == seqlen_bucket(100, 4096) == 4096
+    assert {seqlen_bucket(n, n) for n in (65536, 65537, 131072, 2**20)} == {65536}
+
+
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_triton_interpreter_ws_full_tiles(causal, monkeypatch):

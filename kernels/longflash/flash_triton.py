@@ -198,11 +198,22 @@ def _entry(config):
             *([TMA] if k.get("USE_TMA") else []), *([WS] if k.get("WARP_SPECIALIZE") else []))
 
 
+# Autotuning keys on the longer length rounded up to a power of two, at most this: past 64K
+# tokens a grid of thousands of programs fills any GPU, the per-program loops only get longer,
+# and tuning a 1M-token call would run each candidate several times at seconds a run.
+SEQLEN_BUCKET_MAX = 65536
+
+
+def seqlen_bucket(seqlen_q, seqlen_k):
+    """The sequence-length part of the autotuning key."""
+    return min(triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), SEQLEN_BUCKET_MAX)
+
+
 def _autotune(kernel):
     if _INTERPRET:  # one config: nothing to prune or benchmark
         return triton.autotune(configs=[_config(_INTERPRET_CONFIG)], key=[])
-    # Keyed on the head dim, the window (causal is window_right = 0) and the sequence
-    # length rounded to a power of two, so varying lengths do not re-tune every time.
+    # Keyed on the head dim, the window (causal is window_right = 0) and seqlen_bucket, so
+    # varying lengths do not re-tune every time.
     # cache_results (Triton >= 3.2): the choice is kept on disk, in Triton's cache directory.
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
@@ -1039,7 +1050,7 @@ def _launch_args(q, k, lse, opts, tiled, ws_tiled):
         stride_ab=0 if alibi is None else alibi.stride(0),
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=_tma_ok(*tiled),
+        seqlen_bucket=seqlen_bucket(seqlen_q, seqlen_k), tma_ok=_tma_ok(*tiled),
         ws_ok=_ws_ok(*ws_tiled), window_left=opts.window_left, window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,

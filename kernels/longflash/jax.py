@@ -393,13 +393,15 @@ def _triton_launch(q, k, cfg):
     """Strides-free scalars shared by the three kernels, as flash_triton._launch_args."""
     import triton
 
+    from . import flash_triton
+
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     window_left, window_right = cfg.window
     return dict(
         stride_lb=nheads * seqlen_q, stride_lh=seqlen_q, stride_ab=0, stride_ah=0,
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-        seqlen_bucket=triton.next_power_of_2(max(seqlen_q, seqlen_k, 1)), tma_ok=0, ws_ok=0,
+        seqlen_bucket=flash_triton.seqlen_bucket(seqlen_q, seqlen_k), tma_ok=0, ws_ok=0,
         window_left=window_left, window_right=window_right,
         qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale, softcap=0.0,
         dropout_p=0.0, seed_lo=0, seed_hi=0,
