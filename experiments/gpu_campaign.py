@@ -1,16 +1,23 @@
 """The GPU campaign: every GPU result of the paper in three stages of under 9 minutes each.
 
-    python3 -m experiments.gpu_campaign --stage 1 --out $OUT            # on the GPU machine
+    python3 -m experiments.gpu_campaign --print-command --stage 1   # here: the line to run there
+    LONGFLASH_GIT_COMMIT=<sha> LONGFLASH_GIT_DIRTY=False \
+        python3 -m experiments.gpu_campaign --stage 1 --out $OUT     # on the GPU machine
     python3 -m experiments.gpu_campaign --stage 1 --out /tmp/c --dry-run  # CPU, tiny, in CI
+    python3 -m experiments.gpu_campaign --stage 2 --out $OUT --steps speedup_long  # a rerun
     make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all three stages dry, archives checked)
 
 A GPU window here is at most 30 minutes, in runs of at most 10 minutes, on a bare machine that
 returns at most 8 files of 16 MiB (experiments/GPU.md). So each stage runs under its own wall
 budget (--budget-s, default 510 s including compilation and autotuning): a step is started
-only if its estimate fits in what is left, and its timeout is cut to what is left, so the stage
-ends in time and keeps what it measured. Each step is a subprocess with its own timeout: a
-crash or a hang is a row with status "error" (or "unsupported" for a missing tool) and a log
-line, never a lost stage.
+only if its estimate fits in what is left, and its timeout is cut to what is left once its
+reserve_s (a share kept for the steps after it) is set aside, never below its estimate; a step
+with a budget of its own (speedup, the ncu probe) gets "{budget}" = its timeout less tail_s,
+so it stops starting work before it is killed. So the stage ends in time and keeps what it
+measured. Each step is a subprocess in a session of its own with its own timeout, after which
+its whole process group is killed (forked ranks and profiled targets included): a crash or a
+hang is a row with status "error" (or "unsupported" for a missing tool) and a log line, never
+a lost stage. --steps runs some steps of a stage only (with the preflight and env).
 
 Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
 tiny sizes with the Triton interpreter). Each stage starts with a preflight of the Hopper-only
@@ -20,20 +27,27 @@ with its own timeout; a kind that fails or hangs is switched off for the rest of
 (LONGFLASH_TMA=0, LONGFLASH_WS=0 in the steps' environment), so that one broken candidate costs
 a minute, not the stage's autotuning (rows preflight_tma, preflight_ws: the worst relative
 error, or the failure in the note).
-  1  env        device, versions, SM count, L2, memory, nvidia-smi, ncu (a JSON)
-     speedup    RQ1 (experiments.speedup --full): head dims 128 then 64, 1K..16K tokens,
-                causal and not, fwd/bwd/fwd_bwd, LongFlash against SDPA flash / cuDNN /
-                efficient / math, compiled flex and standard; the bf16 matmul and copy
+  1  env        device, versions, SM count, L2, memory, nvidia-smi, ncu, git commit (a JSON)
+     speedup    RQ1 (experiments.speedup --full --parts batch): head dims 128 then 64,
+                1K..16K tokens, causal and not, fwd/bwd/fwd_bwd, LongFlash against SDPA flash /
+                cuDNN / efficient / math, compiled flex and standard; the bf16 matmul and copy
                 ceilings at its start and end; the autotuner's chosen configs (a JSON)
-     pytest     `pytest -m gpu` (tests/test_gpu.py), bounded
-  2  speedup_long  RQ1 at 32K, 64K, 128K tokens (head dim 128, batch 1)
-     speedup_d256  RQ1 at head dim 256, 1K..16K tokens
+     pytest_configs  tests/test_gpu.py::test_every_config_gpu: every autotune candidate under
+                the strict tolerance rule
+     pytest     the other tests of `pytest -m gpu` (tests/test_gpu.py), with what is left
+  2  warm       longflash.attention at 64K tokens, so that the 1M-token call finds the
+                autotuner's choice for its bucket on disk (row warm_s)
      scaling    RQ3 (experiments.scaling --full): exact causal attention over 1,048,576
                 tokens on one GPU (part long), per-step ring block times and the alpha-beta
                 projection (blocks, projection)
+     ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations of
+                experiments.io_complexity's plan, those whose working set exceeds L2 first,
+                beside the model's prediction; rows written after each configuration, the ones
+                the budget does not reach marked (status "error", note "not measured: stage
+                budget"); configurations already "ok" in the results file are not measured again
+     speedup_long  RQ1 part long at 32K, 64K, 128K tokens (head dim 128, batch 1)
+     speedup_d256  RQ1 part batch at head dim 256, 1K..16K tokens
      scaling_exact  RQ3 part exactness: ring steps on gloo ranks against one-rank attention
-     ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations crossing the L2
-                size (experiments.io_complexity's plan), beside the model's prediction
   3  hf         a small random Llama: LongFlash logits against eager, one generate
      jax        longflash.jax on the GPU (Triton path: jax-triton >= 0.4, triton >= 3.7)
      speedup_decode  RQ1 part decode: one step of attention_with_kvcache over 1K..128K
@@ -46,18 +60,28 @@ error, or the failure in the note).
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
 (results/<rq>/<stem>.csv with their .log and .json, where <stem> is
-experiments.results.device_tag(), or "dryrun" for a dry run); an existing results file of the
-repository is copied there first, so rows merge by key and --resume skips what is measured.
-The repository's results/ is never written. The campaign's own rows (one per step: wall time
-and status; the hf/jax measurements) go to results/gpu_campaign/<stem>-stageN.csv,
-with the full log (<stem>-stageN.log) and the resolved configuration (<stem>-stageN.json).
-Everything ends in DIR/stageN.tar.gz (under 16 MiB): `tar xzf DIR/stageN.tar.gz` at the
-repository root puts each file in place. A dry run's rows have "dry run: " at the start of
-their device column. The summary table is printed last.
+experiments.results.device_tag(), or "dryrun" for a dry run). Every file of the repository's
+results/<rq>/ for this device (<stem>.csv, .log, .json, .ncu.log, ...) is copied there first
+(seed_scratch): rows merge by key and --resume skips what is measured, logs are appended to,
+and each run's resolved config joins the JSON's "earlier_runs" (results.start_run), so the
+archive unpacked over the repository loses nothing measured earlier (another stage, a rerun,
+two steps writing the same file). The repository's results/ is never written. The campaign's
+own rows (one per step: wall time and status; the hf/jax/warm measurements) go to
+results/gpu_campaign/<stem>-stageN.csv, with the full log (<stem>-stageN.log) and the resolved
+configuration (<stem>-stageN.json), kept across reruns of the stage the same way; the probes'
+JSONs (-env, -preflight, -autotune-*) describe the latest run. Everything ends in
+DIR/stageN.tar.gz (under 16 MiB): `tar xzf DIR/stageN.tar.gz` at the repository root puts each
+file in place. A dry run's rows have "dry run: " at the start of their device column. The
+summary table is printed last.
+
+Provenance. The GPU machine gets a copy of the tree without .git, so the rows' git_commit and
+git_dirty come from $LONGFLASH_GIT_COMMIT / $LONGFLASH_GIT_DIRTY there (results.git_state; git
+wins where it answers); the stage's log and JSON record them and their source, and say loudly
+when neither is there. --print-command prints the line with both filled in.
 
 Campaign rows: experiment "gpu_campaign", provider "longflash", mode "fwd", metric
 "wall_s" (s, the step's wall time) or the probe's metric (hf: max_abs_diff_logits,
-generate_tokens; jax: max_abs_diff); key column `step`.
+generate_tokens; jax: max_abs_diff; warm: warm_s); key column `step`.
 """
 
 import argparse
@@ -76,6 +100,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTED = time.monotonic()  # this process's start, near enough: a probe's budget counts from it
 BUDGET_S = 510.0            # a stage's wall budget: 8.5 minutes of the run's 10
 ARCHIVE_RESERVE_S = 15.0    # kept for writing the rows and the archive
 ARCHIVE_LIMIT = 16 * 2**20  # what the device machine brings back per file
@@ -105,6 +130,14 @@ class Budget:
     def timeout(self, step_timeout_s):
         return max(1.0, min(step_timeout_s, self.left()))
 
+    def step_timeout(self, step):
+        """A started step's timeout: its own limit, cut to what is left once `reserve_s` is
+        kept for the steps after it, but never below its estimate (the reserve is a share
+        for the later steps, not a reason to start a step that cannot do its minimum) and
+        never past what is left."""
+        left = self.left()
+        return max(1.0, min(step.timeout_s, left, max(step.estimate_s, left - step.reserve_s)))
+
 
 # ----------------------------------------------------------------------------- steps
 
@@ -117,7 +150,9 @@ class Step:
     rq: str = ""             # results/<rq>/ that the step writes ("" for none)
     estimate_s: float = 30   # not started unless this much is left
     timeout_s: float = 600   # killed after this (or what is left of the budget)
-    reserve_s: float = 0     # "{budget}": left - reserve_s, for the steps after this one
+    reserve_s: float = 0     # kept for the steps after this one (Budget.step_timeout)
+    tail_s: float = 0        # "{budget}" = the timeout - tail_s: what the step needs after its
+    #                          own budget check (start-up, the piece of work in progress, writing)
     needs: str = ""          # "ncu": an external tool; missing -> status "unsupported"
     files: list = field(default_factory=list)  # extra files (under the scratch tree) to archive
 
@@ -133,64 +168,112 @@ def _probe(name, argv_tail=(), **kw):
 
 
 def _preflight(headdims, dry):
-    """The preflight of the TMA and warp-specialized candidates at the stage's head dims."""
-    return _probe("preflight", estimate_s=30, timeout_s=300,
+    """The preflight of the TMA and warp-specialized candidates at the stage's head dims.
+    Estimate: two kinds, each compiling a few candidates of three kernels per head dim (about
+    a minute together on an H100 machine; each kind is cut at PREFLIGHT_TIMEOUT_S)."""
+    return _probe("preflight", estimate_s=60, timeout_s=300,
                   argv_tail=["--", ",".join(map(str, (64,) if dry else headdims))])
 
 
 def _speedup(name, argv, **kw):
     """experiments.speedup with argv, resumed, within the budget; the autotuner's choices
-    to results/gpu_campaign/<stem>-stageN-autotune-<name>.json."""
+    to results/gpu_campaign/<stem>-stageN-autotune-<name>.json. Its --budget-s stops it from
+    starting a group; tail_s (default 60 s: start-up, then the last group, flex's compile
+    included) is what it needs after that check."""
     fname = f"autotune-{name}.json"
+    kw.setdefault("tail_s", 60)
     return Step(name, _py("experiments.gpu_campaign", "--probe", "speedup", "--probe-out",
                           f"{{pre}}-{fname}", "--", *argv, "--resume", "--budget-s", "{budget}",
                           "--out", "{out}"), rq="speedup", files=[fname], **kw)
 
 
+# The most important test of tests/test_gpu.py: every candidate of the config tables (TMA and
+# warp-specialized ones included) under the strict tolerance rule, not only the ones the
+# autotuner keeps. Last in the file, it was never reached within the step's time: it runs
+# first, in a step of its own, and the rest of the file after it.
+EVERY_CONFIG_TEST = "test_every_config_gpu"
+
+
+def _pytest(name, select, **kw):
+    # No -x: one failing candidate or shape must not hide the others. -v: the log names each
+    # test as it passes, so a step cut by its timeout still says how far it got.
+    return Step(name, _py("pytest", "-m", "gpu", "-k", select, "-v", "--tb=short",
+                          "-p", "no:cacheprovider", "tests/test_gpu.py"), **kw)
+
+
 def stage_steps(stage, dry):
-    """The steps of one stage, GPU-sized or (dry) tiny."""
+    """The steps of one stage, GPU-sized or (dry) tiny.
+
+    A stage has BUDGET_S - ARCHIVE_RESERVE_S = 495 s for its steps. The estimates below are
+    what a step needs to be worth starting; reserve_s is the share kept for the steps after it,
+    so that a step with its own budget (speedup, the ncu probe) cannot take everything; the
+    steps come most important first. Assumed (no GPU has run them yet): the preflight about
+    60-120 s, env under 10 s."""
     if stage == 1:
         if dry:
             rq1 = ["--quick", "--providers", "longflash,standard,sdpa_cpu,sdpa_flash,flex",
-                   "--seqlens", "128", "--long-seqlens", ""]
+                   "--seqlens", "128", "--long-seqlens", "", "--parts", "batch"]
         else:
-            rq1 = ["--full", "--headdims", "128,64",
-                   "--seqlens", "1024,2048,4096,8192,16384", "--long-seqlens", ""]
+            rq1 = ["--full", "--headdims", "128,64", "--seqlens", "1024,2048,4096,8192,16384",
+                   "--long-seqlens", "", "--parts", "batch"]
         return [
             _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
-            _speedup("speedup", rq1, estimate_s=60, timeout_s=430, reserve_s=100),
-            Step("pytest", _py("pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
-                               "tests/test_gpu.py"), estimate_s=20, timeout_s=150),
+            # RQ1 at d128 then d64 (20 groups of 7 providers x 3 modes, each autotuning and
+            # compiling flex: more than the stage has). After the preflight it gets about
+            # 250-300 s; 150 s stay for the two pytest steps.
+            _speedup("speedup", rq1, estimate_s=120, timeout_s=420, reserve_s=150),
+            # 12 tests, each compiling the forced candidate of 3 kernels: about 1-2 minutes.
+            _pytest("pytest_configs", EVERY_CONFIG_TEST, estimate_s=40, timeout_s=150),
+            # The other ~48 tests take 4-8 minutes: whatever is left of the stage.
+            _pytest("pytest", f"not {EVERY_CONFIG_TEST}", estimate_s=30, timeout_s=300),
         ]
     if stage == 2:
         if dry:
-            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512"]
-            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", ""]
+            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
+                     "--parts", "long"]
+            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", "",
+                    "--parts", "batch"]
             scaling = ["--quick", "--parts", "long,blocks,projection",
                        "--long-seqlens", "256", "--long-budget-s", "20"]
             exact = ["--quick", "--parts", "exactness"]
+            warm = ["128", "16"]
         else:
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
-                     "--long-seqlens", "32768,65536,131072"]
+                     "--long-seqlens", "32768,65536,131072", "--parts", "long"]
             d256 = ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
-                    "--long-seqlens", ""]
+                    "--long-seqlens", "", "--parts", "batch"]
             # the 1M-token run on the GPU is in part long; the CPU ring there gets one size
             scaling = ["--full", "--parts", "long,blocks,projection",
                        "--long-seqlens", "65536", "--long-budget-s", "60"]
             exact = ["--full", "--parts", "exactness"]   # ring steps on gloo ranks (its CPU)
+            warm = ["65536", "128"]
         return [
             _preflight((128, 256), dry),
             _probe("env", estimate_s=5, timeout_s=60),
-            _speedup("speedup_long", long_, estimate_s=30, timeout_s=150, reserve_s=330),
+            # RQ3 first. The 1M-token call autotunes at the 64K bucket (seqlen_bucket); timed
+            # at 1M tokens, 2 x ~10 candidates would take minutes, so `warm` tunes that bucket
+            # at 64K tokens (same head dim, heads, dtype, causal) and the choice is on disk.
+            _probe("warm", estimate_s=20, timeout_s=120, argv_tail=["--", *warm]),
+            # blocks (autotuning at 8K), the CPU ring at 64K, then 1M tokens forward+backward
+            # on one GPU: ~8-15 s a call, do_bench's 8 calls plus one for peak memory, so
+            # 150-250 s in all; 90 s stay for ncu.
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
-                 rq="scaling", estimate_s=60, timeout_s=150),
+                 rq="scaling", estimate_s=150, timeout_s=330, reserve_s=90),
+            # RQ2: one fresh process under ncu per configuration, 15-60 s each, the ones whose
+            # working set exceeds L2 first; rows written after each one, the rest marked
+            # "not measured: stage budget". 60 s stay for RQ1's long lengths.
+            Step("ncu", _py("experiments.gpu_campaign", "--probe", "ncu", "--probe-out", "{out}",
+                            "--", "{budget}"),
+                 rq="io_complexity", estimate_s=45, timeout_s=360, reserve_s=60, tail_s=15),
+            # RQ1 at 32K-128K (with flex's compiles, ~2-4 minutes) and at d256: what is left;
+            # a rerun of stage 2 with --steps speedup_long,speedup_d256 resumes them.
+            _speedup("speedup_long", long_, estimate_s=60, timeout_s=300, reserve_s=0),
+            _speedup("speedup_d256", d256, estimate_s=60, timeout_s=300),
+            # The ring's exactness on gloo ranks of this machine's CPU (the same code as the
+            # committed CPU rows): last.
             Step("scaling_exact", _py("experiments.scaling", *exact, "--out", "{out}"),
                  rq="scaling", estimate_s=20, timeout_s=60),
-            # without ncu, the probe itself writes one "unsupported" row per configuration
-            Step("ncu", _py("experiments.gpu_campaign", "--probe", "ncu", "--probe-out", "{out}"),
-                 rq="io_complexity", estimate_s=30, timeout_s=90),
-            _speedup("speedup_d256", d256, estimate_s=30, timeout_s=400, reserve_s=20),
         ]
     if stage == 3:
         lct = (["--quick", "--parts", "max_context,memory_model,exactness"] if dry
@@ -200,15 +283,19 @@ def stage_steps(stage, dry):
         return [
             _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
-            _probe("hf", estimate_s=15, timeout_s=60),
+            _probe("hf", estimate_s=20, timeout_s=90),
             _probe("jax", estimate_s=10, timeout_s=60),
-            _speedup("speedup_decode", decode, estimate_s=40, timeout_s=180, reserve_s=330),
+            # About 330 s are left here. Decode (1K-128K tokens of cache, batch 1 and 8,
+            # against SDPA's backends and flex) keeps 200 s for variants and RQ4 (its old
+            # reserve of 330 s left it nothing); tail 30 s: decode groups are short.
+            _speedup("speedup_decode", decode, estimate_s=60, timeout_s=240, reserve_s=200,
+                     tail_s=30),
             Step("variants", _py("experiments.variants",
                                  *(["--seqlens", "256,512"] if dry else ["--full"]),
                                  "--out", "{out}"),
-                 rq="variants", estimate_s=20, timeout_s=90),
+                 rq="variants", estimate_s=30, timeout_s=120, reserve_s=130),
             Step("long_context", _py("experiments.long_context_training", *lct, "--out", "{out}"),
-                 rq="long_context_training", estimate_s=60, timeout_s=270),
+                 rq="long_context_training", estimate_s=60, timeout_s=300),
         ]
     raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
 
@@ -218,9 +305,20 @@ def stage_steps(stage, dry):
 # (`--probe NAME`) and writes a JSON: {"rows": [{metric, value, unit, status, note}], ...}.
 
 def _dump(path, obj):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
+    """Write obj as JSON atomically (a temp file beside it, then a rename): a reader, or a
+    step killed at its timeout, sees the old file or the new one, never half of one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def _row(metric, value, unit, status="ok", note=""):
@@ -235,6 +333,8 @@ def probe_env(path):
                 ncu=shutil.which("ncu"), nvidia_smi=shutil.which("nvidia-smi"),
                 longflash_tma=os.environ.get("LONGFLASH_TMA", "1"),  # 0: TMA candidates off
                 longflash_ws=os.environ.get("LONGFLASH_WS", "1"))  # 0: no warp specialization
+    from experiments.results import git_state
+    info.update(zip(("git_commit", "git_dirty", "git_dirty_files", "git_source"), git_state()))
     for mod in ("triton", "numpy", "pandas", "transformers", "jax", "jax_triton"):
         try:
             info[mod] = __import__(mod).__version__
@@ -284,12 +384,78 @@ def probe_speedup(path, argv):
         _dump(path, dict(argv=argv, autotune=_autotune_choices()))
 
 
-def probe_ncu(out):
-    """RQ2 on the GPU: ncu's DRAM and L2 bytes for a few configurations of io_complexity's
-    plan that cross the L2 size, beside the model's prediction; rows in `out`."""
+def probe_warm(path, seqlen, headdim):
+    """Autotune longflash.attention (bf16, causal, forward and backward) at `seqlen` tokens with
+    the heads of experiments.scaling's one-GPU long run, so that its 1M-token call, keyed on
+    the same sequence bucket (flash_triton.seqlen_bucket stops at 64K), finds the choice on
+    disk instead of timing each candidate at 1M tokens."""
+    import torch
+    import longflash
+    try:
+        from experiments.scaling import FULL, Config
+        batch, nheads, nheads_kv, _ = Config(**FULL).gpu_long_shape
+    except Exception:  # noqa: BLE001 - its shape when this was written
+        batch, nheads, nheads_kv = 1, 4, 4
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    t0 = time.monotonic()
+    q = torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype,
+                    requires_grad=True)
+    k, v = (torch.randn(batch, seqlen, nheads_kv, headdim, device=device, dtype=dtype,
+                        requires_grad=True) for _ in range(2))
+    o = longflash.attention(q, k, v, causal=True)
+    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.monotonic() - t0
+    note = f"{seqlen} tokens, d{headdim}, {nheads}/{nheads_kv} heads, {dtype}, causal, fwd+bwd"
+    _dump(path, dict(rows=[_row("warm_s", wall, "s", note=note + ", autotuning included")]))
+    print(f"warm: {note}: {wall:.1f} s (autotuning included)")
+
+
+# ncu: one configuration is a fresh process (start-up, a warm-up that autotunes, the profiled
+# call replayed once per pass of the metrics): 15-60 s on an H100; cut at this.
+NCU_CONFIG_TIMEOUT_S = 120
+NCU_CONFIG_MIN_S = 20      # a configuration is started only with this much of the budget left
+NCU_NOT_MEASURED = "not measured: stage budget"
+L2_DEFAULT_BYTES = 50 * 2**20  # H100 and H200; used where the device does not say
+
+
+def ncu_working_set(p):
+    """Bytes a configuration of the ncu plan touches: q, k, v, o, plus the N x N scores and
+    probabilities that standard attention materializes."""
+    el = 2 if p["dtype"] in ("bfloat16", "float16") else 4
+    qkvo = 4 * p["batch"] * p["seqlen"] * p["nheads"] * p["headdim"] * el
+    scores = 2 * p["batch"] * p["nheads"] * p["seqlen"] ** 2 * el
+    return qkvo + (scores if p["provider"] == "standard" else 0)
+
+
+def order_ncu_plan(plan, l2_bytes):
+    """Most informative first (RQ2 asks whether HBM traffic follows the model once the working
+    set exceeds L2; below L2 DRAM sees little more than the compulsory bytes): configurations
+    whose working set exceeds `l2_bytes`, then the others; within each, shorter sequences first
+    (the cost grows as N^2, so a cut budget keeps the most configurations and every provider at
+    each length before the next length)."""
+    providers = ["longflash", "sdpa_flash", "standard"]
+    rank = lambda p: providers.index(p["provider"]) if p["provider"] in providers else 99  # noqa
+    return sorted(plan, key=lambda p: (ncu_working_set(p) <= l2_bytes, p["seqlen"], rank(p)))
+
+
+def _l2_bytes():
+    import torch
+    if torch.cuda.is_available():
+        size = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", None)
+        if size:
+            return int(size)
+    return L2_DEFAULT_BYTES
+
+
+def probe_ncu(out, budget_s=None):
+    """RQ2 on the GPU: ncu's DRAM and L2 bytes for configurations of io_complexity's plan that
+    cross the L2 size, beside the model's prediction; rows in `out`, written after each
+    configuration (measure_ncu)."""
     import torch
     from experiments import io_complexity
-    from experiments.results import write_results
     dry = not torch.cuda.is_available()
     plan = [p for p in io_complexity.ncu_plan(
         seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
@@ -297,48 +463,195 @@ def probe_ncu(out):
         nheads=1 if dry else 16)
         if p["mode"] == "fwd" and not p["causal"]
         and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
+    l2 = _l2_bytes()
+    plan = order_ncu_plan(plan, l2)
+    print(f"ncu: {len(plan)} configurations, L2 {l2 / 2**20:.0f} MiB, budget "
+          f"{budget_s if budget_s is not None else 'none'} s", flush=True)
     ncu = shutil.which("ncu")
-    log_path = os.path.splitext(out)[0] + ".ncu.log"
-    rows = []
-    for p in plan:
-        base = dict(experiment="io_complexity_ncu", provider=p["provider"], mode=p["mode"],
-                    dtype=p["dtype"], batch=p["batch"], seqlen_q=p["seqlen"],
-                    seqlen_k=p["seqlen"], nheads=p["nheads"], nheads_kv=p["nheads"],
-                    headdim=p["headdim"], causal=p["causal"], p20=float("nan"),
-                    p80=float("nan"), model_hbm_bytes=p["model_hbm_bytes"])
-        if ncu is None or dry:
-            why = "ncu not found" if ncu is None else "no GPU"
+    if dry or ncu is None:
+        why = "no GPU" if dry else "ncu not found"
+
+        def run(p, timeout):
             if dry:  # the profiled code path itself, once, tiny, on CPU
-                io_complexity.run_target({k: p[k] for k in ("provider", "mode", "batch",
-                                          "seqlen", "nheads", "headdim", "causal", "dtype")}
-                                         | dict(dtype="float32"))
-            rows += [dict(base, metric=m, value=float("nan"), unit="bytes", status="unsupported")
-                     for m in NCU_METRICS.split(",")]
-            print(f"ncu: {p['provider']} N={p['seqlen']}: unsupported ({why})")
-            continue
-        spec = {k: p[k] for k in ("provider", "mode", "batch", "seqlen", "nheads", "headdim",
-                                  "causal", "dtype")}
-        argv = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "io_target/",
-                "--metrics", NCU_METRICS, "--csv", sys.executable, "-m",
-                "experiments.io_complexity", "--ncu-target", json.dumps(spec)]
-        try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
-            with open(log_path, "a") as f:
-                f.write(f"== {shlex.join(argv)}\n{res.stdout[-20000:]}\n{res.stderr[-5000:]}\n")
-            sums = parse_ncu_csv(res.stdout)
-            status = "ok" if res.returncode == 0 and sums else "error"
-        except subprocess.TimeoutExpired:
-            sums, status = {}, "error"
-        for m in NCU_METRICS.split(","):
-            rows.append(dict(base, metric=m, value=sums.get(m, float("nan")), unit="bytes",
-                             status=status if m in sums or status != "ok" else "error"))
+                io_complexity.run_target(_ncu_spec(p) | dict(dtype="float32"))
+            return {}, "unsupported", why
+    else:
+        log_path = os.path.splitext(out)[0] + ".ncu.log"
+        run = lambda p, timeout: _run_ncu(ncu, p, timeout, log_path)  # noqa: E731
+    # If the step is stopped from outside (its timeout), ncu and its target go too: they run
+    # in a session of their own (so that a configuration's timeout kills them alone).
+    _kill_children_on_sigterm()
+    measure_ncu(plan, out, run, budget_s, start=STARTED)
+
+
+def _ncu_spec(p):
+    return {k: p[k] for k in ("provider", "mode", "batch", "seqlen", "nheads", "headdim",
+                              "causal", "dtype")}
+
+
+def _ncu_rows(p, sums, status, note):
+    nan = float("nan")
+    base = dict(experiment="io_complexity_ncu", provider=p["provider"], mode=p["mode"],
+                dtype=p["dtype"], batch=p["batch"], seqlen_q=p["seqlen"], seqlen_k=p["seqlen"],
+                nheads=p["nheads"], nheads_kv=p["nheads"], headdim=p["headdim"],
+                causal=p["causal"], p20=nan, p80=nan, model_hbm_bytes=p["model_hbm_bytes"],
+                working_set_bytes=ncu_working_set(p))
+    rows = []
+    for m in NCU_METRICS.split(","):
+        found = status == "ok" and m in sums
+        rows.append(dict(base, metric=m, value=sums[m] if found else nan, unit="bytes",
+                         status="ok" if found else ("error" if status == "ok" else status),
+                         note=note if found or status != "ok" else f"{m} missing in ncu's output"))
+    return rows
+
+
+def _ncu_done(out):
+    """Configurations (as _ncu_key) whose every metric has an "ok" row in `out` already: a
+    results file seeded from the repository, or a rerun of the stage, does not measure them
+    again."""
+    if not os.path.exists(out):
+        return set()
+    import pandas as pd
+    from experiments.results import _key_str
+    df = pd.read_csv(out)
+    if "experiment" not in df.columns:
+        return set()
+    df = df[(df["experiment"] == "io_complexity_ncu") & (df["status"] == "ok")]
+    ok = {}
+    for rec in df.to_dict("records"):
+        key = tuple(_key_str(rec[c]) for c in ("provider", "mode", "dtype", "batch", "seqlen_q",
+                                               "nheads", "headdim", "causal"))
+        ok.setdefault(key, set()).add(rec["metric"])
+    return {k for k, ms in ok.items() if set(NCU_METRICS.split(",")) <= ms}
+
+
+def _ncu_key(p):
+    from experiments.results import _key_str
+    return tuple(_key_str(p[c]) for c in ("provider", "mode", "dtype", "batch", "seqlen",
+                                          "nheads", "headdim", "causal"))
+
+
+def measure_ncu(plan, out, run, budget_s=None, clock=time.monotonic, start=None):
+    """Each configuration of `plan` in turn: run(p, timeout) -> (sums, status, note); its rows
+    are merged into `out` (atomically) right after it, so a timeout keeps what was measured.
+    Before the first, every configuration still to measure gets rows with status "error" and
+    note NCU_NOT_MEASURED, so those that the budget (`budget_s` seconds from now; the step's
+    "{budget}", counted from `start`, default now) does not reach, or that a kill interrupts,
+    say so."""
+    from experiments.results import write_results
+    deadline = (clock() if start is None else start) + (
+        budget_s if budget_s is not None else float("inf"))
+    done = _ncu_done(out)
+    todo = [p for p in plan if _ncu_key(p) not in done]
+    if len(todo) < len(plan):
+        print(f"ncu: {len(plan) - len(todo)} configurations measured already", flush=True)
+    if not todo:
+        return
+
+    def write(rows):
+        write_results(rows, out, key_columns=["model_hbm_bytes"])
+    write([r for p in todo for r in _ncu_rows(p, {}, "error", NCU_NOT_MEASURED)])
+    for i, p in enumerate(todo):
+        left = deadline - clock()
+        if left < NCU_CONFIG_MIN_S:
+            print(f"ncu: {left:.0f} s left: {len(todo) - i} configurations "
+                  f"{NCU_NOT_MEASURED}", flush=True)
+            break
+        sums, status, note = run(p, min(NCU_CONFIG_TIMEOUT_S, left))
+        write(_ncu_rows(p, sums, status, note))
         print(f"ncu: {p['provider']} N={p['seqlen']}: {status} {sums} "
-              f"(model {p['model_hbm_bytes']:.3g} B)")
-    write_results(rows, out, key_columns=["model_hbm_bytes"])
+              f"(model {p['model_hbm_bytes']:.3g} B, working set "
+              f"{ncu_working_set(p) / 2**20:.0f} MiB) {note}", flush=True)
+
+
+def _run_ncu(ncu, p, timeout, log_path):
+    """One configuration under ncu, in a session of its own, killed with its target at the
+    timeout. --print-units base: byte counts in bytes (parse_ncu_csv still scales any other
+    unit it is given)."""
+    argv = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "io_target/",
+            "--metrics", NCU_METRICS, "--print-units", "base", "--csv", sys.executable, "-m",
+            "experiments.io_complexity", "--ncu-target", json.dumps(_ncu_spec(p))]
+    t0 = time.monotonic()
+    rc, stdout, stderr = run_group(argv, timeout, cwd=ROOT, started=_track_child)
+    wall = time.monotonic() - t0
+    with open(log_path, "a") as f:
+        f.write(f"== {shlex.join(argv)} (exit {rc}, {wall:.0f} s)\n{stdout[-20000:]}\n"
+                f"{stderr[-5000:]}\n")
+    if rc is None:
+        return {}, "error", f"ncu timed out after {wall:.0f} s"
+    sums = parse_ncu_csv(stdout)
+    if rc != 0 or not sums:
+        last = ([ln for ln in (stdout + stderr).splitlines() if ln.strip()] or [""])[-1]
+        return sums, "error", f"ncu exit {rc}: {last[:200]}"
+    return sums, "ok", f"ncu, {wall:.0f} s"
+
+
+# ----------------------------------------------------------------------------- process groups
+
+_CHILDREN = []  # the process (group) a probe is waiting on, for _kill_children_on_sigterm
+
+
+def _track_child(proc):
+    _CHILDREN[:] = [proc]
+
+
+def _kill_children_on_sigterm():
+    """On SIGTERM (run_step's first signal at a step's timeout), kill the process group that
+    this probe started in a session of its own, then exit."""
+    import signal
+
+    def handler(signum, frame):
+        for proc in _CHILDREN:
+            kill_group(proc, grace_s=0)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def kill_group(proc, grace_s=3.0):
+    """End `proc` and every process of its group (it leads a session of its own): SIGTERM,
+    up to grace_s seconds, then SIGKILL to whatever of the group is left (forked ranks, a
+    profiled target). Elsewhere than POSIX: proc alone."""
+    import signal
+    if os.name != "posix":
+        proc.kill()
+        proc.wait()
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if sig == signal.SIGTERM and grace_s > 0:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+    proc.wait()
+
+
+def run_group(argv, timeout, started=None, **kw):
+    """Run argv in a session (and process group) of its own, its output captured; at the
+    timeout kill the whole group (kill_group), not only the direct child. Returns (returncode,
+    or None after a timeout; stdout; stderr)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="replace", start_new_session=True, **kw)
+    if started:
+        started(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out or "", err or ""
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        try:  # what it printed before; a process outside the group may still hold the pipes
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(output lost: the pipes stayed open after the kill)"
+        return None, out or "", err or ""
 
 
 _UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-          "kibyte": 2**10, "mibyte": 2**20, "gibyte": 2**30}
+          "kibyte": 2**10, "mibyte": 2**20, "gibyte": 2**30, "tibyte": 2**40,
+          "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
 
 def parse_ncu_csv(text):
@@ -350,8 +663,11 @@ def parse_ncu_csv(text):
             rec.get("Metric Value")
         if not name or value is None:
             continue
+        unit = (unit or "").strip().lower()
+        if unit and unit not in _UNITS:
+            continue  # not a byte count (never asked for); guessing its scale would be worse
         try:
-            v = float(value.replace(",", "")) * _UNITS.get(unit.strip().lower(), 1)
+            v = float(value.replace(",", "")) * _UNITS.get(unit, 1)
         except ValueError:
             continue
         sums[name] = sums.get(name, 0.0) + v
@@ -453,6 +769,7 @@ def probe_preflight(path, headdims):
     address ends that subprocess only); a kind that fails is switched off for the stage's
     later steps through the JSON's "env" (run_stage applies it)."""
     rows, env = [], {}
+    _kill_children_on_sigterm()
     for kind, switch in PREFLIGHT_KINDS.items():
         metric = f"preflight_{kind}"
         if env:  # TMA is off, and the warp-specialized candidates need it
@@ -461,19 +778,17 @@ def probe_preflight(path, headdims):
             continue
         argv = [sys.executable, "-m", "experiments.gpu_campaign", "--probe", "preflight-kind",
                 "--probe-out", "-", "--", kind, headdims]
-        try:
-            res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                                 timeout=PREFLIGHT_TIMEOUT_S)
-            print(res.stdout + res.stderr)
-            found = [ln for ln in res.stdout.splitlines() if ln.startswith("PREFLIGHT ")]
-            last = ([ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
-                    or [""])[-1]
-            row = json.loads(found[-1][len("PREFLIGHT "):]) if found and res.returncode == 0 \
-                else _row(metric, float("nan"), "", "error", f"exit {res.returncode}: {last[:300]}")
-        except subprocess.TimeoutExpired as exc:
-            print(_text(exc.stdout) + _text(exc.stderr))
+        rc, stdout, stderr = run_group(argv, PREFLIGHT_TIMEOUT_S, cwd=ROOT,
+                                       started=_track_child)
+        print(stdout + stderr)
+        if rc is None:
             row = _row(metric, float("nan"), "", "error",
                        f"no result after {PREFLIGHT_TIMEOUT_S} s (a hang?)")
+        else:
+            found = [ln for ln in stdout.splitlines() if ln.startswith("PREFLIGHT ")]
+            last = ([ln for ln in (stdout + stderr).splitlines() if ln.strip()] or [""])[-1]
+            row = json.loads(found[-1][len("PREFLIGHT "):]) if found and rc == 0 \
+                else _row(metric, float("nan"), "", "error", f"exit {rc}: {last[:300]}")
         rows.append(row)
         if row["status"] == "error":
             env[switch] = "0"
@@ -564,18 +879,17 @@ def run_step(step, budget, env, log, values, python=sys.executable):
     if step.needs and shutil.which(step.needs) is None:
         log(f"-- {step.name}: unsupported, {step.needs} not found")
         return "unsupported", 0.0, f"{step.needs} not found"
-    timeout = budget.timeout(step.timeout_s)
-    values = dict(values, budget=f"{max(1.0, budget.left() - step.reserve_s):.0f}")
+    timeout = budget.step_timeout(step)
+    # "{budget}" ends before the timeout: a step that keeps to it is never killed
+    values = dict(values, budget=f"{max(1.0, timeout - step.tail_s):.0f}")
     argv = [python, *_fill(step.argv, **values)]
     log(f"-- {step.name}: {shlex.join(argv)} (timeout {timeout:.0f} s)")
     t0 = time.monotonic()
-    try:
-        res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=timeout)
-        out, rc = res.stdout + res.stderr, res.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = (_text(exc.stdout) + _text(exc.stderr))
-        rc = None
+    # A session of its own: at the timeout the whole group goes (scaling's forked gloo ranks,
+    # a probe's children), not only the direct child, and nothing is left holding the GPU or
+    # the output pipes.
+    rc, stdout, stderr = run_group(argv, timeout, cwd=ROOT, env=env)
+    out = stdout + stderr
     wall = time.monotonic() - t0
     log(out.rstrip())
     if rc is None:
@@ -587,10 +901,6 @@ def run_step(step, budget, env, log, values, python=sys.executable):
         return "error", wall, f"exit {rc}: {last[0][:200]}"
     log(f"-- {step.name}: ok, {wall:.1f} s")
     return "ok", wall, ""
-
-
-def _text(b):
-    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def campaign_rows(records, probes):
@@ -630,11 +940,39 @@ def make_archive(scratch, tar_path):
     return os.path.getsize(tar_path)
 
 
+def seed_scratch(src_dir, dst_dir, prefix):
+    """Copy the files of src_dir whose names start with `prefix` (a results stem and a dot:
+    "h100." takes h100.csv, .log, .json, .ncu.log, not h100-pcie.csv) into dst_dir, where not
+    there already. Returns the names copied. The steps then merge rows into the CSV, append to
+    the log and add their config to the JSON's "earlier_runs" (results.start_run), so the
+    archive, unpacked over the repository, replaces each file with a superset of it."""
+    copied = []
+    if not os.path.isdir(src_dir):
+        return copied
+    for name in sorted(os.listdir(src_dir)):
+        src, dst = os.path.join(src_dir, name), os.path.join(dst_dir, name)
+        if name.startswith(prefix) and os.path.isfile(src) and not os.path.exists(dst):
+            os.makedirs(dst_dir, exist_ok=True)
+            shutil.copy2(src, dst)
+            copied.append(name)
+    return copied
+
+
+ALWAYS = ("preflight", "env")  # steps that run in every stage, --steps or not
+
+
 def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic,
-              steps=None, log_print=lambda m: print(m, flush=True)):
-    """Run one stage; returns (archive path, records)."""
+              steps=None, log_print=lambda m: print(m, flush=True), only=None, seed_from=None):
+    """Run one stage; returns (archive path, records).
+
+    only: names of the steps to run (the preflight and env always run); None for all.
+    seed_from: the results/ folder whose files of this device (results/<rq>/<stem>.*, and
+    results/gpu_campaign/<stem>-stageN.*) are copied into the scratch tree first
+    (seed_scratch); default the repository's, None in a dry run (its files are the dry run's
+    own)."""
     import torch  # noqa: F401 - device_tag needs it
-    from experiments.results import device_tag, write_results
+    from experiments.results import device_tag, earlier_runs, git_state, warn_unknown_commit
+    from experiments.results import write_results
 
     stem = "dryrun" if dry else device_tag()
     out_dir = os.path.abspath(out_dir)
@@ -655,6 +993,13 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
 
     budget = Budget(budget_s, clock=clock)
     steps = stage_steps(stage, dry) if steps is None else steps
+    if only is not None:
+        steps = [s for s in steps if s.name in only or s.name in ALWAYS]
+    if seed_from is None and not dry:
+        seed_from = os.path.join(ROOT, "results")
+    if seed_from:  # an earlier run of this stage: its log, JSON and rows are kept
+        seed_scratch(os.path.join(seed_from, "gpu_campaign"), camp_dir,
+                     f"{stem}-stage{stage}.")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT] +
                                         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -662,20 +1007,32 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
         env["CUDA_VISIBLE_DEVICES"] = ""   # a dry run is a CPU run, also on a GPU machine
         env["TRITON_INTERPRET"] = "1"
     env["TRITON_CACHE_AUTOTUNING"] = "1"
+    commit, dirty, dirty_files, source = git_state()
     config = dict(stage=stage, dry_run=dry, budget_s=budget_s, stem=stem, out=out_dir,
-                  python=sys.executable, steps=[asdict(s) for s in steps])
+                  python=sys.executable, git_commit=commit, git_dirty=dirty,
+                  git_dirty_files=dirty_files, git_source=source,
+                  started=time.strftime("%Y-%m-%dT%H:%M:%S"), steps=[asdict(s) for s in steps])
+    earlier = earlier_runs(camp + ".json")  # the same stage run before (seeded)
+    if earlier:
+        config["earlier_runs"] = earlier
     _dump(camp + ".json", config)
     log(f"== gpu_campaign stage {stage}{' (dry run)' if dry else ''}: {len(steps)} steps, "
         f"budget {budget_s:.0f} s, results stem {stem!r}, scratch {scratch}")
+    log(f"code: git_commit {commit}, git_dirty {dirty} (from {source})")
+    if source == "unknown":  # every row of the stage would say git_commit "unknown"
+        warn_unknown_commit(log)
 
     records, probes = [], {}
     for step in steps:
         out_csv = os.path.join(scratch, "results", step.rq or "gpu_campaign",
                                f"{stem}.csv" if step.rq else f"{stem}-{step.name}.csv")
-        repo_csv = os.path.join(ROOT, "results", step.rq, f"{stem}.csv")
-        if step.rq and not dry and not os.path.exists(out_csv) and os.path.exists(repo_csv):
-            os.makedirs(os.path.dirname(out_csv), exist_ok=True)
-            shutil.copy2(repo_csv, out_csv)  # merge by key, --resume skips measured rows
+        if step.rq and seed_from:
+            # the device's CSV (rows merge by key, --resume skips measured ones), its log
+            # (appended) and config JSON (runs accumulate), and files such as <stem>.ncu.log
+            seeded = seed_scratch(os.path.join(seed_from, step.rq),
+                                  os.path.dirname(out_csv), f"{stem}.")
+            if seeded:
+                log(f"-- {step.name}: kept from results/{step.rq}/: {', '.join(seeded)}")
         os.makedirs(os.path.dirname(out_csv), exist_ok=True)
         status, wall, note = run_step(step, budget, env, log,
                                       dict(out=out_csv, pre=camp))
@@ -757,9 +1114,15 @@ def main():
                         "interpreter; rows labelled 'dry run', files named dryrun.csv")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="wall budget of the stage (default %(default).0f s)")
+    parser.add_argument("--steps", help="comma-separated steps of the stage to run (a rerun of "
+                        "what a stage did not reach); the preflight and env always run")
+    parser.add_argument("--print-command", action="store_true", help="print the command for "
+                        "--stage on the GPU machine, with this tree's git commit and state in "
+                        "LONGFLASH_GIT_COMMIT / LONGFLASH_GIT_DIRTY (the copy sent there has no "
+                        ".git), and exit")
     parser.add_argument("--check", nargs="+", metavar="TAR", help="check archives and exit")
     parser.add_argument("--probe", choices=("env", "speedup", "ncu", "hf", "jax", "preflight",
-                                            "preflight-kind"),
+                                            "preflight-kind", "warm"),
                         help=argparse.SUPPRESS)   # one step, run by the campaign itself
     parser.add_argument("--probe-out", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -776,15 +1139,45 @@ def main():
             probe_preflight(args.probe_out, *rest)
         elif args.probe == "preflight-kind":
             probe_preflight_kind(rest[0], [int(d) for d in rest[1].split(",")])
+        elif args.probe == "ncu":
+            probe_ncu(args.probe_out, float(rest[0]) if rest else None)
+        elif args.probe == "warm":
+            probe_warm(args.probe_out, int(rest[0]), int(rest[1]))
         else:
             fn[args.probe](args.probe_out)
         return
     if rest:
         parser.error(f"unrecognized arguments: {rest}")
+    if args.print_command:
+        if args.stage is None:
+            parser.error("--print-command needs --stage")
+        print(print_command(args.stage, args.steps))
+        return
     if args.stage is None or not args.out:
         parser.error("--stage and --out are required")
-    _, records = run_stage(args.stage, args.out, dry=args.dry_run, budget_s=args.budget_s)
+    only = None
+    if args.steps:
+        only = args.steps.split(",")
+        known = [s.name for s in stage_steps(args.stage, args.dry_run)]
+        if set(only) - set(known):
+            parser.error(f"--steps: stage {args.stage} has no {sorted(set(only) - set(known))};"
+                         f" its steps: {','.join(known)}")
+    _, records = run_stage(args.stage, args.out, dry=args.dry_run, budget_s=args.budget_s,
+                           only=only)
     sys.exit(0)
+
+
+def print_command(stage, steps=None):
+    """The command line for the GPU machine (experiments/GPU.md), run on the machine that
+    sends the tree: its git commit and whether its code differs from it, which the copy sent
+    (without .git) cannot tell, in LONGFLASH_GIT_COMMIT / LONGFLASH_GIT_DIRTY."""
+    from experiments.results import GIT_COMMIT_ENV, GIT_DIRTY_ENV, git_state
+    commit, dirty, _, source = git_state()
+    if source != "git":
+        raise SystemExit(f"--print-command: git cannot say the commit here (source {source})")
+    return (f"{GIT_COMMIT_ENV}={commit} {GIT_DIRTY_ENV}={dirty} python3 -m "
+            f"experiments.gpu_campaign --stage {stage} --out $OUT"
+            + (f" --steps {steps}" if steps else ""))
 
 
 if __name__ == "__main__":

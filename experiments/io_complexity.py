@@ -46,6 +46,7 @@ simulated, measured_on_gpu (False).
 import argparse
 import contextlib
 import csv
+import datetime
 import json
 import math
 import os
@@ -60,7 +61,7 @@ import longflash
 from experiments import io_model as io
 from experiments.io_model import Shape, Tiles, block_sizes, runnable
 from experiments.io_sim import simulate
-from experiments.results import default_out, write_results
+from experiments.results import default_out, this_command, write_results
 
 PROVIDERS, MODES = ("longflash", "standard"), ("fwd", "bwd")
 ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -280,7 +281,8 @@ def ncu_plan(seqlens=tuple(2**k for k in range(10, 19)), headdims=(64, 128),
         model = "longflash" if provider == "sdpa_flash" else provider  # same loop order (FA2)
         predicted = io.hbm_bytes(io.counts(model, shape, mode, tiles, sram), ELEMENT_SIZE[dtype])
         command = (f"PYTHONPATH=kernels:. ncu --clock-control none --nvtx --nvtx-include "
-                   f"io_target/ --metrics {NCU_METRICS} --csv python3 -m experiments.io_complexity "
+                   f"io_target/ --metrics {NCU_METRICS} --print-units base --csv python3 -m "
+                   f"experiments.io_complexity "
                    f"--ncu-target {shlex.quote(json.dumps(spec))}")
         plan.append(dict(spec, model_hbm_bytes=predicted, model_tiles=str(tuple(tiles)),
                          command=command))
@@ -372,8 +374,11 @@ def main(argv=None):
     summarize(cfg, rows, log)
     write_results(rows, cfg.out, key_columns=("memory_model",))
     log(f"{len(rows)} rows -> {cfg.out}")
-    with open(os.path.splitext(cfg.out)[0] + ".log", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    # Appended, as the other experiments' logs (experiments.results.start_run): a rerun, or
+    # the GPU campaign's ncu rows beside these, never erase an earlier run's log.
+    with open(os.path.splitext(cfg.out)[0] + ".log", "a") as f:
+        f.write(f"== {datetime.datetime.now().isoformat(timespec='seconds')} "
+                f"{this_command()}\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

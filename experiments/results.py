@@ -145,19 +145,48 @@ def start_run(rq, out, log, config, header):
     """Open one run of experiment `rq`: the results CSV `out` (default
     results/<rq>/<device>.csv), with the raw log (<stem>.log, appended) and the resolved
     config (<stem>.json, written atomically) beside it. Sets log.path, logs a header line with
-    the time and the command, then `header`. Returns (out, command)."""
+    the time and the command, then `header`. Returns (out, command).
+
+    <stem>.json holds this run's config at its top level and every earlier run's, oldest
+    first, under "earlier_runs" (`earlier_runs`): a second run into the same file (another
+    part, a later GPU stage, a rerun) keeps what the first one recorded, as the log does."""
     out = out or default_out(rq)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     stem = os.path.splitext(out)[0]
     log.path = stem + ".log"
     command = this_command()
+    started = datetime.datetime.now().isoformat(timespec='seconds')
+    earlier = earlier_runs(stem + ".json")
 
     def write_config(tmp):
         with open(tmp, "w") as f:
-            json.dump(dict(config, command=command), f, indent=1)
+            json.dump(dict(config, command=command, started=started,
+                           **({"earlier_runs": earlier} if earlier else {})), f, indent=1,
+                      default=str)
     atomic_write(stem + ".json", write_config)
-    log(f"== {datetime.datetime.now().isoformat(timespec='seconds')} {command}\n{header}")
+    log(f"== {started} {command}\n{header}")
     return out, command
+
+
+def earlier_runs(path):
+    """The runs recorded in the config JSON at `path` (see start_run), oldest first: its
+    "earlier_runs" and then its top level; [] if there is no file. A file that is not such a
+    JSON is kept whole as one run ({"unreadable": its text})."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            last = json.load(f)
+    except (OSError, ValueError) as exc:
+        try:
+            with open(path, errors="replace") as f:
+                return [{"unreadable": f"{type(exc).__name__}: {exc}", "text": f.read()}]
+        except OSError:
+            return []
+    if not isinstance(last, dict):
+        return [{"unreadable": "not a JSON object", "text": last}]
+    earlier = last.pop("earlier_runs", [])
+    return (earlier if isinstance(earlier, list) else [earlier]) + [last]
 
 
 def _git(*args):
@@ -184,23 +213,66 @@ def dirty_code_files():
     return sorted(line[3:].split(" -> ")[-1] for line in status.splitlines() if line.strip())
 
 
+# Where git cannot say (a copy of the working tree without .git, as on the GPU machines), the
+# commit that was sent and whether its code differed from it come from these variables, set by
+# whoever starts the run (experiments/GPU.md; `experiments.gpu_campaign --print-command`).
+GIT_COMMIT_ENV = "LONGFLASH_GIT_COMMIT"
+GIT_DIRTY_ENV = "LONGFLASH_GIT_DIRTY"
+_warned_unknown = []  # once per process
+
+
+def git_state():
+    """(git_commit, git_dirty, git_dirty_files, source) of the code that runs: from git when it
+    answers (source "git"), else from $LONGFLASH_GIT_COMMIT and $LONGFLASH_GIT_DIRTY ("True" or
+    "False"; source "environment", git_dirty_files empty), else "unknown" (source "unknown")."""
+    commit = _git("rev-parse", "HEAD")
+    if commit and commit.strip():
+        dirty = dirty_code_files()
+        return (commit.strip(), bool(dirty) if dirty is not None else "unknown",
+                ";".join(dirty or []), "git")
+    env_commit = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if env_commit:
+        flag = os.environ.get(GIT_DIRTY_ENV, "").strip().lower()
+        dirty = {"true": True, "1": True, "yes": True,
+                 "false": False, "0": False, "no": False}.get(flag, "unknown")
+        return env_commit, dirty, "", "environment"
+    return "unknown", "unknown", "", "unknown"
+
+
+def warn_unknown_commit(print_=None):
+    """Say loudly (stderr, or print_) that rows will carry git_commit "unknown", and how to
+    avoid it. Once per process unless print_ is given."""
+    message = (f"WARNING: provenance: git_commit 'unknown': no git repository at {_REPO} and "
+               f"${GIT_COMMIT_ENV} is not set; set {GIT_COMMIT_ENV}=<sha of the commit sent> "
+               f"{GIT_DIRTY_ENV}=<True|False> before the command (experiments/GPU.md)")
+    if print_ is not None:
+        print_(message)
+    elif not _warned_unknown:
+        _warned_unknown.append(True)
+        print(message, file=sys.stderr, flush=True)
+    return message
+
+
 def provenance(command=None):
     """Where and how a result was produced: a dict with one entry per PROVENANCE_COLUMNS.
 
     device: device_name(). An experiment that measures on the CPU of a GPU machine puts its
     own `device` in the rows (it is kept).
-    git_dirty: True if the code that ran (CODE_PATHS) differs from git_commit, "unknown" if
-    git fails; git_dirty_files names those files (";"-separated, empty when clean). Outputs of
-    the experiments and notebooks never count. command: default the command line of this
-    process.
+    git_commit, git_dirty: from git, or where git cannot answer (a copy of the tree without
+    .git) from $LONGFLASH_GIT_COMMIT / $LONGFLASH_GIT_DIRTY (git_state); "unknown" if neither,
+    with a warning on stderr. git_dirty: True if the code that ran (CODE_PATHS) differs from
+    git_commit; git_dirty_files names those files (";"-separated, empty when clean or when the
+    environment gave git_dirty). Outputs of the experiments and notebooks never count.
+    command: default the command line of this process.
     """
     try:
         import triton
         triton_version = triton.__version__
     except Exception:  # not installed, or broken on this platform
         triton_version = "none"
-    commit = _git("rev-parse", "HEAD")
-    dirty = dirty_code_files()
+    commit, dirty, dirty_files, source = git_state()
+    if source == "unknown":
+        warn_unknown_commit()
     if command is None:
         command = this_command()
     return {
@@ -208,9 +280,9 @@ def provenance(command=None):
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "git_commit": commit.strip() if commit else "unknown",
-        "git_dirty": bool(dirty) if dirty is not None else "unknown",
-        "git_dirty_files": ";".join(dirty or []),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "git_dirty_files": dirty_files,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }

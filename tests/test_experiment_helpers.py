@@ -249,3 +249,22 @@ def test_extra_key_column_added_later(tmp_path):
     df = write_results([dict(row, num_splits=1, value=4.0)], path, key_columns=("num_splits",))
     assert sorted(df["value"]) == [1.0, 2.0, 4.0]
     assert df["num_splits"].isna().sum() == 1
+
+
+def test_start_run_appends_the_log_and_keeps_every_runs_config(tmp_path):
+    """A second run into the same results file (another part, a later GPU stage) keeps the
+    first one's log and resolved config."""
+    from experiments.results import Log, earlier_runs, start_run
+    out = str(tmp_path / "rq" / "dev.csv")
+    for part in ("a", "b", "c"):
+        start_run("rq", out, Log(), dict(part=part), f"header {part}")
+    log = (tmp_path / "rq" / "dev.log").read_text()
+    assert [ln for ln in log.splitlines() if ln.startswith("header")] == \
+        ["header a", "header b", "header c"]
+    config = json.loads((tmp_path / "rq" / "dev.json").read_text())
+    assert config["part"] == "c" and "command" in config and "started" in config
+    assert [r["part"] for r in config["earlier_runs"]] == ["a", "b"]
+    assert [r["part"] for r in earlier_runs(str(tmp_path / "rq" / "dev.json"))] == \
+        ["a", "b", "c"]
+    (tmp_path / "broken.json").write_text("{not json")
+    assert earlier_runs(str(tmp_path / "broken.json"))[0]["text"] == "{not json"

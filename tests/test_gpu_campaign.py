@@ -2,10 +2,16 @@
 hanging step becomes an error row, and a dry stage 1 leaves an archive that mirrors the
 repository (what `make gpu-dry` checks for all three stages in CI)."""
 
+import json
 import os
 import tarfile
+import time
+
+import pandas as pd
+import pytest
 
 from experiments import gpu_campaign as gc
+from experiments import results
 from experiments.results import read_results
 
 
@@ -54,7 +60,9 @@ def test_failing_and_hanging_steps_become_error_rows(tmp_path):
 
 def test_dry_stage1_archive_mirrors_the_repository(tmp_path):
     tar_path, records = gc.run_stage(1, tmp_path, dry=True, log_print=lambda m: 0)
-    assert [r["status"] for r in records] == ["ok"] * 4, records
+    assert [r["name"] for r in records] == ["preflight", "env", "speedup", "pytest_configs",
+                                            "pytest"]
+    assert [r["status"] for r in records] == ["ok"] * 5, records
     assert os.path.basename(tar_path) == "stage1.tar.gz"
     assert gc.check_archive(tar_path) == []
     with tarfile.open(tar_path) as tar:
@@ -101,3 +109,262 @@ def test_parse_ncu_csv_sums_kernels_in_bytes():
             '"1","b","dram__bytes_read.sum","Kbyte","500"\n'
             '"1","b","lts__t_bytes.sum","byte","1,024"\n')
     assert gc.parse_ncu_csv(text) == {"dram__bytes_read.sum": 2.0e6, "lts__t_bytes.sum": 1024.0}
+
+
+def test_parse_ncu_csv_base_units_and_unknown_units():
+    """--print-units base gives "byte"; a unit that is no byte count is skipped, not guessed."""
+    text = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+            '"0","a","dram__bytes_write.sum","byte","1,048,576"\n'
+            '"0","a","lts__t_bytes.sum","sector","10"\n')
+    assert gc.parse_ncu_csv(text) == {"dram__bytes_write.sum": 1048576.0}
+
+
+# ----------------------------------------------------------------------------- process groups
+
+def _alive(pid):
+    """pid runs (a zombie, reaped or not, does not count)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(ln.startswith("State:") and "Z" in ln.split()[1] for ln in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_timeout_kills_the_steps_whole_process_group(tmp_path):
+    """A hanging step's children (scaling's forked gloo ranks, ncu's target) go with it, and
+    the step ends at its timeout, not when a child still holding its output pipe exits."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(40)']); "
+            "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(40)")
+    step = gc.Step("hang", ["-c", code, str(pid_file)], estimate_s=1, timeout_s=3)
+    budget = gc.Budget(100, clock=FakeClock(), reserve_s=0)
+    t0 = time.monotonic()
+    status, wall, note = gc.run_step(step, budget, dict(os.environ), lambda m: 0, {})
+    assert status == "error" and "timeout" in note
+    assert time.monotonic() - t0 < 20
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init or a subreaper, or a zombie: not running either way
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid), "the step's child survived its timeout"
+
+
+# ----------------------------------------------------------------------------- budget shares
+
+def test_step_timeout_keeps_the_reserve_and_budget_ends_before_the_timeout():
+    clock = FakeClock()
+    budget = gc.Budget(500, clock=clock, reserve_s=0)
+    step = gc.Step("s", ["-c", "import sys; print('BUDGET', sys.argv[1])", "{budget}"],
+                   estimate_s=50, timeout_s=400, reserve_s=100, tail_s=30)
+    assert budget.step_timeout(step) == 400           # 500 left: its own limit
+    clock.t = 200                                     # 300 left: 100 kept for later steps
+    assert budget.step_timeout(step) == 200
+    logged = []
+    assert gc.run_step(step, budget, dict(os.environ), logged.append, {})[0] == "ok"
+    assert "(timeout 200 s)" in logged[0] and "BUDGET 170" in "\n".join(logged)
+    clock.t = 430                                     # 70 left: the reserve never cuts a
+    assert budget.step_timeout(step) == 50            # started step below its estimate
+    clock.t = 480                                     # 20 left: not started at all
+    assert not budget.allows(step.estimate_s)
+
+
+def _argv(stage, dry, name):
+    return next(s.argv for s in gc.stage_steps(stage, dry) if s.name == name)
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["full", "dry"])
+def test_speedup_steps_run_only_their_part(dry):
+    """speedup's Config.parts defaults to batch,long,decode: without --parts, stages 1 and 2
+    would also run part decode, which stage 3 runs."""
+    def parts(argv):
+        return argv[argv.index("--parts", argv.index("--")) + 1]
+    assert parts(_argv(1, dry, "speedup")) == "batch"
+    assert parts(_argv(2, dry, "speedup_d256")) == "batch"
+    assert parts(_argv(2, dry, "speedup_long")) == "long"
+    assert parts(_argv(3, dry, "speedup_decode")) == "decode"
+
+
+def test_stage_plans_fit_and_put_the_important_steps_first():
+    usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
+    for stage in (1, 2, 3):
+        steps = gc.stage_steps(stage, False)
+        assert [s.name for s in steps[:2]] == ["preflight", "env"]
+        # the later steps' estimates fit in what a step keeps for them
+        for s in steps:
+            assert s.estimate_s <= usable and s.reserve_s < usable
+        assert sum(s.estimate_s for s in steps) <= usable + 60, stage
+    names = [s.name for s in gc.stage_steps(1, False)]
+    # RQ1 first, then the strict check of every autotune candidate, then the other GPU tests
+    assert names[2:] == ["speedup", "pytest_configs", "pytest"]
+    configs, rest = _argv(1, False, "pytest_configs"), _argv(1, False, "pytest")
+    assert configs[configs.index("-k") + 1] == gc.EVERY_CONFIG_TEST
+    assert rest[rest.index("-k") + 1] == f"not {gc.EVERY_CONFIG_TEST}"
+    assert "-x" not in configs and "-x" not in rest
+    stage1 = {s.name: s for s in gc.stage_steps(1, False)}
+    assert stage1["speedup"].reserve_s >= stage1["pytest_configs"].estimate_s
+    # stage 2: RQ3's 1M-token run (after the 64K autotuning) and RQ2's ncu rows first
+    stage2 = {s.name: s for s in gc.stage_steps(2, False)}
+    names = list(stage2)
+    assert names.index("warm") < names.index("scaling") < names.index("ncu") \
+        < names.index("speedup_long")
+    ncu = stage2["ncu"]
+    assert "{budget}" in ncu.argv and ncu.timeout_s >= 2 * gc.NCU_CONFIG_TIMEOUT_S
+    assert stage2["scaling"].reserve_s >= ncu.estimate_s and ncu.tail_s > 0
+    # stage 3: decode no longer keeps more than is left after it starts
+    stage3 = gc.stage_steps(3, False)
+    before = sum(s.estimate_s for s in stage3[:4]) + 60
+    decode = next(s for s in stage3 if s.name == "speedup_decode")
+    assert usable - before - decode.reserve_s >= decode.estimate_s
+
+
+# ----------------------------------------------------------------------------- ncu
+
+def _plan(seqlens=(1024, 4096, 16384), providers=("longflash", "sdpa_flash", "standard")):
+    return [dict(provider=p, mode="fwd", batch=1, seqlen=n, nheads=16, headdim=128, causal=False,
+                 dtype="bfloat16", model_hbm_bytes=float(n * 1000 + i))
+            for n in seqlens for i, p in enumerate(providers)]
+
+
+def test_ncu_plan_puts_configurations_beyond_l2_first():
+    l2 = 50 * 2**20
+    plan = gc.order_ncu_plan(_plan(), l2)
+    over = [gc.ncu_working_set(p) > l2 for p in plan]
+    assert over == sorted(over, reverse=True) and over[0] and not over[-1]
+    assert [(p["provider"], p["seqlen"]) for p in plan[:4]] == [
+        ("standard", 1024), ("longflash", 4096), ("sdpa_flash", 4096), ("standard", 4096)]
+    assert {(p["provider"], p["seqlen"]) for p in plan[-2:]} == {("longflash", 1024),
+                                                                  ("sdpa_flash", 1024)}
+
+
+def test_ncu_rows_are_written_after_each_configuration_and_the_rest_marked(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setenv("LONGFLASH_DEVICE_NAME", "dry run: test")
+    out = str(tmp_path / "io.csv")
+    plan = _plan(seqlens=(4096,))
+    clock = FakeClock()
+    seen = []
+
+    def run(p, timeout):
+        df = pd.read_csv(out)  # what an interrupted probe would have left at this point
+        seen.append(sorted(set(df.loc[df["status"] == "ok", "provider"])))
+        clock.t += 30
+        assert timeout == min(gc.NCU_CONFIG_TIMEOUT_S, 70 - (clock.t - 30))
+        return {m: 1.0e6 for m in gc.NCU_METRICS.split(",")}, "ok", "fake"
+
+    gc.measure_ncu(plan, out, run, budget_s=70, clock=clock)
+    # the third starts with 10 s left < NCU_CONFIG_MIN_S
+    assert seen == [[], ["longflash"]]
+    df = pd.read_csv(out)
+    assert len(df) == 3 * len(plan)
+    status = dict(zip(df["provider"], df["status"]))
+    assert status == dict(longflash="ok", sdpa_flash="ok", standard="error")
+    assert set(df.loc[df["provider"] == "standard", "note"]) == {gc.NCU_NOT_MEASURED}
+    # a rerun (a seeded results file) measures only what is not "ok" yet
+    again = []
+    gc.measure_ncu(plan, out, lambda p, t: (again.append(p["provider"]) or {}, "error", "x"),
+                   budget_s=100, clock=clock)
+    assert again == ["standard"]
+    df = pd.read_csv(out)
+    assert dict(zip(df["provider"], df["status"]))["longflash"] == "ok"
+
+
+def test_ncu_step_gets_the_budget_and_keeps_rows_on_a_timeout(tmp_path, monkeypatch):
+    """The probe writes per configuration; a step killed at its timeout keeps them."""
+    monkeypatch.setenv("LONGFLASH_DEVICE_NAME", "dry run: test")
+    script = tmp_path / "fake_ncu_probe.py"
+    script.write_text(
+        "import sys, time\n"
+        "from experiments import gpu_campaign as gc\n"
+        "gc.NCU_CONFIG_MIN_S = 1\n"
+        "plan = [dict(provider='longflash', mode='fwd', batch=1, seqlen=n, nheads=1, headdim=16,\n"
+        "             causal=False, dtype='float32', model_hbm_bytes=float(n))\n"
+        "        for n in (64, 128, 256)]\n"
+        "def run(p, timeout):  # the second configuration hangs\n"
+        "    time.sleep(0 if p['seqlen'] == 64 else 60)\n"
+        "    return {m: 1.0 for m in gc.NCU_METRICS.split(',')}, 'ok', ''\n"
+        "gc.measure_ncu(plan, sys.argv[1], run, float(sys.argv[2]))\n")
+    step = gc.Step("ncu", [str(script), "{out}", "{budget}"], rq="io_complexity",
+                   estimate_s=1, timeout_s=8, tail_s=3)
+    _, records = gc.run_stage(2, tmp_path, dry=True, steps=[step], log_print=lambda m: 0)
+    assert records[0]["status"] == "error" and "timeout" in records[0]["note"]
+    with tarfile.open(tmp_path / "stage2.tar.gz") as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    df = pd.read_csv(tmp_path / "x/results/io_complexity/dryrun.csv")
+    status = df.groupby("seqlen_q")["status"].agg(set).to_dict()
+    assert status == {64: {"ok"}, 128: {"error"}, 256: {"error"}}
+
+
+# ----------------------------------------------------------------------------- earlier runs
+
+def test_earlier_logs_configs_and_rows_are_kept(tmp_path):
+    """Files of the repository (here a fake results/) for this device are copied into the
+    scratch tree: the log is appended to, the JSON keeps each run, rows merge by key; two
+    steps writing the same <stem>.json (scaling, scaling_exact) keep both configs."""
+    seed = tmp_path / "repo_results"
+    (seed / "fake").mkdir(parents=True)
+    (seed / "fake" / "dryrun.log").write_text("stage-1 log line\n")
+    (seed / "fake" / "dryrun.json").write_text(json.dumps(dict(part="from stage 1")))
+    (seed / "fake" / "dryrun-other.log").write_text("not this device's\n")
+    (seed / "gpu_campaign").mkdir()
+    (seed / "gpu_campaign" / "dryrun-stage2.log").write_text("earlier stage-2 run\n")
+    code = ("import sys; from experiments.results import Log, start_run; "
+            "start_run('fake', sys.argv[1], Log(), dict(part=sys.argv[2]), 'header')")
+    steps = [gc.Step("a", ["-c", code, "{out}", "a"], rq="fake", estimate_s=1),
+             gc.Step("b", ["-c", code, "{out}", "b"], rq="fake", estimate_s=1)]
+    tar_path, records = gc.run_stage(2, tmp_path / "o", dry=True, steps=steps,
+                                     log_print=lambda m: 0, seed_from=str(seed))
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    with tarfile.open(tar_path) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "x", filter="data")
+    assert "results/fake/dryrun-other.log" not in names
+    x = tmp_path / "x/results"
+    log = (x / "fake/dryrun.log").read_text()
+    assert log.startswith("stage-1 log line\n") and log.count("\nheader\n") == 2
+    config = json.loads((x / "fake/dryrun.json").read_text())
+    assert config["part"] == "b"
+    assert [r["part"] for r in config["earlier_runs"]] == ["from stage 1", "a"]
+    assert (x / "gpu_campaign/dryrun-stage2.log").read_text().startswith("earlier stage-2 run")
+
+
+def test_seed_scratch_copies_only_this_devices_files(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    for name in ("h100.csv", "h100.log", "h100.ncu.log", "h100-pcie.csv", "cpu-x.csv"):
+        (src / name).write_text(name)
+    (dst).mkdir()
+    (dst / "h100.csv").write_text("already here")
+    assert gc.seed_scratch(str(src), str(dst), "h100.") == ["h100.log", "h100.ncu.log"]
+    assert (dst / "h100.csv").read_text() == "already here"
+    assert gc.seed_scratch(str(tmp_path / "none"), str(dst), "h100.") == []
+
+
+def test_steps_option_runs_the_named_steps_and_the_preflight(tmp_path):
+    steps = [gc.Step(n, ["-c", "pass"], estimate_s=1) for n in ("preflight", "env", "a", "b")]
+    _, records = gc.run_stage(2, tmp_path, dry=True, steps=steps, only=["b"],
+                              log_print=lambda m: 0)
+    assert [r["name"] for r in records] == ["preflight", "env", "b"]
+
+
+# ----------------------------------------------------------------------------- provenance
+
+def test_campaign_records_the_commit_and_says_when_it_is_unknown(tmp_path, monkeypatch):
+    steps = [gc.Step("ok", ["-c", "pass"], estimate_s=1)]
+    monkeypatch.setattr(results, "git_state", lambda: ("unknown", "unknown", "", "unknown"))
+    logged = []
+    gc.run_stage(1, tmp_path, dry=True, steps=steps, log_print=logged.append)
+    assert any(m.startswith("WARNING: provenance: git_commit 'unknown'") for m in logged)
+    monkeypatch.setattr(results, "git_state", lambda: ("abc123", False, "", "environment"))
+    logged = []
+    gc.run_stage(1, tmp_path, dry=True, steps=steps, log_print=logged.append)
+    assert "code: git_commit abc123, git_dirty False (from environment)" in logged
+    assert not any("WARNING" in m for m in logged)
+
+
+def test_print_command_fills_in_the_commit(monkeypatch):
+    monkeypatch.setattr(results, "git_state", lambda: ("f" * 40, True, "kernels/a.py", "git"))
+    assert gc.print_command(2) == (f"LONGFLASH_GIT_COMMIT={'f' * 40} LONGFLASH_GIT_DIRTY=True "
+                                   "python3 -m experiments.gpu_campaign --stage 2 --out $OUT")

@@ -79,6 +79,38 @@ def test_git_dirty_ignores_outputs(monkeypatch, tmp_path):
     assert prov["git_dirty_files"] == "experiments/new.py;kernels/a.py"
 
 
+def test_git_commit_from_the_environment_where_git_cannot_say(monkeypatch, tmp_path, capsys):
+    """The GPU machines get a copy of the tree without .git: the commit and its state come from
+    $LONGFLASH_GIT_COMMIT / $LONGFLASH_GIT_DIRTY; without them, "unknown" and a warning."""
+    monkeypatch.setattr(results, "_REPO", str(tmp_path))  # no repository here
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.delenv("LONGFLASH_GIT_COMMIT", raising=False)
+    monkeypatch.delenv("LONGFLASH_GIT_DIRTY", raising=False)
+    monkeypatch.setattr(results, "_warned_unknown", [])
+    prov = results.provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == ("unknown", "unknown")
+    assert "LONGFLASH_GIT_COMMIT" in capsys.readouterr().err
+    monkeypatch.setenv("LONGFLASH_GIT_COMMIT", "a" * 40)
+    monkeypatch.setenv("LONGFLASH_GIT_DIRTY", "False")
+    prov = results.provenance()
+    assert (prov["git_commit"], prov["git_dirty"], prov["git_dirty_files"]) == ("a" * 40, False,
+                                                                                 "")
+    assert "WARNING" not in capsys.readouterr().err
+    monkeypatch.setenv("LONGFLASH_GIT_DIRTY", "True")
+    assert results.provenance()["git_dirty"] is True
+    # git, where it answers, wins over the environment
+    for path in ("kernels/a.py",):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("v1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    prov = results.provenance()
+    assert (prov["git_commit"], prov["git_dirty"]) == (head, False)
+
+
 def _csv(path, device, timestamp):
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame([dict(device=device, timestamp=timestamp, value=1.0)]).to_csv(path, index=False)
