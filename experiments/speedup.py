@@ -16,12 +16,15 @@ measured call:
   sdpa_math, sdpa_flash (FlashAttention-2), sdpa_efficient, sdpa_cudnn
                   torch.nn.functional.scaled_dot_product_attention with one backend forced
                   by torch.nn.attention.sdpa_kernel.                        (GPU)
-  flex            torch.compile(flex_attention), with a causal BlockMask when causal. (GPU)
+  flex            torch.compile(flex_attention), with a causal BlockMask when causal (built
+                  by a compiled create_block_mask above 16K tokens). (GPU)
   sdpa_cpu        scaled_dot_product_attention on CPU tensors, PyTorch's own choice of
                   kernel (its fused CPU flash kernel for these inputs).      (CPU)
 A provider that this torch, this device or this shape does not offer is a row with status
 "unsupported" (for example: no sdpa_kernel, "No viable backend", a Triton kernel out of
 shared memory); out of memory is "oom"; anything else "error" (its message is in the log).
+The same holds for a failure while a provider is built (make_attention: for example flex's
+block mask out of memory): each of its modes is then a row with that status, not run.
 
 Sweep (as in the FlashAttention papers). Part "batch": tokens per batch fixed (batch =
 tokens_per_batch // seqlen), hidden size fixed (nheads = hidden // headdim). Part "long":
@@ -213,14 +216,45 @@ def compiled_flex(device, dynamic=False):
     return _FLEX[dynamic]
 
 
+def _causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+# Eager create_block_mask materializes the Q x KV boolean mask and several copies of it (10.6
+# GiB of peak memory at 32K tokens on a CPU, torch 2.13): fine up to the batch part's 16K
+# tokens, out of memory at 128K. Above this many mask elements it is compiled instead
+# (torch.compile(create_block_mask), which recent torch recommends over its deprecated
+# _compile=True and which _compile=True calls), fusing the mask into the block reductions:
+# nothing Q x KV is stored (32K tokens on a CPU: no growth above the process's 0.5 GiB), at a
+# few seconds of compilation per sequence length.
+EAGER_BLOCK_MASK_MAX = 2**28
+
+
+def causal_block_mask(seqlen, device):
+    """FlexAttention's causal BlockMask over seqlen x seqlen (eager below
+    EAGER_BLOCK_MASK_MAX elements, compiled above; eager again if compiling fails for a reason
+    other than memory)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    if seqlen * seqlen > EAGER_BLOCK_MASK_MAX:
+        if "block_mask" not in _FLEX:
+            _FLEX["block_mask"] = torch.compile(create_block_mask)
+        try:
+            return _FLEX["block_mask"](_causal_mask_mod, None, None, seqlen, seqlen,
+                                       device=device)
+        except Exception as e:  # noqa: BLE001 - the eager way may still fit
+            if is_oom(e):
+                raise
+            log(f"flex: compiled create_block_mask failed at N={seqlen} ({_summary(e)}); "
+                "building the mask eagerly")
+    return create_block_mask(_causal_mask_mod, None, None, seqlen, seqlen, device=device)
+
+
 def _flex(seqlen, causal, device):
     """Compiled flex_attention and the BlockMask of this group (None: full)."""
     flex = compiled_flex(device)
     mask = None
     if causal:  # seqlen_q == seqlen_k here, so top-left and bottom-right alignment agree
-        from torch.nn.attention.flex_attention import create_block_mask
-        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
-                                 seqlen, seqlen, device=device)
+        mask = causal_block_mask(seqlen, device)
     return lambda q, k, v: flex(q, k, v, block_mask=mask)
 
 
@@ -272,6 +306,23 @@ def _summary(exc):
     if not re.match(r"^[\w.]+(Error|Exception)\b", last):
         last = f"{type(exc).__name__}: {last}"
     return last[:300]
+
+
+def _build(provider, device, causal, seqlen):
+    """((attn, layout), None), or ((None, None), (status, message)) when building the
+    provider (make_attention) failed: every mode of it then becomes a row with that status,
+    not run. Any exception counts, not only Unsupported (FlexAttention's block mask can run
+    out of memory while it is built), with the status rules of a failed call (_status)."""
+    failure = None
+    try:
+        return make_attention(provider, device, causal, seqlen), None
+    except Exception as e:  # noqa: BLE001 - rows with their status, not a crash
+        failure = (_status(e, provider), str(e) if isinstance(e, Unsupported) else
+                   f"building {provider} failed: {_summary(e)}")
+    # Here the exception and its frames are gone: only now can the cache be emptied.
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return (None, None), failure
 
 
 def _mode_fn(attn, q, k, v, do, mode):
@@ -436,17 +487,17 @@ def run(cfg, device, out, resume=False):
         inputs = _inputs(batch, seqlen, nheads, headdim, dtype, device, seed=seqlen + headdim)
         rows = []
         for provider in cfg.providers:
-            inherited = None  # the status a failed mode passes on to the modes that need it
+            keys = {mode: tuple(str(x) for x in (provider, mode, cfg.dtype, batch, seqlen,
+                                                 nheads, headdim, causal)) for mode in modes}
+            if all(key in done for key in keys.values()):  # --resume: nothing to build
+                count += len(modes)
+                continue
             fwd_bwd_fits = False
-            try:
-                attn, layout = make_attention(provider, device, causal, seqlen)
-            except Unsupported as e:
-                attn, inherited = None, ("unsupported", str(e))
+            # inherited: the status a failed mode passes on to the modes that need it
+            (attn, layout), inherited = _build(provider, device, causal, seqlen)
             for mode in modes:
                 count += 1
-                key = tuple(str(x) for x in (provider, mode, cfg.dtype, batch, seqlen, nheads,
-                                             headdim, causal))
-                if key in done:
+                if keys[mode] in done:
                     continue
                 if inherited:
                     status, peak, times, message = inherited[0], math.nan, (math.nan,) * 3, \

@@ -151,6 +151,85 @@ def test_int_cache_seqlens_and_no_key(backend):
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_int_cache_seqlens_is_the_tensor_of_equal_lengths(backend, paged):
+    """An int cache_seqlens (checked on the host, no synchronization) gives exactly what the
+    tensor of that length for every sequence gives: the same append, o and lse."""
+    case = ("int", 2, 2, 4, 2, 24, 4 if paged else None, 12 if paged else 45, [29, 29], 3,
+            dict(causal=True))
+    results = []
+    for as_int in (False, True):
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, torch.float32)
+        seqlens = 29 if as_int else cache_seqlens
+        o, lse = longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens,
+                                                  block_table, return_lse=True, backend=backend,
+                                                  **kw)
+        results.append((o, lse, k_cache, v_cache))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    check_case(case, torch.float32, backend, 0)
+
+
+class _Launch:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args, **kwargs) records the launch."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, grid, args))
+
+
+def _refuse_device_reads(monkeypatch):
+    """Every way of reading a tensor's values back to Python raises."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a device-to-host read (synchronization)")
+    for name in ("tolist", "item", "__int__", "__index__", "__float__", "__bool__", "cpu",
+                 "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton launcher on CPU tensors")
+@pytest.mark.parametrize("append", [False, True], ids=["no-append", "append"])
+def test_int_cache_seqlens_reads_nothing_back(append, monkeypatch):
+    """With an int cache_seqlens, validation, the append and the launcher (split heuristic
+    included) read no tensor value back to the host (no .tolist(), .item(), int(tensor)): a
+    GPU timing of a decoding step measures the kernels, not a device round trip. The kernels
+    are stubbed (the interpreter itself reads tensors); a tensor cache_seqlens, whose values
+    are checked, does read them, once."""
+    from longflash import decode_triton
+    gen = torch.Generator().manual_seed(4)
+    batch, nheads, nheads_kv, headdim, length, new = 2, 4, 1, 16, 190, 2 if append else 0
+    q = torch.randn(batch, 1, nheads, headdim, generator=gen)
+    k_cache, v_cache = (torch.randn(batch, 200, nheads_kv, headdim, generator=gen)
+                        for _ in range(2))
+    k, v = ((torch.randn(batch, new, nheads_kv, headdim, generator=gen) for _ in range(2))
+            if append else (None, None))
+    calls = []
+    monkeypatch.setattr(decode_triton, "_fwd_splitkv", _Launch("split", calls))
+    monkeypatch.setattr(decode_triton, "_merge_splits", _Launch("merge", calls))
+    with monkeypatch.context() as m:
+        _refuse_device_reads(m)
+        longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=length,
+                                         causal=True, backend="triton")
+    (split, grid, args), merge = calls[0], calls[1:]
+    # the lengths the kernel reads, and the split count the heuristic gives at that length
+    assert torch.equal(args[4], torch.full((batch,), length + new, dtype=torch.int32))
+    cfg = decode_triton.launch_config(1, nheads // nheads_kv, headdim)
+    assert grid[0] == decode_triton.num_splits_heuristic(
+        batch * nheads_kv, length + new, cfg.kwargs["BLOCK_N"], decode_triton._num_sms(q.device))
+    assert grid[0] > 1 and [c[0] for c in merge] == ["merge"]
+    if append:
+        assert torch.equal(k_cache[:, length:length + new], k)
+    # a tensor's values are read for their checks: the refusal catches it
+    with monkeypatch.context() as m:
+        _refuse_device_reads(m)
+        with pytest.raises(AssertionError, match="device-to-host"):
+            longflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.full(
+                (batch,), length, dtype=torch.int32), backend="triton")
+
+
 @pytest.mark.skipif(not INTERPRET, reason="compares the two CPU paths")
 def test_backends_agree():
     case = CASES[3]
@@ -183,6 +262,12 @@ ERRORS = [
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([3, 7]))),
     ("negative-length", ValueError, "cache_seqlens",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([-1, 2]))),
+    ("int-beyond-capacity", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 7)),
+    ("int-negative", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, -1)),
+    ("default-new-beyond-capacity", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc[:, :1], vc[:, :1], k, v, None)),
     ("float-seqlens", TypeError, "cache_seqlens",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([1.0, 2.0]))),
     ("python-float-seqlens", TypeError, "cache_seqlens",
@@ -211,6 +296,11 @@ ERRORS = [
     ("block-table-negative", ValueError, "block_table",
      lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, torch.tensor([1, 3]),
                                          torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32))),
+    ("paged-int-beyond-capacity", ValueError, "cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 7, t)),
+    ("block-table-range-int", ValueError, "block_table",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 3,
+                                         torch.tensor([[0, 1], [2, 5]], dtype=torch.int32))),
     ("block-table-dtype", TypeError, "block_table",
      lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 1, t.long())),
     ("window", TypeError, "window_size",

@@ -159,3 +159,68 @@ def test_groups_run_in_the_stated_order():
     assert all(g[2] == 128 for g in plan[:first_long + len(cfg.long_seqlens)])
     assert len(plan) == (len(cfg.seqlens) * len(cfg.headdims) * len(cfg.causals)
                          + len(cfg.long_seqlens) * len(cfg.long_headdims))
+
+
+def test_a_provider_that_fails_to_build_is_rows_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Building a provider (make_attention: FlexAttention's block mask, for example) can fail
+    with any exception, not only Unsupported: every mode and metric of it is then a row with
+    the status of the failure (oom / error / unsupported), and the providers after it in the
+    same group are measured. In process, with make_attention mocked."""
+    import torch
+
+    original = speedup.make_attention
+    built = []
+
+    def make_attention(provider, device, causal, seqlen):
+        built.append(provider)
+        if provider == "standard":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+        if provider == "sdpa_cpu":
+            raise RuntimeError("something else broke")
+        return original(provider, device, causal, seqlen)
+
+    monkeypatch.setattr(speedup, "make_attention", make_attention)
+    monkeypatch.setattr(speedup.log, "path", None)
+    cfg = speedup.Config(**dict(speedup.QUICK, providers=("standard", "sdpa_cpu", "longflash"),
+                                seqlens=(128,), causals=(False,), long_seqlens=(),
+                                parts=("batch",), threads=0, ceiling_rep_ms=0))
+    out = tmp_path / "cpu.csv"
+    speedup.run(cfg, "cpu", str(out))
+    df = pd.read_csv(out)
+    runs = df[df["part"] == "batch"]
+    for provider, status in (("standard", "oom"), ("sdpa_cpu", "error"), ("longflash", "ok")):
+        rows = runs[runs["provider"] == provider]
+        assert set(rows["mode"]) == set(cfg.modes), provider
+        assert set(rows["metric"]) == METRICS and len(rows) == len(cfg.modes) * len(METRICS)
+        assert set(rows["status"]) == {status}, provider
+        assert rows["value"].isna().all() == (status != "ok")
+    assert built == ["standard", "sdpa_cpu", "longflash"]  # built once per group each
+    # --resume with every row present builds nothing
+    built.clear()
+    speedup.run(cfg, "cpu", str(out), resume=True)
+    assert built == []
+
+
+def test_causal_block_mask_is_compiled_above_the_eager_limit(monkeypatch):
+    """Above EAGER_BLOCK_MASK_MAX mask elements the block mask is built by a compiled
+    create_block_mask (eager would materialize seqlen x seqlen booleans), and it is the same
+    BlockMask as the eager one."""
+    import torch
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append(fn)
+        return fn  # the eager function: the same result, without a compilation in the test
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(speedup, "_FLEX", {})
+    eager = speedup.causal_block_mask(256, "cpu")
+    assert not compiled
+    monkeypatch.setattr(speedup, "EAGER_BLOCK_MASK_MAX", 256 * 256 - 1)
+    big = speedup.causal_block_mask(256, "cpu")
+    assert compiled == [create_block_mask]
+    for a, b in zip(eager.as_tuple(), big.as_tuple()):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

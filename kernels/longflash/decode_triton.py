@@ -237,8 +237,11 @@ def merge_config(num_splits):
     return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
 
 
-def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0):
-    """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append."""
+def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None):
+    """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append.
+    max_seqlen_k: max(seqlens_k) as an int, for the split heuristic (num_splits 0) without a
+    device-to-host read; None: read from seqlens_k (a synchronization; under torch.compile the
+    cache's capacity instead)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, seqlen_q, nheads, headdim = q.shape
@@ -254,8 +257,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0):
     m_blocks = triton.cdiv(seqlen_q * group, block_m)
     seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
     if num_splits == 0:
-        max_seqlen_k = int(seqlens_k.max()) if not torch.compiler.is_compiling() else \
-            (k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1])
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seqlens_k.max()) if not torch.compiler.is_compiling() else (
+                k_cache.shape[1] if block_table is None
+                else block_table.shape[1] * k_cache.shape[1])
         num_splits = num_splits_heuristic(batch * nheads_kv * m_blocks, max_seqlen_k, block_n,
                                           _num_sms(q.device))
     split = num_splits > 1

@@ -250,11 +250,12 @@ def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
 
 
 def _split_kv(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size, softcap,
-              alibi_slopes, backend):
+              alibi_slopes, backend, max_seqlen_k):
+    """max_seqlen_k: max(seqlens_k), known here, so the launcher reads nothing back."""
     from .kvcache import _forward  # imported on first use: kvcache imports this module
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     return _forward(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size,
-                    float(softcap), alibi_slopes, 0, backend)
+                    float(softcap), alibi_slopes, 0, backend, max_seqlen_k)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -315,7 +316,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
         seqlens_k = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
         o, lse = _split_kv(q, k, v, seqlens_k, None, causal, softmax_scale, window_size, softcap,
-                           alibi_slopes, backend)
+                           alibi_slopes, backend, k.shape[1])
         return (o, lse) if return_lse else o
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),
@@ -354,7 +355,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             o, lse = _split_kv(q.reshape(batch, max_seqlen_q, *q.shape[1:]), k[:, None],
                                v[:, None],
                                cu_seqlens_k.diff(), block_table.to(torch.int32), causal,
-                               softmax_scale, window_size, softcap, alibi_slopes, backend)
+                               softmax_scale, window_size, softcap, alibi_slopes, backend,
+                               max_seqlen_k)
             o = o.view(q.shape)  # (total_q, H, D)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return (o, lse) if return_lse else o

@@ -204,9 +204,13 @@ def _is_int(x):
 
 
 def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
-    """Shapes, dtypes and devices of the cache arguments; returns (seqlens (batch,) int64 on
-    q's device, seqlen_new). Reads cache_seqlens and block_table: one device-to-host copy.
-    Raises naming the argument; nothing has been written yet."""
+    """Shapes, dtypes and devices of the cache arguments; returns (seqlens, seqlen_new,
+    max_seqlen): seqlens the lengths before the append, a Python int when cache_seqlens is an
+    int or None (checked on the host: no device work, no sync), else a (batch,) int64 tensor
+    on q's device whose values are read once (one device-to-host copy); max_seqlen their
+    maximum as an int (None for a tensor while torch.compile traces, or at batch 0). A paged
+    cache's block_table entries in use are read too (one more copy). Raises naming the
+    argument; nothing has been written yet."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if x is None and name in ("k", "v"):
             continue
@@ -253,9 +257,9 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
             raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
         capacity = block_table.shape[1] * slots
     if cache_seqlens is None:
-        seqlens = torch.full((batch,), capacity - seqlen_new, dtype=torch.long, device=q.device)
+        seqlens = capacity - seqlen_new
     elif _is_int(cache_seqlens):
-        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.long, device=q.device)
+        seqlens = cache_seqlens
     elif isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype not in (torch.int32, torch.int64) or \
                 tuple(cache_seqlens.shape) != (batch,):
@@ -267,30 +271,44 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     else:
         raise TypeError(f"cache_seqlens must be an int or an integer tensor of shape "
                         f"({batch},), got {type(cache_seqlens).__name__}")
-    if torch.compiler.is_compiling() or batch == 0:
-        return seqlens, seqlen_new  # the value checks below need the data
-    lengths = seqlens.tolist()
-    if min(lengths) < 0 or max(lengths) + seqlen_new > capacity:
+    if _is_int(seqlens):
+        lo = hi = seqlens
+    elif torch.compiler.is_compiling() or batch == 0:
+        return seqlens, seqlen_new, None  # the value checks below need the data
+    else:
+        lengths = seqlens.tolist()  # the one device-to-host copy of cache_seqlens
+        lo, hi = min(lengths), max(lengths)
+    if lo < 0 or hi + seqlen_new > capacity:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache "
-                         f"capacity), got cache_seqlens in [{min(lengths)}, {max(lengths)}] and "
+                         f"capacity), got cache_seqlens in [{lo}, {hi}] and "
                          f"seqlen_new = {seqlen_new}")
-    if block_table is not None:
-        pages_used = (seqlens + seqlen_new + slots - 1) // slots  # (B,)
-        used = torch.arange(block_table.shape[1], device=q.device) < pages_used[:, None]
-        entries = block_table[used]
-        if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= k_cache.shape[0]):
-            raise ValueError(f"block_table entries of the pages in use must lie in [0, "
-                             f"{k_cache.shape[0]}) (num_pages of k_cache), got "
-                             f"[{int(entries.min())}, {int(entries.max())}]")
-    return seqlens, seqlen_new
+    if block_table is not None and batch and not torch.compiler.is_compiling():
+        pages_used = (seqlens + seqlen_new + slots - 1) // slots  # int or (B,)
+        if _is_int(pages_used):
+            entries = block_table[:, :pages_used]
+        else:
+            entries = block_table[torch.arange(block_table.shape[1], device=q.device)
+                                  < pages_used[:, None]]
+        if entries.numel():
+            first, last = torch.stack([entries.min(), entries.max()]).tolist()
+            if first < 0 or last >= k_cache.shape[0]:
+                raise ValueError(f"block_table entries of the pages in use must lie in [0, "
+                                 f"{k_cache.shape[0]}) (num_pages of k_cache), got "
+                                 f"[{first}, {last}]")
+    return seqlens, seqlen_new, hi
 
 
 def _append(cache, new, seqlens, block_table):
-    """cache[b, seqlens[b] + t] = new[b, t], in place (through block_table for a paged cache)."""
+    """cache[b, seqlens[b] + t] = new[b, t], in place (through block_table for a paged cache);
+    seqlens an int (every sequence) or a (batch,) tensor."""
     batch, seqlen_new = new.shape[:2]
     if seqlen_new == 0 or batch == 0:
         return
-    pos = seqlens[:, None] + torch.arange(seqlen_new, device=new.device)  # (B, Nnew)
+    if _is_int(seqlens):
+        pos = torch.arange(seqlens, seqlens + seqlen_new, device=new.device).expand(
+            batch, seqlen_new)
+    else:
+        pos = seqlens[:, None] + torch.arange(seqlen_new, device=new.device)  # (B, Nnew)
     b = torch.arange(batch, device=new.device)[:, None].expand_as(pos)
     if block_table is None:
         cache.index_put_((b, pos), new)
@@ -316,7 +334,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before
             attending. cache_seqlens itself is not updated (the caller advances it).
         cache_seqlens: int or (batch,) int32/int64 tensor: each sequence's length before the
-            append; default: the whole capacity (minus seqlen_new).
+            append; default: the whole capacity (minus seqlen_new). An int (or the default)
+            is checked on the host and costs no device-to-host synchronization with a
+            contiguous cache: use it when every sequence has the same length. A tensor's
+            values are checked too, which reads them back once per call (a synchronization;
+            none under torch.compile, where the value checks are skipped); so are the
+            block_table entries of a paged cache.
         block_table: (batch, max_pages) int32: page p of sequence b is k_cache[block_table[b, p]].
             Entries of pages beyond a sequence's length are not read (any value).
         causal: bottom-right aligned to each sequence's length after the append,
@@ -342,7 +365,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                          f"{getattr(q, 'shape', type(q).__name__)}")
     if not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
-    seqlens, seqlen_new = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
+                                                   block_table)
     # The remaining checks (dtype, scale, window, softcap, ALiBi, backend) are attention's,
     # on an empty stand-in for the keys.
     keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
@@ -351,14 +375,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if k is not None:
         _append(k_cache, k, seqlens, block_table)
         _append(v_cache, v, seqlens, block_table)
-    o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, causal,
-                      softmax_scale, window_size, softcap, alibi_slopes, num_splits, backend)
+    if _is_int(seqlens):  # one fill, no synchronization
+        seqlens_k = torch.full((q.shape[0],), seqlens + seqlen_new, dtype=torch.int32,
+                               device=q.device)
+    else:
+        seqlens_k = seqlens + seqlen_new
+    max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
+    o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
+                      window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k)
     return (o, lse) if return_lse else o
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
-             softcap, alibi_slopes, num_splits, backend):
-    """Checked arguments -> (o, lse) on the chosen implementation."""
+             softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None):
+    """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
+    of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
+    device); None: found from seqlens_k when needed."""
     from ._common import Options
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
@@ -367,5 +399,5 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
-                                     num_splits)
+                                     num_splits, max_seqlen_k)
     return forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits)
