@@ -255,9 +255,10 @@ def stage_steps(stage, dry):
             # at 1M tokens, 2 x ~10 candidates would take minutes, so `warm` tunes that bucket
             # at 64K tokens (same head dim, heads, dtype, causal) and the choice is on disk.
             _probe("warm", estimate_s=20, timeout_s=120, argv_tail=["--", *warm]),
-            # blocks (autotuning at 8K), the CPU ring at 64K, then 1M tokens forward+backward
-            # on one GPU: ~8-15 s a call, do_bench's 8 calls plus one for peak memory, so
-            # 150-250 s in all; 90 s stay for ncu.
+            # First 1M tokens forward+backward on one GPU (written at once): ~8-15 s a call,
+            # a warm-up and at most 3 timed calls (scaling's lean timing, capped at 60 s); then
+            # blocks (autotuning at 8K) and the CPU ring at 64K: 150-250 s in all; 90 s stay
+            # for ncu.
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
                  rq="scaling", estimate_s=150, timeout_s=330, reserve_s=90),
             # RQ2: one fresh process under ncu per configuration, 15-60 s each, the ones whose
@@ -294,8 +295,11 @@ def stage_steps(stage, dry):
                                  *(["--seqlens", "256,512"] if dry else ["--full"]),
                                  "--out", "{out}"),
                  rq="variants", estimate_s=30, timeout_s=120, reserve_s=130),
-            Step("long_context", _py("experiments.long_context_training", *lct, "--out", "{out}"),
-                 rq="long_context_training", estimate_s=60, timeout_s=300),
+            # exactness, the memory model, then the max-context searches, which stop starting
+            # probes at --budget-s and write each result as it comes (lower bounds noted)
+            Step("long_context", _py("experiments.long_context_training", *lct,
+                                     "--budget-s", "{budget}", "--out", "{out}"),
+                 rq="long_context_training", estimate_s=60, timeout_s=300, tail_s=30),
         ]
     raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
 

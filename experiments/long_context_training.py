@@ -5,33 +5,49 @@ IO-aware attention, and whether the longer context helps.
     python -m experiments.long_context_training --parts max_context,memory_model
     python -m experiments.long_context_training --quick --out /tmp/l.csv   # tiny, for the tests
     python -m experiments.long_context_training --full               # GPU sizes (UNTESTED)
+    python -m experiments.long_context_training --full --budget-s 600    # more time for the search
     python -m experiments.long_context_training --parts quality --resume   # continue runs
 
 The model is longflash.models.GPT (byte-level, rotary, pre-norm) with attn_impl "longflash",
 "sdpa" or "standard" (materialized); everything else is identical. Writes
 results/long_context_training/<device>.csv ("cpu", or the GPU, e.g. "h100"), the log
-<device>.log and the resolved config <device>.json. Training runs keep checkpoints (model,
-optimizer, step, RNG states) every `checkpoint_every` steps in `run_dir`/<run name>/;
---resume continues each run from its last checkpoint (a finished run is not repeated).
+<device>.log and the resolved config <device>.json. Rows are written (merged by key,
+atomically) as they are measured: after each part, and in max_context after every probe and
+every search, so a run killed at a timeout keeps what it measured. Parts run in the order of
+PARTS (the cheap memory_model before max_context), whatever the order of --parts. Training
+runs keep checkpoints (model, optimizer, step, RNG states) every `checkpoint_every` steps in
+`run_dir`/<run name>/; --resume continues each run from its last checkpoint (a finished run
+is not repeated).
 
 Rows follow experiments/results.py, experiment "long_context_training", dtype "float32" on
 CPU ("bfloat16" autocast with --full), causal, with extra columns part, model
 ("L2-d128-h4": layers, width, heads; "7b" for the projection), budget_mb, checkpoint
 (activation checkpointing), seed, step, basis ("measured" / "projected"); all but basis are
-key columns. Providers: "longflash", "standard", "sdpa_cpu" (PyTorch SDPA on CPU: a fused,
-memory-efficient kernel) or "sdpa_flash" (--full). seqlen_q = seqlen_k = the context; 0 on
-summary rows (max_seqlen, projections) so that their keys do not depend on their value.
+key columns; a column note says how to read a row where that needs saying (max_seqlen: the
+bracket, a lower bound, not measured). Providers: "longflash", "standard", "sdpa_cpu"
+(PyTorch SDPA on CPU: a fused, memory-efficient kernel) or "sdpa_flash" (--full). seqlen_q =
+seqlen_k = the context; 0 on summary rows (max_seqlen, projections) so that their keys do not
+depend on their value.
 
 Parts and metrics:
   max_context   per model and attention, one full training step (forward, backward, AdamW
                 step, batch 1) per probe under a memory budget of budget_mb (CPU: a forked
                 child whose address space is capped, experiments.measure.peak_memory_mb;
                 GPU: torch.cuda peak stats, and a real CUDA OOM): contexts double from
-                search_start, then bisect to search_resolution tokens. Every probe is a row,
+                search_start, then bisect in multiples of search_resolution tokens until the
+                gap is at most search_resolution or search_fraction of the bracket that the
+                doubling left (--full: 1/8, three bisection probes). Every probe is a row,
                 mode "train_step", metric peak_mem_mb (status ok or oom); then max_seqlen
-                (unit tokens; seqlen 0), the longest context that fit. The search stops
-                doubling at search_cap (then max_seqlen is a lower bound: status ok, and the
-                log says so).
+                (unit tokens; seqlen 0), the longest context that fit, note "N did not fit"
+                (the true maximum lies in [max_seqlen, N)). Lower bounds (status ok, the note
+                starts with "lower bound"): the search stops doubling at search_cap; and with
+                a time budget (--budget-s; --full: time_budget_s, counted from the start of
+                the run) no probe is started whose predicted time (the last probe's, scaled
+                by the square of the length ratio) runs past it, and the search ends there.
+                A search that the budget leaves no time to start is a max_seqlen row with
+                status error, value NaN, note "not measured: time budget". On CUDA each model
+                is built once per search (one model on the GPU at a time) and reused by its
+                probes, each probe with a fresh optimizer; on CPU each probe builds its own.
   memory_model  peak_mem_mb of one training step, batch 1, at memory_seqlens[provider], no
                 budget (the notebook fits peak = c0 + c1 s + c2 s^2). Plus the projection
                 (basis "projected", model "7b", never measured): projected_peak_gb per GPU
@@ -67,6 +83,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -81,7 +98,9 @@ try:
 except ImportError:  # printed counters instead
     tqdm = None
 
-PARTS = ("exactness", "max_context", "memory_model", "mqar", "quality")  # in running order
+# In running order: the cheap parts first, so that a run cut short (the GPU campaign's stage 3
+# kills the step at its timeout) has them; max_context has a time budget of its own.
+PARTS = ("exactness", "memory_model", "max_context", "mqar", "quality")
 KEY_COLUMNS = ("part", "model", "budget_mb", "checkpoint", "seed", "step")
 IMPLS = {"longflash": "longflash", "standard": "standard", "sdpa_cpu": "sdpa",
          "sdpa_flash": "sdpa"}  # provider -> GPTConfig.attn_impl
@@ -95,6 +114,9 @@ class Config:
     search_start: int = 512               # max_context: first probe (tokens)
     search_resolution: int = 256          # ... bisection stops at this gap
     search_cap: int = 32768               # ... no probe beyond (then max is a lower bound)
+    search_fraction: float = 0.0          # ... or at this fraction of the doubling's bracket
+    time_budget_s: float = math.inf       # max_context: no probe predicted to end past this
+    #                                       many seconds after the start of the run
     memory_seqlens: tuple = (("standard", (256, 512, 1024, 1536, 2048, 3072)),
                              ("sdpa_cpu", (512, 1024, 2048, 4096, 6144, 8192)),
                              ("longflash", (512, 1024, 2048, 4096, 6144, 8192)))
@@ -138,7 +160,10 @@ class Config:
 FULL = dict(  # UNTESTED (no GPU was available): GPT-2 small and medium on one 80 GB GPU
     models=("L12-d768-h12", "L24-d1024-h16"), budgets_mb=(80 * 1024, 80 * 1024),
     providers=("standard", "sdpa_flash", "longflash"), search_start=1024, search_cap=2**20,
-    search_resolution=1024, memory_model="L12-d768-h12",
+    # a probe near the maximum (256K+ tokens) takes 10-30 s on an H100, and the campaign's
+    # stage 3 gives this script about 270 s for exactness, memory_model and max_context
+    search_resolution=1024, search_fraction=1 / 8, time_budget_s=240.0,
+    memory_model="L12-d768-h12",
     memory_seqlens=(("standard", (1024, 2048, 4096, 8192, 16384)),
                     ("sdpa_flash", (4096, 8192, 16384, 32768, 65536)),
                     ("longflash", (4096, 8192, 16384, 32768, 65536))),
@@ -211,7 +236,8 @@ log = Log()  # the raw log beside the results; set log.path in main
 
 
 def row(cfg, part, provider, model, seqlen, batch, metric, value, unit, status="ok",
-        mode="train", budget_mb=0, checkpoint=False, seed=0, step=-1, basis="measured"):
+        mode="train", budget_mb=0, checkpoint=False, seed=0, step=-1, basis="measured",
+        note=""):
     _, n_embd, n_head = parse_model(model) if model != "7b" else (32, 4096, 32)
     return dict(experiment="long_context_training", provider=provider, mode=mode,
                 dtype=cfg.dtype if basis == "measured" else "bfloat16", batch=batch,
@@ -219,12 +245,33 @@ def row(cfg, part, provider, model, seqlen, batch, metric, value, unit, status="
                 headdim=n_embd // n_head, causal=True, metric=metric,
                 value=value if status == "ok" else math.nan, unit=unit, p20=math.nan,
                 p80=math.nan, status=status, part=part, model=model, budget_mb=budget_mb,
-                checkpoint=checkpoint, seed=seed, step=step, basis=basis)
+                checkpoint=checkpoint, seed=seed, step=step, basis=basis, note=note)
 
 
 # ----------------------------------------------------------------------------- max context
 
 _WARM = set()
+_CACHED = {}  # CUDA: {(model, provider): GPT}, at most one (see _model)
+
+
+def _model(cfg, model_spec, provider):
+    """The model a probe trains. CPU: a fresh one every time (the step runs in a forked child,
+    so the parent's copy is never trained). CUDA: built once per (model, provider) and kept
+    for the next probes, which is what a search needs (building GPT-2 medium takes seconds);
+    only one is kept, so that no other model's weights take GPU memory from a probe."""
+    if cfg.device != "cuda":
+        return build(model_spec, provider, device=cfg.device)
+    if (model_spec, provider) not in _CACHED:
+        release_models(cfg)
+        _CACHED[(model_spec, provider)] = build(model_spec, provider, device=cfg.device)
+    return _CACHED[(model_spec, provider)]
+
+
+def release_models(cfg):
+    """Drop the model kept by _model (CUDA) and give its memory back."""
+    _CACHED.clear()
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def probe_step(cfg, model_spec, provider, seqlen, budget_mb):
@@ -232,13 +279,15 @@ def probe_step(cfg, model_spec, provider, seqlen, budget_mb):
 
     A short step runs first in this process (once per model and attention), so that the
     library code and allocator arenas it touches are resident before the measuring child
-    forks and are not counted as the step's memory."""
+    forks and are not counted as the step's memory. On CUDA the model is reused across
+    probes (_model) with a fresh optimizer each time: what the step allocates (activations,
+    gradients, AdamW's state) counts, as with a fresh model."""
     if (model_spec, provider) not in _WARM:
-        model = build(model_spec, provider, device=cfg.device)
+        model = _model(cfg, model_spec, provider)
         x = torch.randint(0, 256, (1, 128), device=cfg.device)
         train_step(model, make_optimizer(model, cfg.lr, cfg.weight_decay), x, x, cfg)
         _WARM.add((model_spec, provider))
-    model = build(model_spec, provider, device=cfg.device)
+    model = _model(cfg, model_spec, provider)
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
     x = torch.randint(0, 256, (1, seqlen), device=cfg.device)
     fn = lambda: train_step(model, opt, x, x, cfg)  # noqa: E731
@@ -252,15 +301,25 @@ def probe_step(cfg, model_spec, provider, seqlen, budget_mb):
             log(f"  probe {provider} {seqlen}: {str(e)[-300:]}")
         return ("oom" if is_oom(e) else "error"), math.nan
     finally:
-        del model, opt
+        if cfg.device == "cuda":
+            model.zero_grad(set_to_none=True)  # a step that failed in its backward left some
+        del model, opt, x, fn
         if cfg.device == "cuda":
             torch.cuda.empty_cache()
 
 
-def search_max_context(probe, start, resolution, cap):
+class Search(NamedTuple):
+    best: int        # the longest context that fit (0: not even the first probe)
+    capped: bool     # the doubling reached the cap: best is a lower bound
+    probes: list     # (n, status, peak) in the order probed
+    stopped: bool    # stop(n) ended the search: best is a lower bound
+
+
+def search_max_context(probe, start, resolution, cap, fraction=0.0, stop=None):
     """Longest n in multiples of `resolution` with probe(n) ok: double from start while ok
-    (not beyond cap), then bisect. probe(n) -> (status, peak). Returns (max, capped,
-    probes) with probes a list of (n, status, peak); max 0 if start fails."""
+    (not beyond cap), then bisect until the gap is at most max(resolution, fraction * the
+    bracket the doubling left). probe(n) -> (status, peak). stop(n) -> True: n is not probed
+    and the search ends (a time budget). Returns a Search; best 0 if start fails."""
     probes = []
 
     def ok(n):
@@ -270,43 +329,87 @@ def search_max_context(probe, start, resolution, cap):
 
     lo, hi, n = 0, None, start
     while n <= cap:
+        if stop is not None and stop(n):
+            return Search(lo, False, probes, True)
         if not ok(n):
             hi = n
             break
         lo, n = n, 2 * n
     if hi is None:
-        return lo, True, probes
-    while hi - lo > resolution:
+        return Search(lo, True, probes, False)
+    gap = max(resolution, fraction * (hi - lo))
+    while hi - lo > gap:
         mid = (lo + hi) // 2 // resolution * resolution
         if mid <= lo:
             mid = lo + resolution
+        if stop is not None and stop(mid):
+            return Search(lo, False, probes, True)
         if ok(mid):
             lo = mid
         else:
             hi = mid
-    return lo, False, probes
+    return Search(lo, False, probes, False)
 
 
-def part_max_context(cfg):
+def _search_note(search, cap):
+    failed = [n for n, status, _ in search.probes if status != "ok" and n > search.best]
+    bracket = f"{min(failed)} did not fit" if failed else ""
+    if search.stopped and not search.probes:
+        return "not measured: time budget"
+    if search.stopped:
+        return "lower bound: time budget spent" + (f"; {bracket}" if bracket else
+                                                   ", still doubling")
+    if search.capped:
+        return f"lower bound: search_cap {cap} reached"
+    return bracket
+
+
+def part_max_context(cfg, emit=None, deadline=None, clock=time.monotonic):
+    """The max_context rows. emit(rows), if given, is called with each probe's row as it is
+    measured and with each search's max_seqlen row: the caller writes them. deadline (a time
+    of `clock`): no probe is started that is predicted to end after it."""
+    emit = emit or (lambda rows: None)
     rows = []
     for model_spec, budget in zip(cfg.models, cfg.budgets_mb):
         for provider in cfg.providers:
             t0 = time.perf_counter()
+            last = []  # (seqlen, seconds) of this search's latest probe
 
             def probe(n):
+                t1 = clock()
                 status, peak = probe_step(cfg, model_spec, provider, n, budget)
+                last[:] = [(n, clock() - t1)]
                 log(f"  max_context {model_spec} {provider:<9} budget {budget} MiB  seqlen "
                     f"{n:>6}: {status} {peak:.0f} MiB ({time.perf_counter() - t0:.0f} s)")
+                r = row(cfg, "max_context", provider, model_spec, n, 1, "peak_mem_mb", peak,
+                        "MiB", status, "train_step", budget)
+                rows.append(r)
+                emit([r])
                 return status, peak
 
-            best, capped, probes = search_max_context(probe, cfg.search_start,
-                                                      cfg.search_resolution, cfg.search_cap)
-            rows += [row(cfg, "max_context", provider, model_spec, n, 1, "peak_mem_mb", peak,
-                         "MiB", status, "train_step", budget) for n, status, peak in probes]
-            rows.append(row(cfg, "max_context", provider, model_spec, 0, 1, "max_seqlen", best,
-                            "tokens", "ok", "train_step", budget))
-            log(f"max_context {model_spec} {provider}: {best} tokens"
-                f"{' (cap reached: a lower bound)' if capped else ''}")
+            def stop(n):
+                if deadline is None:
+                    return False
+                predicted = last[0][1] * max(1.0, n / last[0][0]) ** 2 if last else 0.0
+                left = deadline - clock()
+                if predicted < left:
+                    return False
+                log(f"  max_context {model_spec} {provider}: not probing {n} tokens: "
+                    f"predicted {predicted:.0f} s, {max(left, 0):.0f} s of the budget left")
+                return True
+
+            search = search_max_context(probe, cfg.search_start, cfg.search_resolution,
+                                        cfg.search_cap, cfg.search_fraction, stop)
+            note = _search_note(search, cfg.search_cap)
+            measured = bool(search.probes) or not search.stopped
+            r = row(cfg, "max_context", provider, model_spec, 0, 1, "max_seqlen",
+                    search.best if measured else math.nan, "tokens",
+                    "ok" if measured else "error", "train_step", budget, note=note)
+            rows.append(r)
+            emit([r])
+            log(f"max_context {model_spec} {provider}: {search.best} tokens"
+                f"{f' ({note})' if note else ''}")
+    release_models(cfg)
     return rows
 
 
@@ -357,6 +460,7 @@ def part_memory_model(cfg):
                 f"{peak:.1f} MiB")
             rows.append(row(cfg, "memory_model", provider, cfg.memory_model, n, 1,
                             "peak_mem_mb", peak, "MiB", status, "train_step"))
+    release_models(cfg)
     kw = dict(gpus=cfg.projection_gpus)
     for attention in ("standard", "longflash"):
         for ckpt in (False, True):
@@ -558,6 +662,7 @@ def part_mqar(cfg, resume):
             f"{status} {peak:.0f} MiB")
         rows.append(row(cfg, "mqar", provider, cfg.quality_model, cfg.mqar_seqlen, 1,
                         "peak_mem_mb", peak, "MiB", status, "train_step", cfg.mqar_budget_mb))
+    release_models(cfg)
     model = build(cfg.quality_model, "longflash", seed=0, device=cfg.device)
     opt = make_optimizer(model, cfg.mqar_lr, 0.0)
     name = f"mqar-{cfg.quality_model}-kv{cfg.mqar_num_kv}"
@@ -595,9 +700,14 @@ def main(argv=None):
     parser.add_argument("--quality-provider", choices=sorted(IMPLS),
                         help=f"attention of the quality runs (default {Config.quality_provider})")
     parser.add_argument("--budgets-mb", help="comma-separated, one per model")
+    parser.add_argument("--budget-s", type=float,
+                        help="seconds for the whole run, from its start: max_context starts no "
+                        "probe predicted to end past it (default: none; "
+                        f"{FULL['time_budget_s']:.0f} with --full)")
     parser.add_argument("--out", help="results CSV (default results/long_context_training/"
                         "<device>.csv); log and config beside it")
     args = parser.parse_args(argv)
+    started = time.monotonic()
     cfg = Config(**(FULL if args.full else QUICK if args.quick else {}))
     if args.run_dir:
         cfg = replace(cfg, run_dir=args.run_dir)
@@ -607,6 +717,8 @@ def main(argv=None):
         cfg = replace(cfg, quality_provider=args.quality_provider)
     if args.budgets_mb:
         cfg = replace(cfg, budgets_mb=tuple(int(b) for b in args.budgets_mb.split(",")))
+    if args.budget_s is not None:
+        cfg = replace(cfg, time_budget_s=args.budget_s)
     parts = args.parts.split(",")
     if not set(parts) <= set(PARTS):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; choose from {PARTS}")
@@ -616,20 +728,30 @@ def main(argv=None):
         "long_context_training", args.out, log, dict(asdict(cfg), parts=parts),
         f"long_context_training on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, parts {parts}\n{cfg}")
-    runners = dict(max_context=lambda: part_max_context(cfg),
-                   memory_model=lambda: part_memory_model(cfg),
-                   quality=lambda: part_quality(cfg, args.resume),
-                   exactness=lambda: part_exactness(cfg), mqar=lambda: part_mqar(cfg, args.resume))
+    deadline = started + cfg.time_budget_s if math.isfinite(cfg.time_budget_s) else None
+    written = [0]
+
+    def emit(rows):
+        """Write rows now (merged by key, atomically): a run killed later keeps them."""
+        if not rows:
+            return
+        if cfg.device != "cuda":
+            for r in rows:
+                if r["basis"] == "measured":
+                    r["device"] = cpu_name()
+        write_results(rows, out, command=command, key_columns=KEY_COLUMNS)
+        written[0] += len(rows)
+
+    runners = dict(max_context=lambda: part_max_context(cfg, emit, deadline),  # writes as it goes
+                   memory_model=lambda: emit(part_memory_model(cfg)),
+                   quality=lambda: emit(part_quality(cfg, args.resume)),
+                   exactness=lambda: emit(part_exactness(cfg)),
+                   mqar=lambda: emit(part_mqar(cfg, args.resume)))
     for part in PARTS:
         if part in parts:
-            t0 = time.perf_counter()
-            rows = runners[part]()
-            if cfg.device != "cuda":
-                for r in rows:
-                    if r["basis"] == "measured":
-                        r["device"] = cpu_name()
-            write_results(rows, out, command=command, key_columns=KEY_COLUMNS)
-            log(f"{part}: {len(rows)} rows, {time.perf_counter() - t0:.0f} s")
+            t0, before = time.perf_counter(), written[0]
+            runners[part]()
+            log(f"{part}: {written[0] - before} rows, {time.perf_counter() - t0:.0f} s")
     log(f"wrote {out}")
 
 

@@ -3,6 +3,7 @@
     t, p20, p80 = time_ms(lambda: attention(q, k, v), q.device)    # milliseconds
     (t1, ...), (t2, ...) = time_ms_interleaved([f1, f2], device)  # peers, CPU round robin
     mem = peak_memory_mb(lambda: attention(q, k, v), q.device)      # MiB above the start
+    (t, p20, p80), mem = time_ms_lean(fn, device, reps=3)  # calls of seconds: 1 + 3 calls
     try: ... except Exception as e: status = "oom" if is_oom(e) else "error"
 
 Build the inputs outside fn: only the call itself is timed (and, on CPU, only what fn
@@ -10,6 +11,7 @@ allocates counts as its memory).
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -60,6 +62,50 @@ def time_ms_interleaved(fns, device, warmup=25, rep=100, quantiles=(0.5, 0.2, 0.
             fn()
             t.append((time.perf_counter() - t0) * 1e3)
     return [tuple(float(x) for x in np.quantile(t, quantiles)) for t in times]
+
+
+def time_ms_lean(fn, device, reps=3, quantiles=(0.5, 0.2, 0.8), max_s=None):
+    """For calls that take seconds each (1M-token attention): ((quantiles), peak MiB) from
+    1 + reps calls, where time_ms (do_bench: 1 + 5 estimating + warm-up + timed calls) and a
+    separate peak_memory_mb would make 9 or more.
+
+    One untimed warm-up call (it compiles and autotunes), then `reps` timed calls, each
+    synchronized on its own: the quantiles are over those reps values (np.quantile, linear
+    interpolation: with 2 or 3 values p20 / p80 lie between them). No L2 flush: meant for
+    working sets far beyond L2. max_s: no further timed call once the timed calls took this
+    many seconds together (at least one is made), for a time budget.
+    CUDA: CUDA events around each call; the peak is max_memory_allocated() - memory_allocated()
+    around each timed call (the caching allocator's tensors, as in peak_memory_mb), the largest
+    over the timed calls, so the autotuner's buffers in the warm-up do not count.
+    Other devices: time.perf_counter per call; the peak is NaN (not measured: use
+    peak_memory_mb, which runs fn once more in a forked child).
+    """
+    reps = max(1, int(reps))
+    fn()  # warm-up
+    times, peak = [], math.nan
+    if torch.device(device).type == "cuda":
+        peak = 0.0
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+            peak = max(peak, (torch.cuda.max_memory_allocated(device) - before) / MB)
+            if max_s is not None and sum(times) >= max_s * 1e3:
+                break
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if max_s is not None and sum(times) >= max_s * 1e3:
+                break
+    return tuple(float(x) for x in np.quantile(times, quantiles)), peak
 
 
 def _proc_status_kb(field):

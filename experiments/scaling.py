@@ -51,7 +51,13 @@ Parts and metrics:
               rank, largest), max_err_o_sampled (max |o - ref64| over `long_check_rows`
               query rows spread over the sequence, the reference attending to all their keys).
               With CUDA (--full) also longflash.attention forward+backward at gpu_long_seqlen
-              on one GPU (layout none).
+              on one GPU (layout none; bfloat16; time_ms, tflops, peak_mem_mb), run and
+              written before every other part. From gpu_long_lean_seqlen tokens on (1M: a
+              few seconds a call) it is timed leanly, experiments.measure.time_ms_lean: one
+              warm-up call (autotuning), then gpu_long_reps timed calls, fewer once they took
+              gpu_long_max_s together (CUDA events; median, p20, p80 of those few),
+              peak_mem_mb the largest over the timed calls. An OOM or any other failure
+              gives the three rows with status oom / error.
 """
 
 import argparse
@@ -70,7 +76,8 @@ import torch.distributed as dist
 
 import longflash
 from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
-from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms
+from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms, \
+    time_ms_lean
 from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results
 
 CPU_BACKEND = "torch"  # the blockwise PyTorch path, even where TRITON_INTERPRET=1 is set
@@ -105,6 +112,10 @@ class Config:
     long_check_rows: int = 16
     gpu_long_seqlen: int = 0              # > 0: one GPU, forward+backward (--full)
     gpu_long_shape: tuple = (1, 4, 4, 128)
+    gpu_long_device: str = "cuda"         # runs only where this is available ("cpu": tests)
+    gpu_long_lean_seqlen: int = 2**18     # from this length on, measure.time_ms_lean: one
+    gpu_long_reps: int = 3                # ... warm-up call, then this many timed calls,
+    gpu_long_max_s: float = 60.0          # ... fewer once they took this long together
 
 
 FULL = dict(  # a GPU machine with 16 cores: gloo ranks on its CPU, blocks on its GPU with
@@ -450,24 +461,52 @@ def _weak_efficiency(tflops_rows):
                  unit="ratio") for r in tflops_rows if r["layout"] in one_rank]
 
 
-def _gpu_long(cfg):
-    """One GPU: longflash.attention forward+backward over gpu_long_seqlen tokens."""
+def _gpu_long(cfg, device="cuda"):
+    """One GPU: longflash.attention forward+backward over gpu_long_seqlen tokens; its rows, or
+    rows with status "oom" / "error" (value NaN) if it fails. At gpu_long_lean_seqlen tokens
+    and more, one call takes seconds (1M tokens: ~4e15 FLOP), so it is measured leanly
+    (measure.time_ms_lean: one warm-up call, then gpu_long_reps timed calls, the peak from
+    those) instead of by time_ms (do_bench: 8 calls at this size) plus peak_memory_mb (one
+    more). `device` other than "cuda": the same on CPU (tests)."""
     seqlen, shape = cfg.gpu_long_seqlen, cfg.gpu_long_shape
-    row = lambda *a, **kw: _row(shape, "bfloat16", "long", "none", 1, seqlen, "fwd_bwd",  # noqa
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    row = lambda *a, **kw: _row(shape, dtype, "long", "none", 1, seqlen, "fwd_bwd",  # noqa
                                 *a, **kw)
+    q = k = v = do = None
     try:
-        q, k, v, do = _inputs(shape, seqlen, "bfloat16", seed=3, device="cuda")
+        q, k, v, do = _inputs(shape, seqlen, dtype, seed=3, device=device)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        fn = lambda: torch.autograd.grad(longflash.attention(q, k, v, causal=True),  # noqa
-                                         (q, k, v), do)
-        med, p20, p80 = time_ms(fn, "cuda")
-        peak = peak_memory_mb(fn, "cuda")
+        backend = "auto" if device == "cuda" else CPU_BACKEND
+        fn = lambda: torch.autograd.grad(  # noqa: E731
+            longflash.attention(q, k, v, causal=True, backend=backend), (q, k, v), do)
+        if seqlen >= cfg.gpu_long_lean_seqlen:
+            (med, p20, p80), peak = time_ms_lean(fn, device, reps=cfg.gpu_long_reps,
+                                                 max_s=cfg.gpu_long_max_s)
+            how = f"1 warm-up + at most {cfg.gpu_long_reps} timed calls"
+        else:
+            med, p20, p80 = time_ms(fn, device)
+            peak = peak_memory_mb(fn, device)
+            how = "time_ms + peak_memory_mb"
         fl = flops(shape[0], seqlen, seqlen, shape[1], shape[3], True, "fwd_bwd")
-        return [row("time_ms", med, "ms", p20=p20, p80=p80),
-                row("tflops", tflops(fl, med), "TFLOP/s"), row("peak_mem_mb", peak, "MiB")]
-    except Exception as e:  # noqa: BLE001 - the row records what happened
-        log(f"long, one GPU, seqlen {seqlen}: {type(e).__name__}: {e}")
-        return [row("time_ms", math.nan, "ms", status="oom" if is_oom(e) else "error")]
+        log(f"long, one GPU, seqlen {seqlen}: {med:.0f} ms (p20 {p20:.0f}, p80 {p80:.0f}), "
+            f"{tflops(fl, med):.0f} TFLOP/s, peak {peak:.0f} MiB ({how})")
+        rows = [row("time_ms", med, "ms", p20=p20, p80=p80),
+                row("tflops", tflops(fl, med), "TFLOP/s")]
+        if math.isfinite(peak):
+            rows.append(row("peak_mem_mb", peak, "MiB"))
+        else:  # time_ms_lean off CUDA (tests): not measured
+            rows.append(row("peak_mem_mb", math.nan, "MiB", status="unsupported"))
+        return rows
+    except Exception as e:  # noqa: BLE001 - the rows record what happened
+        status = "oom" if is_oom(e) else "error"
+        log(f"long, one GPU, seqlen {seqlen}: {status}: {type(e).__name__}: {str(e)[-500:]}")
+        return [row(m, math.nan, u, status=status)
+                for m, u in (("time_ms", "ms"), ("tflops", "TFLOP/s"), ("peak_mem_mb", "MiB"))]
+    finally:
+        del q, k, v, do  # an OOM's memory goes back before the next part
+        if device == "cuda":
+            with contextlib.suppress(Exception):  # a broken context fails the next part, not this
+                torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- main
@@ -530,6 +569,14 @@ def main():
                        f"scaling on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), torch "
                        f"{torch.__version__}, parts {parts}\n{cfg}")
 
+    # The one-GPU run over gpu_long_seqlen tokens first, its rows written before anything else
+    # runs: it is the headline of part long, and a step killed at its timeout later keeps it.
+    if "long" in parts and cfg.gpu_long_seqlen and (cfg.gpu_long_device != "cuda"
+                                                    or torch.cuda.is_available()):
+        t0 = time.perf_counter()
+        _write(_on_device(_gpu_long(cfg, cfg.gpu_long_device), cfg.gpu_long_device), out)
+        log(f"long, one GPU: {time.perf_counter() - t0:.0f} s")
+
     world_sizes = sorted(set(cfg.exact_ranks if "exactness" in parts else ())
                          | set(cfg.memory_ranks if "memory" in parts else ())
                          | set(cfg.weak_ranks if "weak" in parts else ()))
@@ -563,8 +610,6 @@ def main():
             rows = _failed(replace(cfg, layouts=("zigzag",)), ["long"], cfg.long_ranks, e)
         log(f"long: {time.perf_counter() - t0:.0f} s")
         _write(_on_device(rows, "cpu"), out)
-        if cfg.gpu_long_seqlen and torch.cuda.is_available():
-            _write(_gpu_long(cfg), out)
     log(f"wrote {out}")
 
 

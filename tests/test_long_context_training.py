@@ -84,10 +84,106 @@ def test_quick_exactness_same_losses(quick):
     (1024, 512, 32768, (1024, False)),   # exactly on a doubling
 ])
 def test_search_finds_boundary(limit, start, cap, expect):
-    best, capped, probes = lct.search_max_context(
+    best, capped, probes, stopped = lct.search_max_context(
         lambda n: ("ok", float(n)) if n <= limit else ("oom", math.nan), start, 256, cap)
-    assert (best, capped) == expect
+    assert (best, capped, stopped) == (*expect, False)
     assert all((status == "ok") == (n <= limit) for n, status, _ in probes)
+
+
+def _fits(limit):
+    return lambda n: ("ok", float(n)) if n <= limit else ("oom", math.nan)
+
+
+def test_search_fraction_stops_at_an_eighth_of_the_bracket():
+    """--full: bisection to 1/8 of the doubling's bracket, 3 probes instead of 6."""
+    limit = 100_000
+    fine = lct.search_max_context(_fits(limit), 1024, 1024, 2**20)
+    coarse = lct.search_max_context(_fits(limit), 1024, 1024, 2**20, fraction=1 / 8)
+    doublings = 8  # 1K .. 128K
+    assert len(fine.probes) == doublings + 6 and len(coarse.probes) == doublings + 3
+    assert limit - 8192 < coarse.best <= limit and coarse.best % 1024 == 0
+    assert not coarse.stopped and not coarse.capped
+    # resolution still bounds it from below: a bracket of 1024 is not split
+    assert lct.search_max_context(_fits(100), 1024, 1024, 2**20, fraction=1 / 8).best == 0
+
+
+def test_search_stop_ends_it_with_a_lower_bound():
+    asked = []
+
+    def stop(n):
+        asked.append(n)
+        return len(asked) > 4  # four probes, then the budget is spent
+    res = lct.search_max_context(_fits(3000), 256, 256, 32768, stop=stop)
+    assert res.stopped and not res.capped and len(res.probes) == 4
+    assert res.best == 2048 and all(s == "ok" for _, s, _ in res.probes)  # 256 .. 2048
+    res = lct.search_max_context(_fits(3000), 256, 256, 32768, stop=lambda n: True)
+    assert res == (0, False, [], True)
+
+
+def test_max_context_budget_rows(monkeypatch):
+    """A time budget: searches stop early and say so, the ones it leaves no time for are
+    error rows "not measured"; every row goes to emit as it is measured."""
+    now = [0.0]
+
+    def probe_step(cfg, model, provider, n, budget):
+        now[0] += n / 250  # a probe of n tokens takes n / 250 s
+        return ("ok", float(n)) if n <= 3000 else ("oom", math.nan)
+    monkeypatch.setattr(lct, "probe_step", probe_step)
+    cfg = lct.Config(**lct.QUICK)
+    emitted = []
+    # standard: 256 tokens (1.02 s), then 512 is predicted at 4.1 s: past the 2 s, stop;
+    # sdpa_cpu: 256 (the first probe of a search has no prediction), then nothing is left;
+    # longflash: no time at all
+    rows = lct.part_max_context(cfg, emitted.append, deadline=2.0, clock=lambda: now[0])
+    assert [r for chunk in emitted for r in chunk] == rows and all(len(c) == 1 for c in emitted)
+    best = {r["provider"]: r for r in rows if r["metric"] == "max_seqlen"}
+    assert cfg.providers == ("standard", "sdpa_cpu", "longflash")
+    for p in ("standard", "sdpa_cpu"):
+        assert best[p]["status"] == "ok" and best[p]["value"] == 256
+        assert best[p]["note"].startswith("lower bound: time budget")
+    assert best["longflash"]["status"] == "error" and math.isnan(best["longflash"]["value"])
+    assert best["longflash"]["note"] == "not measured: time budget"
+    probes = [(r["provider"], r["seqlen_q"]) for r in rows if r["metric"] == "peak_mem_mb"]
+    assert probes == [("standard", 256), ("sdpa_cpu", 256)]
+    # without a deadline: the whole search, its note the bracket
+    rows = lct.part_max_context(cfg, clock=lambda: now[0])
+    best = {r["provider"]: r for r in rows if r["metric"] == "max_seqlen"}
+    assert all(r["value"] == 2816 and r["note"] == "3072 did not fit" for r in best.values())
+
+
+class Killed(BaseException):
+    """The campaign's timeout killing the step, as far as the script can tell."""
+
+
+def test_rows_are_written_as_measured(monkeypatch, tmp_path):
+    """memory_model runs before max_context, and max_context writes every probe and every
+    search as it ends: a run killed in its third search keeps all of that."""
+    calls = []
+
+    def probe_step(cfg, model, provider, n, budget):
+        calls.append((provider, n))
+        if provider == "longflash" and budget is not None and n > 512:
+            raise Killed
+        return ("ok", float(n)) if budget is None or n <= 1000 else ("oom", math.nan)
+    monkeypatch.setattr(lct, "probe_step", probe_step)
+    out = tmp_path / "cpu.csv"
+    with pytest.raises(Killed):
+        lct.main(["--quick", "--parts", "max_context,memory_model", "--out", str(out)])
+    df = pd.read_csv(out)
+    assert len(df[df["part"] == "memory_model"]) == sum(len(s) for _, s in lct.QUICK[
+        "memory_seqlens"])
+    mx = df[(df["part"] == "max_context") & (df["metric"] == "max_seqlen")]
+    assert dict(zip(mx["provider"], mx["value"])) == {"standard": 768, "sdpa_cpu": 768}
+    flash = df[(df["part"] == "max_context") & (df["provider"] == "longflash")]
+    assert sorted(flash["seqlen_q"]) == [256, 512]  # its probes before the kill
+
+
+def test_budget_zero_measures_no_max_context(tmp_path):
+    out = tmp_path / "cpu.csv"
+    lct.main(["--quick", "--parts", "max_context", "--budget-s", "0", "--out", str(out)])
+    df = pd.read_csv(out)
+    assert set(df["metric"]) == {"max_seqlen"} and set(df["status"]) == {"error"}
+    assert set(df["note"]) == {"not measured: time budget"}
 
 
 def _tiny_run(cfg, run_dir, resume=False, stop_after=None):

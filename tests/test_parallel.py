@@ -9,6 +9,7 @@ collected by the same ranks.
 """
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -261,3 +262,108 @@ def test_scaling_experiment_quick(tmp_path):
     errors = df[df["metric"].str.startswith("max_err") & (df["dtype"] == "float32")]
     assert (errors["value"] < 1e-4).all()
     assert set(df[df["basis"] == "projected"]["part"]) == {"projection"}
+
+
+# ----------------------------------------------------------------------------- the one-GPU long run
+
+def _long_cfg(**kw):
+    from experiments.scaling import QUICK, Config
+    return Config(**{**QUICK, **dict(gpu_long_seqlen=128, gpu_long_shape=(1, 2, 1, 16),
+                                     gpu_long_lean_seqlen=128, gpu_long_reps=2), **kw})
+
+
+def _count_attention(monkeypatch):
+    import longflash
+    calls, attention = [], longflash.attention
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return attention(*a, **kw)
+    monkeypatch.setattr(longflash, "attention", counted)
+    return calls
+
+
+def _refuse(*a, **kw):
+    raise AssertionError("not this timing path")
+
+
+def test_gpu_long_lean_timing_at_long_lengths(monkeypatch):
+    """From gpu_long_lean_seqlen on: one warm-up call and gpu_long_reps timed calls, no
+    do_bench (8 calls at 1M tokens) and no separate peak-memory call."""
+    from experiments import scaling
+    calls = _count_attention(monkeypatch)
+    monkeypatch.setattr(scaling, "time_ms", _refuse)
+    monkeypatch.setattr(scaling, "peak_memory_mb", _refuse)
+    rows = {r["metric"]: r for r in scaling._gpu_long(_long_cfg(), device="cpu")}
+    assert len(calls) == 1 + 2
+    t = rows["time_ms"]
+    assert t["status"] == "ok" and t["p20"] <= t["value"] <= t["p80"]
+    assert rows["tflops"]["status"] == "ok" and rows["tflops"]["value"] > 0
+    assert rows["peak_mem_mb"]["status"] == "unsupported"  # the lean path measures it on CUDA
+    assert t["part"] == "long" and t["layout"] == "none" and t["seqlen_q"] == 128
+
+
+def test_time_ms_lean_calls_and_time_cap():
+    """measure.time_ms_lean: 1 warm-up + reps calls; max_s ends the timed calls early."""
+    import time
+    from experiments.measure import time_ms_lean
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.02)
+    (med, p20, p80), peak = time_ms_lean(fn, "cpu", reps=3)
+    assert len(calls) == 4 and 15 < p20 <= med <= p80 and math.isnan(peak)
+    calls.clear()
+    time_ms_lean(fn, "cpu", reps=5, max_s=0.03)  # 2 timed calls reach 0.03 s
+    assert len(calls) == 1 + 2
+
+
+def test_gpu_long_short_lengths_keep_time_ms(monkeypatch):
+    from experiments import scaling
+    used = []
+    monkeypatch.setattr(scaling, "time_ms_lean", _refuse)
+    monkeypatch.setattr(scaling, "time_ms", lambda fn, device: used.append("t") or (2., 1., 3.))
+    monkeypatch.setattr(scaling, "peak_memory_mb", lambda fn, device: used.append("m") or 5.)
+    rows = {r["metric"]: r for r in scaling._gpu_long(_long_cfg(gpu_long_lean_seqlen=256),
+                                                      device="cpu")}
+    assert used == ["t", "m"]
+    assert (rows["time_ms"]["value"], rows["peak_mem_mb"]["value"]) == (2., 5.)
+
+
+@pytest.mark.parametrize("error, status", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB"), "oom"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), "error")])
+def test_gpu_long_failure_is_rows(monkeypatch, error, status):
+    import longflash
+    from experiments import scaling
+
+    def fail(*a, **kw):
+        raise error
+    monkeypatch.setattr(longflash, "attention", fail)
+    rows = scaling._gpu_long(_long_cfg(), device="cpu")
+    assert {r["metric"] for r in rows} == {"time_ms", "tflops", "peak_mem_mb"}
+    assert all(r["status"] == status and math.isnan(r["value"]) for r in rows)
+
+
+def test_gpu_long_rows_are_written_first(monkeypatch, tmp_path):
+    """--parts long,blocks,projection: the one-device long run comes first and its rows are
+    in the file before a later part fails (or the campaign's timeout kills the step)."""
+    from experiments import scaling
+    monkeypatch.setattr(scaling.log, "path", None)  # restored after main() sets it
+    monkeypatch.setattr(scaling, "QUICK", dict(
+        scaling.QUICK, gpu_long_seqlen=128, gpu_long_shape=(1, 2, 1, 16),
+        gpu_long_lean_seqlen=128, gpu_long_reps=1, gpu_long_device="cpu"))
+
+    def blocks_fail(*a, **kw):
+        raise RuntimeError("a later part fails")
+    monkeypatch.setattr(scaling, "_blocks", blocks_fail)
+    out = tmp_path / "s.csv"
+    monkeypatch.setattr(sys, "argv", ["scaling", "--quick", "--parts", "long,blocks,projection",
+                                      "--out", str(out)])
+    with pytest.raises(RuntimeError, match="a later part fails"):
+        scaling.main()
+    df = pd.read_csv(out)
+    assert set(df["part"]) == {"long"} and set(df["layout"]) == {"none"}
+    assert set(df["metric"]) == {"time_ms", "tflops", "peak_mem_mb"}
+    assert df.set_index("metric").loc["time_ms", "status"] == "ok"
