@@ -395,20 +395,15 @@ def probe_warm(path, seqlen, headdim):
     disk instead of timing each candidate at 1M tokens."""
     import torch
     import longflash
-    try:
-        from experiments.scaling import FULL, Config
-        batch, nheads, nheads_kv, _ = Config(**FULL).gpu_long_shape
-    except Exception:  # noqa: BLE001 - its shape when this was written
-        batch, nheads, nheads_kv = 1, 4, 4
+    from experiments.scaling import FULL, Config, _inputs
+    batch, nheads, nheads_kv, _ = Config(**FULL).gpu_long_shape
     cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     t0 = time.monotonic()
-    q = torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype,
-                    requires_grad=True)
-    k, v = (torch.randn(batch, seqlen, nheads_kv, headdim, device=device, dtype=dtype,
-                        requires_grad=True) for _ in range(2))
-    o = longflash.attention(q, k, v, causal=True)
-    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    q, k, v, do = _inputs((batch, nheads, nheads_kv, headdim), seqlen, dtype, seed=3,
+                          device=device)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.autograd.grad(longflash.attention(q, k, v, causal=True), (q, k, v), do)
     if cuda:
         torch.cuda.synchronize()
     wall = time.monotonic() - t0
@@ -523,15 +518,14 @@ def _ncu_done(out):
     df = df[(df["experiment"] == "io_complexity_ncu") & (df["status"] == "ok")]
     ok = {}
     for rec in df.to_dict("records"):
-        key = tuple(_key_str(rec[c]) for c in ("provider", "mode", "dtype", "batch", "seqlen_q",
-                                               "nheads", "headdim", "causal"))
-        ok.setdefault(key, set()).add(rec["metric"])
+        ok.setdefault(_ncu_key(rec, "seqlen_q"), set()).add(rec["metric"])
     return {k for k, ms in ok.items() if set(NCU_METRICS.split(",")) <= ms}
 
 
-def _ncu_key(p):
+def _ncu_key(p, seqlen="seqlen"):
+    """A configuration's identity, from a plan entry or (seqlen="seqlen_q") a results row."""
     from experiments.results import _key_str
-    return tuple(_key_str(p[c]) for c in ("provider", "mode", "dtype", "batch", "seqlen",
+    return tuple(_key_str(p[c]) for c in ("provider", "mode", "dtype", "batch", seqlen,
                                           "nheads", "headdim", "causal"))
 
 
