@@ -449,6 +449,19 @@ def _l2_bytes():
     return L2_DEFAULT_BYTES
 
 
+def ncu_probe_plan(dry=False):
+    """The configurations of io_complexity's plan that the ncu step profiles (unordered):
+    forward, non-causal, d128, 16 heads, 1K-64K tokens, standard attention up to 16K; a dry
+    run: LongFlash at 128 tokens, one head."""
+    from experiments import io_complexity
+    return [p for p in io_complexity.ncu_plan(
+        seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
+        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"),
+        nheads=1 if dry else 16)
+        if p["mode"] == "fwd" and not p["causal"]
+        and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
+
+
 def probe_ncu(out, budget_s=None):
     """RQ2 on the GPU: ncu's DRAM and L2 bytes for configurations of io_complexity's plan that
     cross the L2 size, beside the model's prediction; rows in `out`, written after each
@@ -456,12 +469,7 @@ def probe_ncu(out, budget_s=None):
     import torch
     from experiments import io_complexity
     dry = not torch.cuda.is_available()
-    plan = [p for p in io_complexity.ncu_plan(
-        seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
-        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"),
-        nheads=1 if dry else 16)
-        if p["mode"] == "fwd" and not p["causal"]
-        and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
+    plan = ncu_probe_plan(dry)
     l2 = _l2_bytes()
     plan = order_ncu_plan(plan, l2)
     print(f"ncu: {len(plan)} configurations, L2 {l2 / 2**20:.0f} MiB, budget "

@@ -49,10 +49,14 @@ Parts and metrics:
               forward, lengths doubling while the time budget lasts (each run is predicted
               at 4x the previous): time_ms (one call, between barriers), peak_mem_mb (per
               rank, largest), max_err_o_sampled (max |o - ref64| over `long_check_rows`
-              query rows spread over the sequence, the reference attending to all their keys).
+              query rows spread over the sequence, the reference attending to all their keys)
+              and error_bound_o_sampled (the tests' tolerance rule on those rows,
+              longflash.reference.error_bound: 2x PyTorch's own error in the input dtype plus
+              a rounding floor; exact means max_err_o_sampled <= error_bound_o_sampled).
               With CUDA (--full) also longflash.attention forward+backward at gpu_long_seqlen
               on one GPU (layout none; bfloat16; time_ms, tflops, peak_mem_mb), run and
-              written before every other part. From gpu_long_lean_seqlen tokens on (1M: a
+              written before every other part, then one forward call checked the same way
+              (mode fwd: max_err_o_sampled, error_bound_o_sampled). From gpu_long_lean_seqlen tokens on (1M: a
               few seconds a call) it is timed leanly, experiments.measure.time_ms_lean: one
               warm-up call (autotuning), then gpu_long_reps timed calls, fewer once they took
               gpu_long_max_s together (CUDA events; median, p20, p80 of those few),
@@ -75,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 import longflash
+from longflash.reference import error_bound
 from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
 from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms, \
     time_ms_lean
@@ -316,19 +321,32 @@ def _long(rank, world_size, cfg):
         predicted = 4 * seconds  # causal work grows as seqlen^2
         if rank != 0:
             continue
-        # Sampled rows, among them the last, which attends to every key; a row i with causal
-        # sees keys 0..i, so its reference is attention_ref on k[:, :i + 1].
-        check = torch.linspace(0, seqlen - 1, cfg.long_check_rows).long().tolist()
-        err = max((o[:, i].double() - longflash.attention_ref(
-            *(x.double() for x in (q[:, i:i + 1], k[:, :i + 1], v[:, :i + 1])),
-            causal=True)[0][:, 0]).abs().max().item() for i in check)
+        err, bound = _sampled_error(q, k, v, o, cfg.long_check_rows)
         log(f"long: seqlen {seqlen} on {world_size} ranks: {seconds:.1f} s, peak {peak:.0f} MiB"
-            f" per rank, max err {err:.2e} on {len(check)} rows")
+            f" per rank, max err {err:.2e} on {cfg.long_check_rows} rows (bound {bound:.2e})")
         row = lambda *a, **kw: _row(shape, cfg.dtype, "long", "zigzag", world_size,  # noqa
                                     seqlen // world_size, "fwd", *a, **kw)
         rows += [row("time_ms", seconds * 1e3, "ms"), row("peak_mem_mb", peak, "MiB"),
-                 row("max_err_o_sampled", err, "abs")]
+                 row("max_err_o_sampled", err, "abs"), row("error_bound_o_sampled", bound, "abs")]
     return rows
+
+
+def _sampled_error(q, k, v, o, n_rows):
+    """(max |o - ref64|, the tolerance rule's bound on it) over n_rows causal query rows spread
+    over the sequence, the last among them (it attends to every key). Row i sees keys 0..i, so
+    its reference is attention_ref on k[:, :i + 1], a 1 x (i + 1) score matrix, computed where
+    the inputs are; the bound is longflash.reference.error_bound, from PyTorch's own error in
+    q's dtype on the same rows."""
+    err = err_lowp = ref_absmax = 0.0
+    for i in torch.linspace(0, q.shape[1] - 1, n_rows).long().tolist():
+        row = (q[:, i:i + 1], k[:, :i + 1], v[:, :i + 1])
+        ref = longflash.attention_ref(*(x.double() for x in row), causal=True)[0][:, 0]
+        lowp = longflash.attention_ref(*row, causal=True, upcast=False)[0][:, 0]
+        err = max(err, (o[:, i].double() - ref).abs().max().item())
+        err_lowp = max(err_lowp, (lowp.double() - ref).abs().max().item())
+        ref_absmax = max(ref_absmax, ref.abs().max().item())
+        del ref, lowp
+    return err, error_bound(err_lowp, ref_absmax, q.dtype)
 
 
 def _ranks_worker(rank, world_size, cfg, parts):
@@ -496,6 +514,7 @@ def _gpu_long(cfg, device="cuda"):
             rows.append(row("peak_mem_mb", peak, "MiB"))
         else:  # time_ms_lean off CUDA (tests): not measured
             rows.append(row("peak_mem_mb", math.nan, "MiB", status="unsupported"))
+        rows += _gpu_long_exactness(cfg, q, k, v, backend, row)
         return rows
     except Exception as e:  # noqa: BLE001 - the rows record what happened
         status = "oom" if is_oom(e) else "error"
@@ -508,6 +527,27 @@ def _gpu_long(cfg, device="cuda"):
             with contextlib.suppress(Exception):  # a broken context fails the next part, not this
                 torch.cuda.empty_cache()
 
+
+
+def _gpu_long_exactness(cfg, q, k, v, backend, row):
+    """Is the one-GPU run exact? One more forward call (its output), then _sampled_error on
+    long_check_rows rows: rows max_err_o_sampled and error_bound_o_sampled (mode fwd), or
+    rows with status oom / error if the check fails (the timing rows stand)."""
+    fwd = lambda *a, **kw: dict(row(*a, **kw), mode="fwd")  # noqa: E731
+    try:
+        with torch.no_grad():
+            o = longflash.attention(q.detach(), k.detach(), v.detach(), causal=True,
+                                    backend=backend)
+            err, bound = _sampled_error(q.detach(), k.detach(), v.detach(), o,
+                                        cfg.long_check_rows)
+        log(f"long, one GPU: max err {err:.2e} on {cfg.long_check_rows} sampled rows "
+            f"(bound {bound:.2e}: {'within' if err <= bound else 'BEYOND'})")
+        return [fwd("max_err_o_sampled", err, "abs"), fwd("error_bound_o_sampled", bound, "abs")]
+    except Exception as e:  # noqa: BLE001 - the rows record what happened
+        status = "oom" if is_oom(e) else "error"
+        log(f"long, one GPU, exactness check: {status}: {type(e).__name__}: {str(e)[-500:]}")
+        return [fwd(m, math.nan, "abs", status=status)
+                for m in ("max_err_o_sampled", "error_bound_o_sampled")]
 
 # ----------------------------------------------------------------------------- main
 

@@ -6,7 +6,9 @@
 
 The numbers are the macros that the notebooks write into paper/generated/*.tex from results/,
 so the README, the paper and the results cannot disagree: a number has one source. Each row
-names the device it was measured on and the results file behind it. Run by `make figures`
+names the device it was measured on and the results file behind it. Once a GPU's RQ1 macros
+exist (paper/generated/devices.tex defines \\GpuSpeedup), a GPU row for RQ1 comes first
+(GPU_ROWS); without them the table is the CPU rows alone. Run by `make figures`
 after the notebooks; the test suite runs --check. The macros are read from
 $LONGFLASH_GENERATED when it is set, as the notebooks write them (a `make reproduce QUICK=1`).
 """
@@ -22,6 +24,8 @@ README = os.path.join(ROOT, "README.md")
 GENERATED = os.environ.get("LONGFLASH_GENERATED") or os.path.join(ROOT, "paper", "generated")
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
+NO_GPU = "; no GPU comparison yet"  # said by the CPU row of RQ1 until a GPU row exists
+
 # (part, claim with {Macro} placeholders, device macro or text, results file macro)
 ROWS = [
     ("RQ1 speed and memory",
@@ -32,7 +36,7 @@ ROWS = [
      "{SpeedupCpuOverStandardTypical}x as fast as standard attention, "
      "{SpeedupCpuOverSdpaCpuTypical}x as fast as PyTorch's fused CPU SDPA",
      "{SpeedupCpuDevice} CPU, {SpeedupCpuThreads} thread, {SpeedupCpuDtype}, blockwise PyTorch "
-     "path; no GPU comparison yet",
+     f"path{NO_GPU}",
      "{SpeedupResultsFile}"),
     ("RQ2 IO complexity",
      "HBM traffic of the forward pass {IoRatioFwd}x below standard attention ({IoRatioCausalFwd}x "
@@ -57,6 +61,34 @@ ROWS = [
 ]
 
 
+# Rows shown first once a GPU's macros exist; "<G>" is the GPU's macro prefix (\GpuSpeedup in
+# paper/generated/devices.tex: HOneZeroZero for h100). Kept out of ROWS on purpose:
+# run_notebooks.write_not_measured stubs every macro of ROWS that no notebook defined with "not
+# measured", which would make a CPU-only tree show an empty GPU row.
+GPU_ROWS = [
+    ("RQ1 speed on a GPU",
+     "worst case at d = {Speedup<G>GoalHeaddim}, {Speedup<G>TokensPerBatch} tokens per batch, "
+     "N from {Speedup<G>GoalSeqlenMin}, non-causal: forward {Speedup<G>GoalFwdFlashValue} the "
+     "speed of FlashAttention-2 ({Speedup<G>GoalFwdFlashWhere}; goal "
+     "{Speedup<G>GoalFwdFlashTarget}: {Speedup<G>GoalFwdFlashVerdict}), forward+backward "
+     "{Speedup<G>GoalFwdBwdFlashValue} ({Speedup<G>GoalFwdBwdFlashWhere}; goal "
+     "{Speedup<G>GoalFwdBwdFlashTarget}: {Speedup<G>GoalFwdBwdFlashVerdict}); "
+     "{Speedup<G>GoalsMet} of {Speedup<G>GoalsCount} kernel goals met, "
+     "{Speedup<G>GoalsNotMeasured} not measured",
+     "{Speedup<G>Device}, {Speedup<G>Dtype}, Triton kernels against SDPA's backends in the same "
+     "run",
+     "{<G>SpeedupResultsFile}"),
+]
+
+
+def gpu_rows(macros):
+    """GPU_ROWS with the GPU's macro prefix filled in, or [] when no GPU's RQ1 macros exist."""
+    gpu = macros.get("GpuSpeedup")
+    if not gpu or f"Speedup{gpu}Device" not in macros:
+        return []
+    return [tuple(cell.replace("<G>", gpu) for cell in row) for row in GPU_ROWS]
+
+
 def read_macros(paths):
     """{name: value} of every \\newcommand{\\Name}{value} in the given files."""
     macros = {}
@@ -78,6 +110,7 @@ def latex_to_text(value):
     value = re.sub(r"\s*\\times\s*10\^\{(-?)(\d+)\}", lambda m: f"e{m.group(1) or '+'}"
                    f"{int(m.group(2)):02d}", value)
     value = re.sub(r"\^\{([^}]*)\}", r"^\1", value)
+    value = value.replace("\\times", "x").replace("\\geq", ">=")
     return value.replace("$", "").strip()
 
 
@@ -94,7 +127,10 @@ def fill(template, macros):
 def table(macros):
     lines = ["| part | headline (measured unless marked) | where, how | results |",
              "| --- | --- | --- | --- |"]
-    for part, claim, device, source in ROWS:
+    gpu = gpu_rows(macros)
+    for part, claim, device, source in gpu + ROWS:
+        if gpu and part.startswith("RQ1"):  # the GPU row above is the GPU comparison
+            device = device.replace(NO_GPU, "")
         lines.append(f"| {part} | {fill(claim, macros)} | {fill(device, macros)} | "
                      f"`{fill(source, macros)}` |")
     return "\n".join(lines)

@@ -295,12 +295,28 @@ def test_gpu_long_lean_timing_at_long_lengths(monkeypatch):
     monkeypatch.setattr(scaling, "time_ms", _refuse)
     monkeypatch.setattr(scaling, "peak_memory_mb", _refuse)
     rows = {r["metric"]: r for r in scaling._gpu_long(_long_cfg(), device="cpu")}
-    assert len(calls) == 1 + 2
+    assert len(calls) == 1 + 2 + 1  # warm-up, timed calls, the exactness check's forward
     t = rows["time_ms"]
     assert t["status"] == "ok" and t["p20"] <= t["value"] <= t["p80"]
     assert rows["tflops"]["status"] == "ok" and rows["tflops"]["value"] > 0
     assert rows["peak_mem_mb"]["status"] == "unsupported"  # the lean path measures it on CUDA
     assert t["part"] == "long" and t["layout"] == "none" and t["seqlen_q"] == 128
+
+
+def test_gpu_long_is_checked_against_the_reference():
+    """The one-GPU run's exactness rows: sampled rows of a forward call within the tolerance
+    rule's bound; a wrong output (1% off) is beyond it, so the check can fail."""
+    import longflash
+    from experiments import scaling
+    rows = {r["metric"]: r for r in scaling._gpu_long(_long_cfg(), device="cpu")}
+    err, bound = rows["max_err_o_sampled"], rows["error_bound_o_sampled"]
+    assert err["status"] == bound["status"] == "ok" and err["mode"] == "fwd"
+    assert 0 <= err["value"] <= bound["value"]
+    q, k, v, _ = scaling._inputs((1, 2, 1, 16), 96, "float32", seed=1)
+    o = longflash.attention(q, k, v, causal=True, backend="torch")
+    assert scaling._sampled_error(q, k, v, o, 4)[0] <= scaling._sampled_error(q, k, v, o, 4)[1]
+    err, bound = scaling._sampled_error(q, k, v, o * 1.01, 4)
+    assert err > bound
 
 
 def test_time_ms_lean_calls_and_time_cap():
@@ -365,5 +381,6 @@ def test_gpu_long_rows_are_written_first(monkeypatch, tmp_path):
         scaling.main()
     df = pd.read_csv(out)
     assert set(df["part"]) == {"long"} and set(df["layout"]) == {"none"}
-    assert set(df["metric"]) == {"time_ms", "tflops", "peak_mem_mb"}
+    assert set(df["metric"]) == {"time_ms", "tflops", "peak_mem_mb", "max_err_o_sampled",
+                                 "error_bound_o_sampled"}
     assert df.set_index("metric").loc["time_ms", "status"] == "ok"

@@ -27,6 +27,16 @@ import torch
 from ._common import dropout_uniform, visible
 
 
+def error_bound(err_lowp, ref_absmax, dtype):
+    """The tolerance rule of the tests and experiments (FlashAttention's): an implementation's
+    max |out - ref64| may be at most 2 * err_lowp + floor, where err_lowp is the max error of
+    the same computation done by PyTorch in the input's precision `dtype` and the floor is
+    4 ulp of that dtype (at least 1e-5: float32 values that cancel to exactly 0 in the
+    reference still carry ~1e-7 of rounding), relative to max(1, max |ref64|)."""
+    floor = max(4 * torch.finfo(dtype).eps, 1e-5) * max(1.0, ref_absmax)
+    return 2 * err_lowp + floor
+
+
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, batch_offset=0,
                   upcast=True):

@@ -1,0 +1,202 @@
+"""GPU-shaped RQ1 rows: what `experiments.speedup --full` writes on an H100 over the campaign's
+three stages (made-up values, never measurements; only ever written into a scratch folder).
+
+The configurations are the campaign's own: the argv of each speedup step of
+experiments.gpu_campaign.stage_steps (stage 1: part batch at head dims 128 then 64; stage 2:
+part long at head dim 128 and part batch at head dim 256; stage 3: part decode), resolved into
+experiments.speedup.Config the way speedup.main does, its groups from speedup.groups, and the
+rows built by the script's own row functions (speedup._rows, decode._rows), so the columns,
+units and status rules follow the script. Failures where an H100 run has them:
+  standard, sdpa_math   "oom" where their N x N matrices exceed the 80 GB
+  sdpa_cudnn            "unsupported" at head dim 256 (every mode, inherited as in run())
+  flex                  "unsupported" at head dim 256 from fwd_bwd on (out of shared memory)
+  decode: sdpa_efficient "unsupported" (a backend that refuses grouped-query attention)
+and, for the partial-run tests, `error_parts` / `error_providers` turn rows into "error".
+
+    from tests.gpu_shaped import speedup
+    speedup.write(tmp_path / "results")                  # all three stages
+    speedup.write(tmp_path / "results", stages=(1,))     # the GPU window ended after stage 1
+"""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from . import as_gpu, path
+
+GPU_MEMORY_MB = 80 * 1024
+# Made-up throughputs (TFLOP/s, bf16, forward, long sequences) and the sequence length at which
+# each provider reaches half of it; backward runs at BWD_FRACTION of the forward's rate.
+PEAK_TFLOPS = {"longflash": 560, "sdpa_flash": 360, "sdpa_cudnn": 520, "sdpa_efficient": 200,
+               "flex": 420, "sdpa_math": 90, "standard": 80}
+HALF_AT = {"longflash": 1500, "sdpa_flash": 900, "sdpa_cudnn": 1200, "sdpa_efficient": 800,
+           "flex": 1400, "sdpa_math": 300, "standard": 300}
+BWD_FRACTION = {"longflash": 0.72, "sdpa_flash": 0.75, "sdpa_cudnn": 0.7, "sdpa_efficient": 0.6,
+                "flex": 0.62, "sdpa_math": 0.8, "standard": 0.8}
+MATMUL_TFLOPS, COPY_GBPS = 742.0, 2950.0
+MACHINE = dict(cores=16, threads=math.nan, mem_budget_mb=math.nan)
+
+
+def campaign_configs(stages=(1, 2, 3)):
+    """[(stage, argv, Config)] of every speedup step of the GPU campaign's stages, in order."""
+    from experiments import gpu_campaign
+    out = []
+    for stage in stages:
+        for step in gpu_campaign.stage_steps(stage, dry=False):
+            if step.rq == "speedup":
+                argv = step.argv[step.argv.index("--") + 1:]
+                out.append((stage, argv, config(argv)))
+    return out
+
+
+def config(argv):
+    """experiments.speedup.Config of a command line, as speedup.main resolves the options that
+    the campaign uses (--full, --headdims, --seqlens, --long-seqlens, --parts)."""
+    from experiments import speedup
+    args = dict(zip(argv, argv[1:] + [""]))
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x)  # noqa: E731
+    cfg = speedup.Config(**(speedup.FULL if "--full" in argv else {}))
+    if "--headdims" in args:
+        d = ints(args["--headdims"])
+        cfg = replace(cfg, headdims=d, long_headdims=tuple(h for h in cfg.long_headdims if h in d))
+    if "--seqlens" in args:
+        cfg = replace(cfg, seqlens=ints(args["--seqlens"]))
+    if "--long-seqlens" in args:
+        cfg = replace(cfg, long_seqlens=ints(args["--long-seqlens"]))
+    if "--parts" in args:
+        cfg = replace(cfg, parts=tuple(args["--parts"].split(",")))
+    return cfg
+
+
+def _status(provider, mode, batch, seqlen, nheads, headdim):
+    """The status a provider gets on an H100 (see the module docstring)."""
+    if provider in ("standard", "sdpa_math"):
+        matrices = {"fwd": 3, "fwd_bwd": 6, "bwd": 6}[mode]  # scores, probabilities, grads
+        if batch * nheads * seqlen**2 * 2 * matrices / 2**20 > GPU_MEMORY_MB:
+            return "oom"
+    if provider == "sdpa_cudnn" and headdim > 128:
+        return "unsupported"
+    if provider == "flex" and headdim > 128 and mode != "fwd":
+        return "unsupported"
+    return "ok"
+
+
+def _time_ms(rng, provider, mode, batch, seqlen, nheads, headdim, causal):
+    from experiments.results import flops
+    rate = PEAK_TFLOPS[provider] * seqlen / (seqlen + HALF_AT[provider] * (2 if causal else 1))
+    rate *= {"fwd": 1.0, "bwd": BWD_FRACTION[provider]}.get(mode, (1 + 2.5) / (
+        1 + 2.5 / BWD_FRACTION[provider]))
+    rate *= (0.9 if headdim == 64 else 0.95 if headdim == 256 else 1.0) * rng.uniform(0.96, 1.04)
+    med = flops(batch, seqlen, seqlen, nheads, headdim, causal, mode) / (rate * 1e12) * 1e3
+    return med, med * 0.985, med * 1.02
+
+
+def _peak_mb(provider, mode, batch, seqlen, nheads, headdim):
+    tensor = batch * seqlen * nheads * headdim * 2 / 2**20  # one (B, N, H, D) bf16 tensor, MiB
+    if provider in ("standard", "sdpa_math"):
+        return tensor + batch * nheads * seqlen**2 * 2 * (3 if mode == "fwd" else 5) / 2**20
+    return tensor * {"fwd": 1.1, "bwd": 4.2, "fwd_bwd": 4.4}[mode]
+
+
+def batch_rows(cfg, rng, error_parts=(), error_providers=()):
+    """The rows of parts batch and long that speedup.run writes for cfg, group by group."""
+    from experiments import speedup
+    rows = []
+    for part, seqlen, headdim, causal in [g for g in speedup.groups(cfg) if g[0] in cfg.parts]:
+        long_part = part == "long"
+        batch = 1 if long_part else max(1, cfg.tokens_per_batch // seqlen)
+        nheads = max(1, (cfg.long_hidden if long_part else cfg.hidden) // headdim)
+        modes = [m for m in speedup.MODE_ORDER if m in (cfg.long_modes if long_part else cfg.modes)]
+        base = dict(experiment="speedup", dtype=cfg.dtype, batch=batch, seqlen_q=seqlen,
+                    seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
+                    causal=causal, part=part, load_avg_1m=round(rng.uniform(0.5, 2.0), 2),
+                    **MACHINE)
+        for provider in cfg.providers:
+            inherited = None
+            for mode in modes:
+                if inherited:
+                    status = inherited
+                elif part in error_parts or provider in error_providers:
+                    status = "error"
+                else:
+                    status = _status(provider, mode, batch, seqlen, nheads, headdim)
+                if status == "ok":
+                    peak = _peak_mb(provider, mode, batch, seqlen, nheads, headdim)
+                    times = _time_ms(rng, provider, mode, batch, seqlen, nheads, headdim, causal)
+                else:
+                    peak, times, inherited = math.nan, (math.nan,) * 3, status
+                rows += speedup._rows(base, provider, mode, status, peak, times)
+    return rows
+
+
+def ceiling_rows(cfg):
+    """The two ceilings, as experiments.speedup.ceilings writes them."""
+    n = cfg.ceiling_matmul_n
+    elements = cfg.ceiling_copy_mb * 2**20 // 2  # bf16
+    base = dict(experiment="speedup", provider="ceiling", mode="fwd", dtype=cfg.dtype, batch=1,
+                nheads=1, nheads_kv=1, causal=False, status="ok", part="ceiling",
+                load_avg_1m=0.5, **MACHINE)
+    return [
+        dict(base, seqlen_q=n, seqlen_k=n, headdim=n, metric="matmul_tflops",
+             value=MATMUL_TFLOPS, unit="TFLOP/s", p20=MATMUL_TFLOPS * 0.99,
+             p80=MATMUL_TFLOPS * 1.01, size=f"{n}x{n}x{n}"),
+        dict(base, seqlen_q=elements, seqlen_k=elements, headdim=1, metric="copy_gbps",
+             value=COPY_GBPS, unit="GB/s", p20=COPY_GBPS * 0.99, p80=COPY_GBPS * 1.01,
+             size=f"{cfg.ceiling_copy_mb} MiB"),
+    ]
+
+
+def decode_rows(cfg, rng, error_parts=(), error_providers=()):
+    """Part decode's rows (experiments.decode._rows): time_ms, read_gbps, max_err_o_sampled."""
+    from experiments import decode
+    rows = []
+    for batch in cfg.decode_batches:
+        for seqlen_k in cfg.decode_seqlens:
+            shape = dict(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, nheads=cfg.decode_nheads,
+                         nheads_kv=cfg.decode_nheads_kv, headdim=cfg.decode_headdim)
+            base = dict(experiment="speedup", part="decode", mode="fwd", dtype=cfg.dtype,
+                        causal=False, load_avg_1m=0.7, **shape, **MACHINE)
+            cache_bytes = 2 * batch * seqlen_k * cfg.decode_nheads_kv * cfg.decode_headdim * 2
+            for provider in [p for p in cfg.providers if p in decode.GPU_PROVIDERS]:
+                for num_splits in decode.SPLITS if provider == "longflash" else (math.nan,):
+                    status = ("error" if "decode" in error_parts or provider in error_providers
+                              else "unsupported" if provider == "sdpa_efficient" else "ok")
+                    r = dict(status=status, err=math.nan, times=(math.nan,) * 3,
+                             message="" if status == "ok" else "made-up failure")
+                    if status == "ok":
+                        # bandwidth-bound: a fraction of the copy rate, lower on short caches
+                        frac = {"longflash": 0.8 if num_splits == 0 else 0.35,
+                                "sdpa_flash": 0.55, "sdpa_cudnn": 0.6, "sdpa_math": 0.2,
+                                "flex": 0.5}[provider] * seqlen_k / (seqlen_k + 2048)
+                        if num_splits == 1 and batch == 8:
+                            frac *= 2  # more sequences fill the GPU without splitting
+                        ms = cache_bytes / (COPY_GBPS * 1e9 * frac) * 1e3 + 0.008
+                        ms *= rng.uniform(0.97, 1.03)
+                        r["times"] = (ms, ms * 0.99, ms * 1.02)
+                        r["err"] = 3.9e-3 if provider == "longflash" else math.nan
+                    rows += decode._rows(provider, num_splits, r, base, cache_bytes,
+                                         lambda message: None)
+    return rows
+
+
+def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=()):
+    """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it.
+    error_parts ("batch", "long", "decode") / error_providers: every such row has status
+    "error" (a part that failed, for the partial-results tests). Returns the path."""
+    from experiments import decode
+    from experiments.results import write_results
+    out = path(results_dir, "speedup")
+    rng = np.random.default_rng(1)
+    with as_gpu():
+        for stage, argv, cfg in campaign_configs(stages):
+            command = ("tests/gpu_shaped/speedup.py, made-up values shaped like: python3 -m "
+                       "experiments.speedup " + " ".join(argv))
+            write_results(ceiling_rows(cfg), out, command=command)
+            rows = batch_rows(cfg, rng, error_parts, error_providers)
+            if rows:
+                write_results(rows, out, command=command)
+            if "decode" in cfg.parts:
+                write_results(decode_rows(cfg, rng, error_parts, error_providers), out,
+                              command=command, key_columns=decode.KEY_COLUMNS)
+    return out

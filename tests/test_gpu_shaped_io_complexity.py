@@ -1,0 +1,139 @@
+"""RQ2 before any GPU: the GPU-shaped rows of the campaign's ncu step (tests/gpu_shaped/
+io_complexity.py, made-up bytes) through notebooks/io_complexity.ipynb for device class h100,
+then the paper on its macros; and the partial runs a GPU window can leave (nothing measured,
+ncu missing, no L2 size recorded). Everything is written under tmp_path, never into results/,
+figures/ or paper/generated/."""
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from tests import gpu_shaped
+from tests.gpu_shaped import io_complexity as fixture
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READ, WRITE, LTS = "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum"
+
+
+def _macros(path):
+    lines = open(path).read().splitlines()
+    return dict(line[len("\\newcommand{\\"):-1].split("}{", 1) for line in lines
+                if line.startswith("\\newcommand"))
+
+
+def _notebook(tmp_path, **write_kwargs):
+    """The fixture into a scratch results folder holding nothing else (so only class h100
+    runs), the notebook over it; returns (results, figures, generated, its output)."""
+    pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
+    pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
+    res, fig, gen = (tmp_path / d for d in ("results", "figures", "generated"))
+    fixture.write(res, **write_kwargs)
+    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)  # the committed CPU macros
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
+               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(fig),
+               LONGFLASH_GENERATED=str(gen))
+    env.pop("LONGFLASH_DEVICES", None)
+    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
+                          "--out-dir", str(tmp_path / "nb"),
+                          os.path.join("notebooks", "io_complexity.ipynb")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "for device class h100" in out.stdout and "skipped" not in out.stdout, out.stdout
+    return res, fig, gen, out.stdout
+
+
+def test_fixture_rows_are_the_ncu_steps():
+    """The fixture's rows are the campaign's: its plan, its row writer, its not-measured rows."""
+    from experiments import gpu_campaign as gc
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        df = pd.read_csv(fixture.write(tmp))
+        bare = pd.read_csv(fixture.write(os.path.join(tmp, "bare"), ncu=False))
+    plan = gc.ncu_probe_plan()
+    assert len(df) == 3 * len(plan) and set(df["experiment"]) == {"io_complexity_ncu"}
+    assert set(df["metric"]) == {READ, WRITE, LTS} and set(df["unit"]) == {"bytes"}
+    assert set(df["device"]) == {gpu_shaped.GPU}
+    assert {(p["provider"], p["seqlen"]) for p in plan} == set(zip(df["provider"], df["seqlen_q"]))
+    budget = df[df["note"] == gc.NCU_NOT_MEASURED]
+    assert set(budget["status"]) == {"error"} and len(budget) == 2 * 3  # the last two, at 1K
+    assert set(budget["seqlen_q"]) == {1024}
+    assert (df["status"] == "error").sum() == len(budget) + 1  # and one metric ncu lacked
+    assert set(bare["status"]) == {"unsupported"} and bare["value"].isna().all()
+
+
+@pytest.mark.slow
+def test_notebook_and_paper_on_gpu_shaped_rows(tmp_path):
+    res, fig, gen, _ = _notebook(tmp_path)
+    m = _macros(gen / "io_complexity_h100.tex")
+    assert all(k.startswith("HOneZeroZero") for k in m)
+    assert _macros(gen / "io_complexity.tex") == _macros(
+        os.path.join(ROOT, "paper", "generated", "io_complexity.tex"))  # CPU's untouched
+    # The worst |measured / model - 1| of LongFlash beyond L2, from the rows themselves.
+    df = pd.read_csv(res / "io_complexity" / "h100.csv")
+    ok = df[(df["status"] == "ok") & (df["provider"] == "longflash")]
+    dram = ok[ok["metric"].isin([READ, WRITE])].groupby("seqlen_q").agg(
+        bytes=("value", "sum"), n=("value", "size"), model=("model_hbm_bytes", "first"),
+        working_set=("working_set_bytes", "first"))
+    beyond = dram[(dram["n"] == 2) & (dram["working_set"] > fixture.L2_BYTES)]
+    worst = (beyond["bytes"] / beyond["model"] - 1).abs()
+    assert len(beyond) == 3  # 4K, 16K, 64K
+    assert m["HOneZeroZeroIoNcuWorstDev"] == f"{100 * worst.max():.1f}\\%"
+    assert m["HOneZeroZeroIoNcuWorstDevAt"] == f"{worst.idxmax() // 1024}K"
+    assert m["HOneZeroZeroIoNcuGoal"] == ("met" if worst.max() <= 0.10 else "not met")
+    # standard / LongFlash at the largest N both measured (16K: standard stops there)
+    both = df[df["metric"].isin([READ, WRITE]) & (df["seqlen_q"] == 16384)
+              & (df["status"] == "ok")].groupby("provider")["value"].sum()
+    assert m["HOneZeroZeroIoNcuStdOverLongflash"] == f"{both['standard'] / both['longflash']:.2f}"
+    assert m["HOneZeroZeroIoNcuStdAt"] == "16K" and m["HOneZeroZeroIoNcuSdpaFlashAt"] == "64K"
+    assert m["HOneZeroZeroIoNcuConfigs"] == "11" and m["HOneZeroZeroIoNcuNotMeasured"] == "2"
+    assert "stage budget" in m["HOneZeroZeroIoNcuRatioOneK"]
+    assert m["HOneZeroZeroIoNcuLTwoSource"].startswith("recorded by the campaign")
+    devices = (gen / "devices.tex").read_text()
+    assert "\\newcommand{\\GpuIoComplexity}{HOneZeroZero}" in devices
+    assert (fig / "io_complexity_ncu_h100.pdf").exists()
+    # A GPU paragraph of another RQ must not switch on for want of macros (not_measured.tex).
+    assert not re.search(r"\\newcommand\{\\Gpu", (gen / "not_measured.tex").read_text()), (
+        "run_notebooks.write_not_measured defined a \\Gpu<Rq> switch as 'not measured'")
+    if not shutil.which("latexmk"):
+        return
+    paper = tmp_path / "build" / "paper"
+    shutil.copytree(os.path.join(ROOT, "paper", "sections"), paper / "sections")
+    for name in ("main.tex", "refs.bib"):
+        shutil.copy(os.path.join(ROOT, "paper", name), paper)
+    shutil.copytree(gen, paper / "generated")
+    shutil.copytree(os.path.join(ROOT, "figures"), tmp_path / "build" / "figures")
+    shutil.copytree(fig, tmp_path / "build" / "figures", dirs_exist_ok=True)
+    build = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
+                            "main.tex"], cwd=paper, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:]
+    log = (paper / "main.log").read_text()
+    assert "io_complexity_ncu_h100" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs, goal", [
+    (dict(ncu=False), "not measured"),              # ncu not found: every row unsupported
+    (dict(reached=0), "not measured"),              # killed before the first configuration
+    (dict(reached=3, l2_recorded=False), None),     # standard 1K, LongFlash and SDPA at 4K
+], ids=["unsupported", "nothing-reached", "three-reached-no-l2"])
+def test_notebook_on_partial_gpu_runs(tmp_path, kwargs, goal):
+    _, fig, gen, _ = _notebook(tmp_path, **kwargs)
+    m = _macros(gen / "io_complexity_h100.tex")
+    if goal:
+        assert m["HOneZeroZeroIoNcuGoal"] == goal and m["HOneZeroZeroIoNcuMeasured"] == "0"
+        assert m["HOneZeroZeroIoNcuStdOverLongflash"].startswith("not measured")
+        why = ("unsupported: ncu not found" if kwargs.get("ncu") is False
+               else "not measured: stage budget")
+        assert f"11 {why}" in m["HOneZeroZeroIoNcuNotMeasuredWhy"]
+    else:
+        assert m["HOneZeroZeroIoNcuMeasured"] == "3" and m["HOneZeroZeroIoNcuBeyondMeasured"] == "1"
+        assert m["HOneZeroZeroIoNcuLTwoSource"].startswith("the documented default")
+        assert m["HOneZeroZeroIoNcuSdpaFlashAt"] == "4K"
+        assert math.isfinite(float(m["HOneZeroZeroIoNcuRatioFourK"]))
+    assert (fig / "io_complexity_ncu_h100.pdf").exists()

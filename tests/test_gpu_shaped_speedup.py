@@ -1,0 +1,183 @@
+"""RQ1's last step of the GPU window, before any GPU: GPU-shaped rows (tests/gpu_shaped/speedup.py,
+made-up values, written only into tmp_path) -> notebooks/speedup.ipynb for device class h100 ->
+the issue's goals as macros, the README's GPU row and the paper; and the same on partial
+results (the window ended after stage 1, a part that failed, kernels that failed)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from tests import gpu_shaped
+from tests.gpu_shaped import speedup as gpu_speedup
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+VERDICTS = {"met", "not met", "not measured"}
+GOALS = ("FwdFlash", "FwdCudnn", "FwdBwdFlash", "NeverSlowerDSixtyFour",
+         "NeverSlowerDTwoFiftySix", "NeverSlowerCausal", "FwdMatmul")
+P = "SpeedupHOneZeroZero"
+
+
+def _macros(path):
+    lines = open(path).read().splitlines()
+    return dict(line[len("\\newcommand{\\"):-1].split("}{", 1) for line in lines
+                if line.startswith("\\newcommand"))
+
+
+def _notebook(tmp_path, **fixture):
+    """Fixture rows -> tmp_path/results/speedup/h100.csv (the only results file, so only the
+    h100 class runs), then the notebook on them with copies of paper/generated and figures/.
+    Returns (rows, generated folder, run_notebooks' output)."""
+    pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
+    pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
+    res, gen, fig = tmp_path / "results", tmp_path / "generated", tmp_path / "figures"
+    csv = gpu_speedup.write(res, **fixture)
+    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
+    shutil.copytree(os.path.join(ROOT, "figures"), fig)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
+               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(fig), LONGFLASH_GENERATED=str(gen))
+    env.pop("LONGFLASH_DEVICES", None)
+    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
+                          "--out-dir", str(tmp_path / "nb"), "notebooks/speedup.ipynb"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return pd.read_csv(csv), gen, out.stdout
+
+
+def _readme(tmp_path, gen):
+    """The README's headline table filled from gen (a copy of README.md; the repository's is
+    never written)."""
+    readme = tmp_path / "README.md"
+    shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    env = dict(os.environ, LONGFLASH_GENERATED=str(gen))
+    out = subprocess.run([sys.executable, "notebooks/readme_table.py", "--readme", str(readme)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = readme.read_text()
+    return text.split("<!-- headline:start -->")[1].split("<!-- headline:end -->")[0]
+
+
+def _paper(tmp_path, gen):
+    """Build the paper on gen and tmp_path/figures (skipped without latexmk); its text."""
+    if not shutil.which("latexmk"):
+        return None
+    paper = tmp_path / "build" / "paper"
+    shutil.copytree(os.path.join(ROOT, "paper", "sections"), paper / "sections")
+    for name in ("main.tex", "refs.bib"):
+        shutil.copy(os.path.join(ROOT, "paper", name), paper)
+    shutil.copytree(gen, paper / "generated")
+    shutil.copytree(tmp_path / "figures", tmp_path / "build" / "figures")
+    build = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
+                            "-Werror", "main.tex"], cwd=paper, capture_output=True, text=True,
+                           timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:]
+    if not shutil.which("pdftotext"):
+        return ""
+    return subprocess.run(["pdftotext", "main.pdf", "-"], cwd=paper, capture_output=True,
+                          text=True).stdout
+
+
+def _worst(rows, baseline, mode, headdim, causal, seqlen_min=4096):
+    """The issue's goal computed here, independently of the notebook: the smallest
+    time(baseline) / time(longflash) over part batch at this mode, head dim and causal, from
+    seqlen_min tokens on (baseline "matmul": longflash's TFLOP/s over the matmul ceiling)."""
+    r = rows[(rows["experiment"] == "speedup") & (rows["part"] == "batch")
+             & (rows["mode"] == mode) & (rows["headdim"] == headdim)
+             & (rows["causal"] == causal) & (rows["seqlen_q"] >= seqlen_min)
+             & (rows["status"] == "ok")]
+    if baseline == "matmul":
+        matmul = rows[rows["metric"] == "matmul_tflops"]["value"].iloc[0]
+        lf = r[(r["provider"] == "longflash") & (r["metric"] == "tflops")]
+        return (lf["value"] / matmul).min()
+    t = r[r["metric"] == "time_ms"].pivot_table(index="seqlen_q", columns="provider",
+                                                 values="value")
+    return (t[baseline] / t["longflash"]).min()
+
+
+def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
+    rows, gen, out = _notebook(tmp_path)
+    assert "for device class h100" in out and "skipped" not in out
+    m = _macros(gen / "speedup_h100.tex")
+    assert m[f"{P}Device"] == gpu_shaped.GPU and m[f"{P}Dtype"] == "bfloat16"
+    # Two goals recomputed from the rows: the value, and the verdict that follows from it.
+    fwd = _worst(rows, "sdpa_flash", "fwd", 128, False)
+    assert m[f"{P}GoalFwdFlashValue"] == f"{fwd:.2f}$\\times$"
+    assert m[f"{P}GoalFwdFlashVerdict"] == ("met" if fwd >= 1.5 else "not met")
+    assert m[f"{P}GoalFwdFlashMeasured"] == "3 of 3"  # 4K, 8K, 16K
+    frac = _worst(rows, "matmul", "fwd", 128, False)
+    assert m[f"{P}GoalFwdMatmulValue"] == f"{100 * frac:.1f}\\%"
+    assert m[f"{P}GoalFwdMatmulVerdict"] == ("met" if frac >= 0.75 else "not met")
+    slow = min(_worst(rows, "sdpa_flash", mode, 256, c) for mode in ("fwd", "bwd", "fwd_bwd")
+               for c in (False, True))
+    assert m[f"{P}GoalNeverSlowerDTwoFiftySixValue"] == f"{slow:.2f}$\\times$"
+    for goal in GOALS:
+        assert m[f"{P}Goal{goal}Verdict"] in VERDICTS - {"not measured"}, goal
+        assert m[f"{P}Goal{goal}Target"] and m[f"{P}Goal{goal}Scope"], goal
+    counts = [int(m[f"{P}Goals{k}"]) for k in ("Met", "NotMet", "NotMeasured")]
+    assert sum(counts) == int(m[f"{P}GoalsCount"]) == len(GOALS)
+    # cuDNN and flex cannot run every configuration: said, with the status, not dropped.
+    assert "sdpa\\_cudnn unsupported" in m[f"{P}OverSdpaCudnnSlower"]
+    assert "flex unsupported" in m[f"{P}OverFlexSlower"]
+    assert "\\newcommand{\\GpuSpeedup}{HOneZeroZero}" in (gen / "devices.tex").read_text()
+    # README: the GPU row first, the CPU rows kept.
+    table = _readme(tmp_path, gen)
+    lines = [line for line in table.splitlines() if line.startswith("| RQ")]
+    assert lines[0].startswith("| RQ1 speed on a GPU |")
+    assert f"forward {fwd:.2f}x the speed of FlashAttention-2" in lines[0]
+    assert gpu_shaped.GPU in lines[0] and "`results/speedup/h100.csv`" in lines[0]
+    assert [line.split(" | ")[0] for line in lines[1:]] == [
+        "| RQ1 speed and memory", "| RQ2 IO complexity", "| RQ3 sequence parallelism",
+        "| RQ4 long-context training"]
+    assert "no GPU comparison yet" not in lines[1]
+    # The paper: the GPU paragraph and its goals table, and no "no GPU was available".
+    text = _paper(tmp_path, gen)
+    if text:
+        flat = " ".join(text.split())
+        assert "On a GPU." in flat and "measured (worst, where)" in flat
+        start = flat.index("RQ1: How much faster")  # this section's text only
+        rq1 = flat[start:flat.index("RQ2: ", start)]
+        assert "No GPU was available" not in rq1 and "could not make" not in rq1
+        assert "run on GPUs only" in rq1 and "measured below" in rq1
+
+
+@pytest.mark.parametrize("fixture, declined", [
+    (dict(stages=(1,)), False),                              # the window ended after stage 1
+    (dict(error_parts=("long", "decode")), False),           # two parts failed entirely
+    (dict(error_providers=("longflash",)), False),           # LongFlash's kernels failed
+    (dict(error_parts=("batch",)), True),                    # nothing of part batch measured
+], ids=["stage1-only", "long-decode-error", "longflash-error", "batch-error"])
+def test_partial_results(tmp_path, fixture, declined):
+    rows, gen, out = _notebook(tmp_path, **fixture)
+    table = _readme(tmp_path, gen)
+    if declined:  # skipped with its reason; no GPU macros, no GPU paragraph, no GPU row
+        assert "skipped for h100" in out and "part batch" in out
+        assert not (gen / "speedup_h100.tex").exists()
+        assert "GpuSpeedup" not in (gen / "devices.tex").read_text()
+        assert "RQ1 speed on a GPU" not in table
+        return
+    m = _macros(gen / "speedup_h100.tex")
+    for goal in GOALS:
+        assert m[f"{P}Goal{goal}Verdict"] in VERDICTS, goal
+    if fixture.get("stages") == (1,):  # d = 256 is stage 2: not measured, and why
+        assert m[f"{P}GoalNeverSlowerDTwoFiftySixVerdict"] == "not measured"
+        assert m[f"{P}GoalNeverSlowerDTwoFiftySixValue"] == "not measured"
+        assert "not run" in m[f"{P}GoalNeverSlowerDTwoFiftySixWhere"]
+        fwd = _worst(rows, "sdpa_flash", "fwd", 128, False)
+        assert m[f"{P}GoalFwdFlashValue"] == f"{fwd:.2f}$\\times$"
+        assert f"{P}DecodeBOneLongflashMs" not in m and f"{P}LongSeqlenMax" not in m
+        assert m[f"{P}DecodeStatus"] == "part decode is not in this run"
+    if "longflash" in fixture.get("error_providers", ()):
+        assert {m[f"{P}Goal{g}Verdict"] for g in GOALS} == {"not measured"}
+        assert "longflash error" in m[f"{P}GoalFwdFlashWhere"]
+        assert m[f"{P}OverSdpaFlashNotMeasured"].startswith("not measured (longflash error in")
+        assert m[f"{P}LongflashStatus"] == "longflash error in 90 configurations"  # 5 x 2 x 3 x 3
+        assert m[f"{P}GoalsNotMeasured"] == str(len(GOALS))
+    assert "RQ1 speed on a GPU" in table
+    if fixture.get("stages") == (1,) or "longflash" in fixture.get("error_providers", ()):
+        text = _paper(tmp_path, gen)
+        if text:
+            assert "not measured" in " ".join(text.split())
