@@ -153,9 +153,11 @@ figures: $(ENV_READY) $(QUICK_TREE)  # notebooks, headless, in this order: resul
 # paper/main.pdf from the committed (or just regenerated) figures and paper/generated/
 # (QUICK=1: build/quick/paper/main.pdf from build/quick/).
 # -Werror: an undefined reference or citation fails the build, like a LaTeX error.
+# max_print_line: latexmk reads main.log for "No file main.bbl." to decide to run bibtex, and
+# misses it when TeX wrapped the line before it at 79 characters (seen with long figure names).
 paper: latex $(QUICK_TREE)
 	$(if $(QUICK),cp -r paper/main.tex paper/refs.bib paper/sections $(QUICK_DIR)/paper/)
-	cd $(if $(QUICK),$(QUICK_DIR)/paper,paper) && latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error -Werror main.tex
+	cd $(if $(QUICK),$(QUICK_DIR)/paper,paper) && max_print_line=10000 latexmk -pdf -interaction=nonstopmode -halt-on-error -file-line-error -Werror main.tex
 
 # LaTeX for the paper: installed with apt (sudo when not root) if latexmk is missing.
 LATEX_PACKAGES := texlive-latex-base texlive-latex-recommended texlive-latex-extra \

@@ -256,9 +256,9 @@ def stage_steps(stage, dry):
             # at 64K tokens (same head dim, heads, dtype, causal) and the choice is on disk.
             _probe("warm", estimate_s=20, timeout_s=120, argv_tail=["--", *warm]),
             # First 1M tokens forward+backward on one GPU (written at once): ~8-15 s a call,
-            # a warm-up and at most 3 timed calls (scaling's lean timing, capped at 60 s); then
-            # blocks (autotuning at 8K) and the CPU ring at 64K: 150-250 s in all; 90 s stay
-            # for ncu.
+            # a warm-up and at most 3 timed calls (scaling's lean timing, capped at 60 s), one
+            # more forward checked on 16 sampled rows against float64 (~5 s); then blocks
+            # (autotuning at 8K) and the CPU ring at 64K: 150-250 s in all; 90 s stay for ncu.
             Step("scaling", _py("experiments.scaling", *scaling, "--out", "{out}"),
                  rq="scaling", estimate_s=150, timeout_s=330, reserve_s=90),
             # RQ2: one fresh process under ncu per configuration, 15-60 s each, the ones whose

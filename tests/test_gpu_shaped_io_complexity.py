@@ -21,10 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READ, WRITE, LTS = "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum"
 
 
-def _macros(path):
-    lines = open(path).read().splitlines()
-    return dict(line[len("\\newcommand{\\"):-1].split("}{", 1) for line in lines
-                if line.startswith("\\newcommand"))
+_macros = gpu_shaped.macros
 
 
 def _notebook(tmp_path, **write_kwargs):
@@ -100,20 +97,10 @@ def test_notebook_and_paper_on_gpu_shaped_rows(tmp_path):
     # A GPU paragraph of another RQ must not switch on for want of macros (not_measured.tex).
     assert not re.search(r"\\newcommand\{\\Gpu", (gen / "not_measured.tex").read_text()), (
         "run_notebooks.write_not_measured defined a \\Gpu<Rq> switch as 'not measured'")
-    if not shutil.which("latexmk"):
-        return
-    paper = tmp_path / "build" / "paper"
-    shutil.copytree(os.path.join(ROOT, "paper", "sections"), paper / "sections")
-    for name in ("main.tex", "refs.bib"):
-        shutil.copy(os.path.join(ROOT, "paper", name), paper)
-    shutil.copytree(gen, paper / "generated")
-    shutil.copytree(os.path.join(ROOT, "figures"), tmp_path / "build" / "figures")
-    shutil.copytree(fig, tmp_path / "build" / "figures", dirs_exist_ok=True)
-    build = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
-                            "main.tex"], cwd=paper, capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stdout[-3000:]
-    log = (paper / "main.log").read_text()
-    assert "io_complexity_ncu_h100" in log, log[-3000:]
+    built = gpu_shaped.build_paper(tmp_path / "build", gen, [fig])
+    if built:
+        log = open(os.path.join(built[0], "main.log")).read()
+        assert "io_complexity_ncu_h100" in log, log[-3000:]
 
 
 @pytest.mark.slow

@@ -22,10 +22,7 @@ GOALS = ("FwdFlash", "FwdCudnn", "FwdBwdFlash", "NeverSlowerDSixtyFour",
 P = "SpeedupHOneZeroZero"
 
 
-def _macros(path):
-    lines = open(path).read().splitlines()
-    return dict(line[len("\\newcommand{\\"):-1].split("}{", 1) for line in lines
-                if line.startswith("\\newcommand"))
+_macros = gpu_shaped.macros
 
 
 def _notebook(tmp_path, **fixture):
@@ -63,22 +60,8 @@ def _readme(tmp_path, gen):
 
 def _paper(tmp_path, gen):
     """Build the paper on gen and tmp_path/figures (skipped without latexmk); its text."""
-    if not shutil.which("latexmk"):
-        return None
-    paper = tmp_path / "build" / "paper"
-    shutil.copytree(os.path.join(ROOT, "paper", "sections"), paper / "sections")
-    for name in ("main.tex", "refs.bib"):
-        shutil.copy(os.path.join(ROOT, "paper", name), paper)
-    shutil.copytree(gen, paper / "generated")
-    shutil.copytree(tmp_path / "figures", tmp_path / "build" / "figures")
-    build = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error",
-                            "-Werror", "main.tex"], cwd=paper, capture_output=True, text=True,
-                           timeout=600)
-    assert build.returncode == 0, build.stdout[-3000:]
-    if not shutil.which("pdftotext"):
-        return ""
-    return subprocess.run(["pdftotext", "main.pdf", "-"], cwd=paper, capture_output=True,
-                          text=True).stdout
+    built = gpu_shaped.build_paper(tmp_path / "build", gen, [tmp_path / "figures"])
+    return built and built[1]
 
 
 def _worst(rows, baseline, mode, headdim, causal, seqlen_min=4096):
