@@ -15,9 +15,9 @@ reserve_s (a share kept for the steps after it) is set aside, never below its es
 with a budget of its own (speedup, the ncu probe) gets "{budget}" = its timeout less tail_s,
 so it stops starting work before it is killed. So the stage ends in time and keeps what it
 measured. Each step is a subprocess in a session of its own with its own timeout, after which
-its whole process group is killed (forked ranks and profiled targets included): a crash or a
-hang is a row with status "error" (or "unsupported" for a missing tool) and a log line, never
-a lost stage. --steps runs some steps of a stage only (with the preflight and env).
+its whole process group is killed (forked ranks and profiled targets included;
+experiments/process_groups.py): a crash or a hang is a row with status "error" (or
+"unsupported" for a missing tool) and a log line, never a lost stage. --steps runs some steps of a stage only (with the preflight and env).
 
 Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
 tiny sizes with the Triton interpreter). Each stage starts with a preflight of the Hopper-only
@@ -40,8 +40,8 @@ error, or the failure in the note).
      scaling    RQ3 (experiments.scaling --full): exact causal attention over 1,048,576
                 tokens on one GPU (part long), per-step ring block times and the alpha-beta
                 projection (blocks, projection)
-     ncu        RQ2: Nsight Compute DRAM and L2 bytes for configurations of
-                experiments.io_complexity's plan, those whose working set exceeds L2 first,
+     ncu        RQ2 (experiments/ncu.py): Nsight Compute DRAM and L2 bytes for configurations
+                of experiments.io_complexity's plan, those whose working set exceeds L2 first,
                 beside the model's prediction; rows written after each configuration, the ones
                 the budget does not reach marked (status "error", note "not measured: stage
                 budget"); configurations already "ok" in the results file are not measured again
@@ -85,8 +85,6 @@ generate_tokens; jax: max_abs_diff; warm: warm_s); key column `step`.
 """
 
 import argparse
-import csv
-import io
 import itertools
 import json
 import os
@@ -99,12 +97,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from experiments.ncu import probe_ncu
+from experiments.process_groups import kill_children_on_sigterm, run_group, track_child
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTED = time.monotonic()  # this process's start, near enough: a probe's budget counts from it
 BUDGET_S = 510.0            # a stage's wall budget: 8.5 minutes of the run's 10
 ARCHIVE_RESERVE_S = 15.0    # kept for writing the rows and the archive
 ARCHIVE_LIMIT = 16 * 2**20  # what the device machine brings back per file
-NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum"
 
 
 # ----------------------------------------------------------------------------- budget
@@ -412,274 +412,6 @@ def probe_warm(path, seqlen, headdim):
     print(f"warm: {note}: {wall:.1f} s (autotuning included)")
 
 
-# ncu: one configuration is a fresh process (start-up, a warm-up that autotunes, the profiled
-# call replayed once per pass of the metrics): 15-60 s on an H100; cut at this.
-NCU_CONFIG_TIMEOUT_S = 120
-NCU_CONFIG_MIN_S = 20      # a configuration is started only with this much of the budget left
-NCU_NOT_MEASURED = "not measured: stage budget"
-L2_DEFAULT_BYTES = 50 * 2**20  # H100 and H200; used where the device does not say
-
-
-def ncu_working_set(p):
-    """Bytes a configuration of the ncu plan touches: q, k, v, o, plus the N x N scores and
-    probabilities that standard attention materializes."""
-    el = 2 if p["dtype"] in ("bfloat16", "float16") else 4
-    qkvo = 4 * p["batch"] * p["seqlen"] * p["nheads"] * p["headdim"] * el
-    scores = 2 * p["batch"] * p["nheads"] * p["seqlen"] ** 2 * el
-    return qkvo + (scores if p["provider"] == "standard" else 0)
-
-
-def order_ncu_plan(plan, l2_bytes):
-    """Most informative first (RQ2 asks whether HBM traffic follows the model once the working
-    set exceeds L2; below L2 DRAM sees little more than the compulsory bytes): configurations
-    whose working set exceeds `l2_bytes`, then the others; within each, shorter sequences first
-    (the cost grows as N^2, so a cut budget keeps the most configurations and every provider at
-    each length before the next length)."""
-    providers = ["longflash", "sdpa_flash", "standard"]
-    rank = lambda p: providers.index(p["provider"]) if p["provider"] in providers else 99  # noqa
-    return sorted(plan, key=lambda p: (ncu_working_set(p) <= l2_bytes, p["seqlen"], rank(p)))
-
-
-def _l2_bytes():
-    import torch
-    if torch.cuda.is_available():
-        size = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", None)
-        if size:
-            return int(size)
-    return L2_DEFAULT_BYTES
-
-
-def ncu_probe_plan(dry=False):
-    """The configurations of io_complexity's plan that the ncu step profiles (unordered):
-    forward, non-causal, d128, 16 heads, 1K-64K tokens, standard attention up to 16K; a dry
-    run: LongFlash at 128 tokens, one head."""
-    from experiments import io_complexity
-    return [p for p in io_complexity.ncu_plan(
-        seqlens=(128,) if dry else (1024, 4096, 16384, 65536), headdims=(128,),
-        providers=("longflash",) if dry else ("longflash", "sdpa_flash", "standard"),
-        nheads=1 if dry else 16)
-        if p["mode"] == "fwd" and not p["causal"]
-        and not (p["provider"] == "standard" and p["seqlen"] > 16384)]
-
-
-def probe_ncu(out, budget_s=None):
-    """RQ2 on the GPU: ncu's DRAM and L2 bytes for configurations of io_complexity's plan that
-    cross the L2 size, beside the model's prediction; rows in `out`, written after each
-    configuration (measure_ncu)."""
-    import torch
-    from experiments import io_complexity
-    dry = not torch.cuda.is_available()
-    plan = ncu_probe_plan(dry)
-    l2 = _l2_bytes()
-    plan = order_ncu_plan(plan, l2)
-    print(f"ncu: {len(plan)} configurations, L2 {l2 / 2**20:.0f} MiB, budget "
-          f"{budget_s if budget_s is not None else 'none'} s", flush=True)
-    ncu = shutil.which("ncu")
-    if dry or ncu is None:
-        why = "no GPU" if dry else "ncu not found"
-
-        def run(p, timeout):
-            if dry:  # the profiled code path itself, once, tiny, on CPU
-                io_complexity.run_target(_ncu_spec(p) | dict(dtype="float32"))
-            return {}, "unsupported", why
-    else:
-        log_path = os.path.splitext(out)[0] + ".ncu.log"
-        run = lambda p, timeout: _run_ncu(ncu, p, timeout, log_path)  # noqa: E731
-    # If the step is stopped from outside (its timeout), ncu and its target go too: they run
-    # in a session of their own (so that a configuration's timeout kills them alone).
-    _kill_children_on_sigterm()
-    measure_ncu(plan, out, run, budget_s, start=STARTED)
-
-
-def _ncu_spec(p):
-    return {k: p[k] for k in ("provider", "mode", "batch", "seqlen", "nheads", "headdim",
-                              "causal", "dtype")}
-
-
-def _ncu_rows(p, sums, status, note):
-    nan = float("nan")
-    base = dict(experiment="io_complexity_ncu", provider=p["provider"], mode=p["mode"],
-                dtype=p["dtype"], batch=p["batch"], seqlen_q=p["seqlen"], seqlen_k=p["seqlen"],
-                nheads=p["nheads"], nheads_kv=p["nheads"], headdim=p["headdim"],
-                causal=p["causal"], p20=nan, p80=nan, model_hbm_bytes=p["model_hbm_bytes"],
-                working_set_bytes=ncu_working_set(p))
-    rows = []
-    for m in NCU_METRICS.split(","):
-        found = status == "ok" and m in sums
-        rows.append(dict(base, metric=m, value=sums[m] if found else nan, unit="bytes",
-                         status="ok" if found else ("error" if status == "ok" else status),
-                         note=note if found or status != "ok" else f"{m} missing in ncu's output"))
-    return rows
-
-
-def _ncu_done(out):
-    """Configurations (as _ncu_key) whose every metric has an "ok" row in `out` already: a
-    results file seeded from the repository, or a rerun of the stage, does not measure them
-    again."""
-    if not os.path.exists(out):
-        return set()
-    import pandas as pd
-    from experiments.results import _key_str
-    df = pd.read_csv(out)
-    if "experiment" not in df.columns:
-        return set()
-    df = df[(df["experiment"] == "io_complexity_ncu") & (df["status"] == "ok")]
-    ok = {}
-    for rec in df.to_dict("records"):
-        ok.setdefault(_ncu_key(rec, "seqlen_q"), set()).add(rec["metric"])
-    return {k for k, ms in ok.items() if set(NCU_METRICS.split(",")) <= ms}
-
-
-def _ncu_key(p, seqlen="seqlen"):
-    """A configuration's identity, from a plan entry or (seqlen="seqlen_q") a results row."""
-    from experiments.results import _key_str
-    return tuple(_key_str(p[c]) for c in ("provider", "mode", "dtype", "batch", seqlen,
-                                          "nheads", "headdim", "causal"))
-
-
-def measure_ncu(plan, out, run, budget_s=None, clock=time.monotonic, start=None):
-    """Each configuration of `plan` in turn: run(p, timeout) -> (sums, status, note); its rows
-    are merged into `out` (atomically) right after it, so a timeout keeps what was measured.
-    Before the first, every configuration still to measure gets rows with status "error" and
-    note NCU_NOT_MEASURED, so those that the budget (`budget_s` seconds from now; the step's
-    "{budget}", counted from `start`, default now) does not reach, or that a kill interrupts,
-    say so."""
-    from experiments.results import write_results
-    deadline = (clock() if start is None else start) + (
-        budget_s if budget_s is not None else float("inf"))
-    done = _ncu_done(out)
-    todo = [p for p in plan if _ncu_key(p) not in done]
-    if len(todo) < len(plan):
-        print(f"ncu: {len(plan) - len(todo)} configurations measured already", flush=True)
-    if not todo:
-        return
-
-    def write(rows):
-        write_results(rows, out, key_columns=["model_hbm_bytes"])
-    write([r for p in todo for r in _ncu_rows(p, {}, "error", NCU_NOT_MEASURED)])
-    for i, p in enumerate(todo):
-        left = deadline - clock()
-        if left < NCU_CONFIG_MIN_S:
-            print(f"ncu: {left:.0f} s left: {len(todo) - i} configurations "
-                  f"{NCU_NOT_MEASURED}", flush=True)
-            break
-        sums, status, note = run(p, min(NCU_CONFIG_TIMEOUT_S, left))
-        write(_ncu_rows(p, sums, status, note))
-        print(f"ncu: {p['provider']} N={p['seqlen']}: {status} {sums} "
-              f"(model {p['model_hbm_bytes']:.3g} B, working set "
-              f"{ncu_working_set(p) / 2**20:.0f} MiB) {note}", flush=True)
-
-
-def _run_ncu(ncu, p, timeout, log_path):
-    """One configuration under ncu, in a session of its own, killed with its target at the
-    timeout. --print-units base: byte counts in bytes (parse_ncu_csv still scales any other
-    unit it is given)."""
-    argv = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "io_target/",
-            "--metrics", NCU_METRICS, "--print-units", "base", "--csv", sys.executable, "-m",
-            "experiments.io_complexity", "--ncu-target", json.dumps(_ncu_spec(p))]
-    t0 = time.monotonic()
-    rc, stdout, stderr = run_group(argv, timeout, cwd=ROOT, started=_track_child)
-    wall = time.monotonic() - t0
-    with open(log_path, "a") as f:
-        f.write(f"== {shlex.join(argv)} (exit {rc}, {wall:.0f} s)\n{stdout[-20000:]}\n"
-                f"{stderr[-5000:]}\n")
-    if rc is None:
-        return {}, "error", f"ncu timed out after {wall:.0f} s"
-    sums = parse_ncu_csv(stdout)
-    if rc != 0 or not sums:
-        last = ([ln for ln in (stdout + stderr).splitlines() if ln.strip()] or [""])[-1]
-        return sums, "error", f"ncu exit {rc}: {last[:200]}"
-    return sums, "ok", f"ncu, {wall:.0f} s"
-
-
-# ----------------------------------------------------------------------------- process groups
-
-_CHILDREN = []  # the process (group) a probe is waiting on, for _kill_children_on_sigterm
-
-
-def _track_child(proc):
-    _CHILDREN[:] = [proc]
-
-
-def _kill_children_on_sigterm():
-    """On SIGTERM (run_step's first signal at a step's timeout), kill the process group that
-    this probe started in a session of its own, then exit."""
-    import signal
-
-    def handler(signum, frame):
-        for proc in _CHILDREN:
-            kill_group(proc, grace_s=0)
-        raise SystemExit(128 + signum)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def kill_group(proc, grace_s=3.0):
-    """End `proc` and every process of its group (it leads a session of its own): SIGTERM,
-    up to grace_s seconds, then SIGKILL to whatever of the group is left (forked ranks, a
-    profiled target). Elsewhere than POSIX: proc alone."""
-    import signal
-    if os.name != "posix":
-        proc.kill()
-        proc.wait()
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if sig == signal.SIGTERM and grace_s > 0:
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-    proc.wait()
-
-
-def run_group(argv, timeout, started=None, **kw):
-    """Run argv in a session (and process group) of its own, its output captured; at the
-    timeout kill the whole group (kill_group), not only the direct child. Returns (returncode,
-    or None after a timeout; stdout; stderr)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            errors="replace", start_new_session=True, **kw)
-    if started:
-        started(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out or "", err or ""
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        try:  # what it printed before; a process outside the group may still hold the pipes
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            out, err = "", "(output lost: the pipes stayed open after the kill)"
-        return None, out or "", err or ""
-
-
-_UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-          "kibyte": 2**10, "mibyte": 2**20, "gibyte": 2**30, "tibyte": 2**40,
-          "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
-
-
-def parse_ncu_csv(text):
-    """Sum each metric over the kernels of ncu's --csv output, in bytes."""
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
-    sums = {}
-    for rec in csv.DictReader(io.StringIO("\n".join(lines))):
-        name, unit, value = rec.get("Metric Name"), rec.get("Metric Unit", ""), \
-            rec.get("Metric Value")
-        if not name or value is None:
-            continue
-        unit = (unit or "").strip().lower()
-        if unit and unit not in _UNITS:
-            continue  # not a byte count (never asked for); guessing its scale would be worse
-        try:
-            v = float(value.replace(",", "")) * _UNITS.get(unit, 1)
-        except ValueError:
-            continue
-        sums[name] = sums.get(name, 0.0) + v
-    return sums
-
-
 def probe_hf(path):
     """A small random Llama: LongFlash logits against eager, one greedy generate."""
     import torch
@@ -775,7 +507,7 @@ def probe_preflight(path, headdims):
     address ends that subprocess only); a kind that fails is switched off for the stage's
     later steps through the JSON's "env" (run_stage applies it)."""
     rows, env = [], {}
-    _kill_children_on_sigterm()
+    kill_children_on_sigterm()
     for kind, switch in PREFLIGHT_KINDS.items():
         metric = f"preflight_{kind}"
         if env:  # TMA is off, and the warp-specialized candidates need it
@@ -785,7 +517,7 @@ def probe_preflight(path, headdims):
         argv = [sys.executable, "-m", "experiments.gpu_campaign", "--probe", "preflight-kind",
                 "--probe-out", "-", "--", kind, headdims]
         rc, stdout, stderr = run_group(argv, PREFLIGHT_TIMEOUT_S, cwd=ROOT,
-                                       started=_track_child)
+                                       started=track_child)
         print(stdout + stderr)
         if rc is None:
             row = _row(metric, float("nan"), "", "error",
@@ -1146,7 +878,7 @@ def main():
         elif args.probe == "preflight-kind":
             probe_preflight_kind(rest[0], [int(d) for d in rest[1].split(",")])
         elif args.probe == "ncu":
-            probe_ncu(args.probe_out, float(rest[0]) if rest else None)
+            probe_ncu(args.probe_out, float(rest[0]) if rest else None, start=STARTED)
         elif args.probe == "warm":
             probe_warm(args.probe_out, int(rest[0]), int(rest[1]))
         else:

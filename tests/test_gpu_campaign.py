@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments import gpu_campaign as gc
+from experiments import ncu as ncu_probe
 from experiments import results
 from experiments.results import read_results
 
@@ -108,7 +109,7 @@ def test_parse_ncu_csv_sums_kernels_in_bytes():
             '"0","a","dram__bytes_read.sum","Mbyte","1.5"\n'
             '"1","b","dram__bytes_read.sum","Kbyte","500"\n'
             '"1","b","lts__t_bytes.sum","byte","1,024"\n')
-    assert gc.parse_ncu_csv(text) == {"dram__bytes_read.sum": 2.0e6, "lts__t_bytes.sum": 1024.0}
+    assert ncu_probe.parse_ncu_csv(text) == {"dram__bytes_read.sum": 2.0e6, "lts__t_bytes.sum": 1024.0}
 
 
 def test_parse_ncu_csv_base_units_and_unknown_units():
@@ -116,7 +117,7 @@ def test_parse_ncu_csv_base_units_and_unknown_units():
     text = ('"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
             '"0","a","dram__bytes_write.sum","byte","1,048,576"\n'
             '"0","a","lts__t_bytes.sum","sector","10"\n')
-    assert gc.parse_ncu_csv(text) == {"dram__bytes_write.sum": 1048576.0}
+    assert ncu_probe.parse_ncu_csv(text) == {"dram__bytes_write.sum": 1048576.0}
 
 
 # ----------------------------------------------------------------------------- process groups
@@ -211,7 +212,7 @@ def test_stage_plans_fit_and_put_the_important_steps_first():
     assert names.index("warm") < names.index("scaling") < names.index("ncu") \
         < names.index("speedup_long")
     ncu = stage2["ncu"]
-    assert "{budget}" in ncu.argv and ncu.timeout_s >= 2 * gc.NCU_CONFIG_TIMEOUT_S
+    assert "{budget}" in ncu.argv and ncu.timeout_s >= 2 * ncu_probe.NCU_CONFIG_TIMEOUT_S
     assert stage2["scaling"].reserve_s >= ncu.estimate_s and ncu.tail_s > 0
     # stage 3: decode no longer keeps more than is left after it starts
     stage3 = gc.stage_steps(3, False)
@@ -230,8 +231,8 @@ def _plan(seqlens=(1024, 4096, 16384), providers=("longflash", "sdpa_flash", "st
 
 def test_ncu_plan_puts_configurations_beyond_l2_first():
     l2 = 50 * 2**20
-    plan = gc.order_ncu_plan(_plan(), l2)
-    over = [gc.ncu_working_set(p) > l2 for p in plan]
+    plan = ncu_probe.order_ncu_plan(_plan(), l2)
+    over = [ncu_probe.ncu_working_set(p) > l2 for p in plan]
     assert over == sorted(over, reverse=True) and over[0] and not over[-1]
     assert [(p["provider"], p["seqlen"]) for p in plan[:4]] == [
         ("standard", 1024), ("longflash", 4096), ("sdpa_flash", 4096), ("standard", 4096)]
@@ -251,20 +252,20 @@ def test_ncu_rows_are_written_after_each_configuration_and_the_rest_marked(tmp_p
         df = pd.read_csv(out)  # what an interrupted probe would have left at this point
         seen.append(sorted(set(df.loc[df["status"] == "ok", "provider"])))
         clock.t += 30
-        assert timeout == min(gc.NCU_CONFIG_TIMEOUT_S, 70 - (clock.t - 30))
-        return {m: 1.0e6 for m in gc.NCU_METRICS.split(",")}, "ok", "fake"
+        assert timeout == min(ncu_probe.NCU_CONFIG_TIMEOUT_S, 70 - (clock.t - 30))
+        return {m: 1.0e6 for m in ncu_probe.NCU_METRICS.split(",")}, "ok", "fake"
 
-    gc.measure_ncu(plan, out, run, budget_s=70, clock=clock)
+    ncu_probe.measure_ncu(plan, out, run, budget_s=70, clock=clock)
     # the third starts with 10 s left < NCU_CONFIG_MIN_S
     assert seen == [[], ["longflash"]]
     df = pd.read_csv(out)
     assert len(df) == 3 * len(plan)
     status = dict(zip(df["provider"], df["status"]))
     assert status == dict(longflash="ok", sdpa_flash="ok", standard="error")
-    assert set(df.loc[df["provider"] == "standard", "note"]) == {gc.NCU_NOT_MEASURED}
+    assert set(df.loc[df["provider"] == "standard", "note"]) == {ncu_probe.NCU_NOT_MEASURED}
     # a rerun (a seeded results file) measures only what is not "ok" yet
     again = []
-    gc.measure_ncu(plan, out, lambda p, t: (again.append(p["provider"]) or {}, "error", "x"),
+    ncu_probe.measure_ncu(plan, out, lambda p, t: (again.append(p["provider"]) or {}, "error", "x"),
                    budget_s=100, clock=clock)
     assert again == ["standard"]
     df = pd.read_csv(out)
@@ -277,15 +278,15 @@ def test_ncu_step_gets_the_budget_and_keeps_rows_on_a_timeout(tmp_path, monkeypa
     script = tmp_path / "fake_ncu_probe.py"
     script.write_text(
         "import sys, time\n"
-        "from experiments import gpu_campaign as gc\n"
-        "gc.NCU_CONFIG_MIN_S = 1\n"
+        "from experiments import ncu\n"
+        "ncu.NCU_CONFIG_MIN_S = 1\n"
         "plan = [dict(provider='longflash', mode='fwd', batch=1, seqlen=n, nheads=1, headdim=16,\n"
         "             causal=False, dtype='float32', model_hbm_bytes=float(n))\n"
         "        for n in (64, 128, 256)]\n"
         "def run(p, timeout):  # the second configuration hangs\n"
         "    time.sleep(0 if p['seqlen'] == 64 else 60)\n"
-        "    return {m: 1.0 for m in gc.NCU_METRICS.split(',')}, 'ok', ''\n"
-        "gc.measure_ncu(plan, sys.argv[1], run, float(sys.argv[2]))\n")
+        "    return {m: 1.0 for m in ncu.NCU_METRICS.split(',')}, 'ok', ''\n"
+        "ncu.measure_ncu(plan, sys.argv[1], run, float(sys.argv[2]))\n")
     step = gc.Step("ncu", [str(script), "{out}", "{budget}"], rq="io_complexity",
                    estimate_s=1, timeout_s=8, tail_s=3)
     _, records = gc.run_stage(2, tmp_path, dry=True, steps=[step], log_print=lambda m: 0)

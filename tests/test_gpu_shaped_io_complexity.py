@@ -47,17 +47,17 @@ def _notebook(tmp_path, **write_kwargs):
 
 def test_fixture_rows_are_the_ncu_steps():
     """The fixture's rows are the campaign's: its plan, its row writer, its not-measured rows."""
-    from experiments import gpu_campaign as gc
+    from experiments import ncu as ncu_probe
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         df = pd.read_csv(fixture.write(tmp))
         bare = pd.read_csv(fixture.write(os.path.join(tmp, "bare"), ncu=False))
-    plan = gc.ncu_probe_plan()
+    plan = ncu_probe.ncu_probe_plan()
     assert len(df) == 3 * len(plan) and set(df["experiment"]) == {"io_complexity_ncu"}
     assert set(df["metric"]) == {READ, WRITE, LTS} and set(df["unit"]) == {"bytes"}
     assert set(df["device"]) == {gpu_shaped.GPU}
     assert {(p["provider"], p["seqlen"]) for p in plan} == set(zip(df["provider"], df["seqlen_q"]))
-    budget = df[df["note"] == gc.NCU_NOT_MEASURED]
+    budget = df[df["note"] == ncu_probe.NCU_NOT_MEASURED]
     assert set(budget["status"]) == {"error"} and len(budget) == 2 * 3  # the last two, at 1K
     assert set(budget["seqlen_q"]) == {1024}
     assert (df["status"] == "error").sum() == len(budget) + 1  # and one metric ncu lacked

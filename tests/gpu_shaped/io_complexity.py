@@ -1,6 +1,6 @@
 """RQ2 on an H100, GPU-shaped: the rows the campaign's ncu step writes (made-up bytes).
 
-The configurations are the ncu step's own (experiments.gpu_campaign.ncu_probe_plan, in the order
+The configurations are the ncu step's own (experiments.ncu.ncu_probe_plan, in the order
 of order_ncu_plan), and the rows are written by the step's own measure_ncu and _ncu_rows with a
 stand-in for ncu: experiment "io_complexity_ncu", metrics dram__bytes_read.sum,
 dram__bytes_write.sum, lts__t_bytes.sum (bytes), extra columns model_hbm_bytes and
@@ -27,7 +27,7 @@ L2_BYTES = 50 * 2**20  # what an H100 SXM reports (torch: L2_cache_size)
 
 def _bytes(p, l2_bytes, rng):
     """Made-up ncu sums for one configuration of the plan: {metric: bytes}."""
-    from experiments.gpu_campaign import ncu_working_set
+    from experiments.ncu import ncu_working_set
     model, working_set = p["model_hbm_bytes"], ncu_working_set(p)
     el = 2 if p["dtype"] in ("bfloat16", "float16") else 4
     o = p["batch"] * p["seqlen"] * p["nheads"] * p["headdim"] * el
@@ -53,11 +53,11 @@ def write(results_dir, reached=None, ncu=True, missing=("sdpa_flash", 65536, "lt
     anything. ncu=False: ncu was not found, every configuration "unsupported".
     missing: (provider, seqlen, metric) that ncu's output lacks (status "error"), or None.
     l2_recorded: write the stage's env JSON with the L2 size (else the notebook falls back to
-    gpu_campaign.L2_DEFAULT_BYTES).
+    experiments.ncu.L2_DEFAULT_BYTES).
     """
-    from experiments import gpu_campaign as gc
+    from experiments import ncu as ncu_probe
     rng = np.random.default_rng(seed)
-    plan = gc.order_ncu_plan(gc.ncu_probe_plan(), L2_BYTES)
+    plan = ncu_probe.order_ncu_plan(ncu_probe.ncu_probe_plan(), L2_BYTES)
     reached = len(plan) - 2 if reached is None else reached
 
     def run(p, timeout):
@@ -75,9 +75,9 @@ def write(results_dir, reached=None, ncu=True, missing=("sdpa_flash", 65536, "lt
     out = gpu_shaped.path(results_dir, "io_complexity")
     # measure_ncu starts a configuration only with NCU_CONFIG_MIN_S left: this budget reaches
     # exactly `reached` of them (every one when ncu is missing: each takes no time then).
-    budget = 30.0 * reached + gc.NCU_CONFIG_MIN_S - 1 if ncu else None
+    budget = 30.0 * reached + ncu_probe.NCU_CONFIG_MIN_S - 1 if ncu else None
     with gpu_shaped.as_gpu():
-        gc.measure_ncu(plan, out, run, budget_s=budget, clock=clock, start=0.0)
+        ncu_probe.measure_ncu(plan, out, run, budget_s=budget, clock=clock, start=0.0)
     if l2_recorded:
         env = os.path.join(str(results_dir), "gpu_campaign", f"{gpu_shaped.TAG}-stage2-env.json")
         os.makedirs(os.path.dirname(env), exist_ok=True)
