@@ -15,29 +15,45 @@ support its analysis) is reported as skipped for that device, not as a failure. 
 paper/generated/devices.tex is rewritten to \\input every per-device macro file present, so
 the paper sees GPU numbers the moment their notebooks have run, and not_measured.tex defines
 "not measured" for any macro the paper uses that no results provided (a QUICK=1 run).
+
+Without Jupyter (nbclient and nbformat missing, as on the GPU machines' image, which has no
+network to install them) each notebook's code cells run in order in a fresh Python process
+instead (run_plain): the same figures and macros are written, but the executed notebook is not
+saved, and the run says so.
 """
 
 import argparse
 import glob
+import json
 import os
 import re
+import subprocess
 import sys
 
-import nbclient
-import nbformat
+try:
+    import nbclient
+    import nbformat
+except ImportError:  # run_plain
+    nbclient = nbformat = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import plotting  # noqa: E402
 
 
-def run(path, device, out_path, timeout=1200):
-    """Execute the notebook at path for one device class (None: no device); returns the
-    NotApplicable message if the notebook declined, else None."""
-    notebook = nbformat.read(path, as_version=4)
+def _set_device(device):
     os.environ.pop("LONGFLASH_DEVICE_CLASS", None)
     if device is not None:
         os.environ["LONGFLASH_DEVICE_CLASS"] = device  # the kernel inherits the environment
+
+
+def run(path, device, out_path, timeout=1200):
+    """Execute the notebook at path for one device class (None: no device); returns the
+    NotApplicable message if the notebook declined, else None."""
+    _set_device(device)
+    if nbclient is None:
+        return run_plain(path, timeout)
+    notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": os.path.dirname(path)}})
     try:
@@ -49,6 +65,45 @@ def run(path, device, out_path, timeout=1200):
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     nbformat.write(notebook, out_path)
     return None
+
+
+NOT_APPLICABLE_EXIT = 3  # run_plain's child: the notebook raised plotting.NotApplicable
+
+
+def code_cells(path):
+    """The notebook's code cells, as source strings (plain JSON: no nbformat needed)."""
+    with open(path) as f:
+        cells = json.load(f)["cells"]
+    return ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            for c in cells if c["cell_type"] == "code"]
+
+
+def run_plain(path, timeout=1200):
+    """run() without Jupyter: the code cells in order in a fresh process (so that plotting
+    reads this device class), with the notebook's folder as working directory. Its output is
+    shown only if it fails; the executed notebook is not saved."""
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--exec-cells", path],
+                          cwd=os.path.dirname(path), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode == NOT_APPLICABLE_EXIT:
+        return proc.stderr.strip().splitlines()[-1]
+    if proc.returncode != 0:
+        raise SystemExit(f"{path} failed (run without Jupyter):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-5000:]}")
+    return None
+
+
+def exec_cells(path):
+    """The child of run_plain: every code cell of the notebook at path, in one namespace."""
+    namespace = {"__name__": "__main__"}
+    for i, source in enumerate(code_cells(path)):
+        try:
+            exec(compile(source, f"{path} (code cell {i + 1})", "exec"), namespace)
+        except Exception as e:  # noqa: BLE001 - NotApplicable is a skip, the rest a failure
+            if type(e).__name__ == "NotApplicable":
+                print(e, file=sys.stderr)
+                raise SystemExit(NOT_APPLICABLE_EXIT)
+            raise
 
 
 RQS = ("speedup", "io_complexity", "scaling", "long_context_training")
@@ -123,10 +178,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+")
     parser.add_argument("--out-dir", help="save executed notebooks here instead of in place")
+    parser.add_argument("--exec-cells", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.exec_cells:  # run_plain's child
+        return exec_cells(os.path.abspath(args.notebooks[0]))
+    if nbclient is None:
+        print("Jupyter (nbclient, nbformat) is not installed: running each notebook's code "
+              "cells in a plain Python process; figures and macros are written, the executed "
+              "notebooks are not saved (pip install -e \".[analysis]\" to save them).",
+              flush=True)
     for notebook_path in map(os.path.abspath, args.notebooks):
-        rq = nbformat.read(notebook_path, as_version=4).metadata.get("longflash", {}).get(
-            "results")
+        with open(notebook_path) as f:
+            rq = json.load(f).get("metadata", {}).get("longflash", {}).get("results")
         devices = plotting.device_classes(rq) if rq else [None]
         if rq and not devices:
             raise SystemExit(f"{notebook_path}: no results in results/{rq}/")

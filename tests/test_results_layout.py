@@ -2,6 +2,7 @@
 means the code (issue: `make reproduce` failed on every machine but the one that made the
 committed results)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -203,3 +204,42 @@ def test_notebooks_on_committed_results_plus_another_machine(tmp_path):
     after = subprocess.run(["git", "status", "--porcelain", "results", "figures", "paper"],
                            cwd=ROOT, capture_output=True, text=True).stdout
     assert after == before
+
+
+@pytest.mark.slow
+def test_notebooks_without_jupyter(tmp_path):
+    """The GPU machines' image has no Jupyter and no network: run_notebooks.py then runs each
+    notebook's code cells in a plain process, and writes the same macros (CPU and GPU class);
+    a notebook that declines (NotApplicable) is still a skip, a failing one still a failure."""
+    pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    for name in ("nbclient", "nbformat"):  # importing them fails, as where they are missing
+        (shim / f"{name}.py").write_text("raise ImportError('no Jupyter here (test)')\n")
+    res, gen, fig = tmp_path / "results", tmp_path / "generated", tmp_path / "figures"
+    shutil.copytree(os.path.join(ROOT, "results"), res)
+    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
+    gpu_shaped.write_all(res, rqs=("scaling",))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(shim), os.path.join(ROOT, "kernels"), ROOT]), LONGFLASH_RESULTS=str(res),
+        LONGFLASH_FIGURES=str(fig), LONGFLASH_GENERATED=str(gen))
+    env.pop("LONGFLASH_DEVICES", None)
+    declines = tmp_path / "declines.ipynb"
+    declines.write_text(json.dumps({"cells": [{"cell_type": "code", "source": [
+        "from plotting import NotApplicable\n", "raise NotApplicable('nothing to draw')\n"]}],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    out = _run([os.path.join("notebooks", "run_notebooks.py"), "--out-dir", str(tmp_path / "nb"),
+                os.path.join("notebooks", "scaling.ipynb"), str(declines)], env, 600)
+    assert "Jupyter (nbclient, nbformat) is not installed" in out
+    assert "for device class h100" in out and "skipped for None: nothing to draw" in out
+    assert _macros(gen / "scaling.tex") == _macros(
+        os.path.join(ROOT, "paper", "generated", "scaling.tex"))
+    assert _macros(gen / "scaling_h100.tex")["HOneZeroZeroRingOneGpuGoal"] == "met"
+    assert (fig / "scaling_weak_h100.pdf").exists() and not (tmp_path / "nb").exists()
+    broken = tmp_path / "broken.ipynb"
+    broken.write_text(declines.read_text().replace("raise NotApplicable('nothing to draw')",
+                                                   "1 / 0"))
+    failed = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
+                             str(broken)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert failed.returncode != 0 and "ZeroDivisionError" in failed.stderr
