@@ -199,6 +199,11 @@ def seqlen_axis(ax, seqlens):
     ax.set_xlabel("sequence length (tokens)")
 
 
+def thousands(n):
+    """An integer with thousands separators that survive LaTeX: 1{,}048{,}576."""
+    return latex_number(int(n), 0)
+
+
 def latex_number(x, digits=1):
     """x with `digits` decimals and thousands separators that survive LaTeX: 12{,}345.6."""
     return f"{x:,.{digits}f}".replace(",", "{,}")
