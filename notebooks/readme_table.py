@@ -67,7 +67,7 @@ ROWS = [
 # measured", which would make a CPU-only tree show an empty GPU row.
 GPU_ROWS = [
     ("RQ1 speed on a GPU",
-     "worst case at d = {Speedup<G>GoalHeaddim}, {Speedup<G>TokensPerBatch} tokens per batch, "
+     "worst case at d = {Speedup<G>GoalHeaddim}, {Speedup<G>GoalTokensPerBatch} tokens per batch, "
      "N from {Speedup<G>GoalSeqlenMin}, non-causal: forward {Speedup<G>GoalFwdFlashValue} the "
      "speed of FlashAttention-2 ({Speedup<G>GoalFwdFlashWhere}; goal "
      "{Speedup<G>GoalFwdFlashTarget}: {Speedup<G>GoalFwdFlashVerdict}), forward+backward "

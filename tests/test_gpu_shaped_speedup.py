@@ -25,14 +25,16 @@ P = "SpeedupHOneZeroZero"
 _macros = gpu_shaped.macros
 
 
-def _notebook(tmp_path, **fixture):
+def _notebook(tmp_path, edit=None, **fixture):
     """Fixture rows -> tmp_path/results/speedup/h100.csv (the only results file, so only the
-    h100 class runs), then the notebook on them with copies of paper/generated and figures/.
-    Returns (rows, generated folder, run_notebooks' output)."""
+    h100 class runs; `edit` changes its DataFrame first), then the notebook on them with copies
+    of paper/generated and figures/. Returns (rows, generated folder, run_notebooks' output)."""
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
     res, gen, fig = tmp_path / "results", tmp_path / "generated", tmp_path / "figures"
     csv = gpu_speedup.write(res, **fixture)
+    if edit:
+        edit(pd.read_csv(csv)).to_csv(csv, index=False)
     shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
     shutil.copytree(os.path.join(ROOT, "figures"), fig)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
@@ -164,3 +166,36 @@ def test_partial_results(tmp_path, fixture, declined):
         text = _paper(tmp_path, gen)
         if text:
             assert "not measured" in " ".join(text.split())
+
+
+def test_decode_comparisons_not_measured(tmp_path):
+    """LongFlash's unsplit decode variant and every other provider failed in part decode: the
+    paper says the two comparisons were not measured, and why, instead of empty numbers."""
+    peers = ("sdpa_flash", "sdpa_cudnn", "sdpa_math", "flex")
+    rows, gen, out = _notebook(tmp_path, decode_errors=("longflash_nosplit",) + peers)
+    m = _macros(gen / "speedup_h100.tex")
+    assert f"{P}DecodeBOneLongflashMs" in m  # the split variant still ran
+    assert f"{P}DecodeSplitGainMin" not in m and f"{P}DecodeOverBestPeerMin" not in m
+    assert "longflash\\_nosplit error in 16 configurations" in m[f"{P}DecodeSplitGainNotMeasured"]
+    peer = m[f"{P}DecodeOverBestPeerNotMeasured"]
+    assert "sdpa\\_flash error in 16 configurations" in peer and "longflash\\_split ok" in peer
+    text = _paper(tmp_path, gen)
+    if text:
+        flat = " ".join(text.split())
+        assert "the gain from splitting the cache" in flat  # a float may fall inside the sentence
+        assert "longflash_nosplit error in 16 configurations" in flat
+        assert "the comparison was not measured (" in flat and "× to × " not in flat
+
+
+def test_goals_judge_only_bf16_at_16k_tokens_per_batch(tmp_path):
+    """A run in float16: every goal is "not measured", saying which rows the goals need, and
+    the table's caption names the goals' dtype, not the run's."""
+    def to_fp16(r):
+        return r.assign(dtype=r["dtype"].replace("bfloat16", "float16"))
+    rows, gen, out = _notebook(tmp_path, edit=to_fp16, stages=(1,))
+    m = _macros(gen / "speedup_h100.tex")
+    assert m[f"{P}Dtype"] == "float16" and m[f"{P}GoalDtype"] == "bfloat16"
+    for goal in GOALS:
+        assert m[f"{P}Goal{goal}Verdict"] == "not measured", goal
+        assert "bfloat16 with 16K tokens per batch" in m[f"{P}Goal{goal}Where"], goal
+    assert m[f"{P}GoalsNotMeasured"] == str(len(GOALS))

@@ -147,8 +147,10 @@ def ceiling_rows(cfg):
     ]
 
 
-def decode_rows(cfg, rng, error_parts=(), error_providers=()):
-    """Part decode's rows (experiments.decode._rows): time_ms, read_gbps, max_err_o_sampled."""
+def decode_rows(cfg, rng, error_parts=(), error_providers=(), decode_errors=()):
+    """Part decode's rows (experiments.decode._rows): time_ms, read_gbps, max_err_o_sampled.
+    decode_errors: the variants whose decode rows are "error" ("longflash_split",
+    "longflash_nosplit", or another provider's name)."""
     from experiments import decode
     rows = []
     for batch in cfg.decode_batches:
@@ -160,7 +162,10 @@ def decode_rows(cfg, rng, error_parts=(), error_providers=()):
             cache_bytes = 2 * batch * seqlen_k * cfg.decode_nheads_kv * cfg.decode_headdim * 2
             for provider in [p for p in cfg.providers if p in decode.GPU_PROVIDERS]:
                 for num_splits in decode.SPLITS if provider == "longflash" else (math.nan,):
+                    name = (provider if provider != "longflash" else
+                            "longflash_nosplit" if num_splits == 1 else "longflash_split")
                     status = ("error" if "decode" in error_parts or provider in error_providers
+                              or name in decode_errors
                               else "unsupported" if provider == "sdpa_efficient" else "ok")
                     r = dict(status=status, err=math.nan, times=(math.nan,) * 3,
                              message="" if status == "ok" else "made-up failure")
@@ -180,10 +185,11 @@ def decode_rows(cfg, rng, error_parts=(), error_providers=()):
     return rows
 
 
-def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=()):
+def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=()):
     """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it.
     error_parts ("batch", "long", "decode") / error_providers: every such row has status
-    "error" (a part that failed, for the partial-results tests). Returns the path."""
+    "error" (a part that failed, for the partial-results tests); decode_errors: see
+    decode_rows. Returns the path."""
     from experiments import decode
     from experiments.results import write_results
     out = path(results_dir, "speedup")
@@ -197,6 +203,6 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=()):
             if rows:
                 write_results(rows, out, command=command)
             if "decode" in cfg.parts:
-                write_results(decode_rows(cfg, rng, error_parts, error_providers), out,
-                              command=command, key_columns=decode.KEY_COLUMNS)
+                rows = decode_rows(cfg, rng, error_parts, error_providers, decode_errors)
+                write_results(rows, out, command=command, key_columns=decode.KEY_COLUMNS)
     return out
