@@ -34,7 +34,7 @@ import pandas as pd  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # notebooks run from notebooks/; the shared writer lives in experiments/
-from experiments.results import atomic_write, device_class, read_results  # noqa: E402
+from experiments.results import atomic_write, device_class, device_tag, read_results  # noqa: E402
 RESULTS = os.environ.get("LONGFLASH_RESULTS") or os.path.join(ROOT, "results")
 FIGURES = os.environ.get("LONGFLASH_FIGURES") or os.path.join(ROOT, "figures")
 GENERATED = os.environ.get("LONGFLASH_GENERATED") or os.path.join(ROOT, "paper", "generated")
@@ -138,7 +138,8 @@ def write_macros(rq, values, source, device_in_names=False):
     with nothing: choose names that say the research question (\IoExponentN, \RingMaxRanks).
     source: the notebook that wrote them, named in the file's header.
     Two macros are added: \<Rq>ResultsFile and \<Rq>ResultsDevice (Rq = camel(rq)), the
-    results file drawn and its device. For a device class other than the CPU the file is
+    results file drawn and its device (the device of this class that wrote the most rows: the
+    GPU, not the host CPU of a GPU run's CPU-side rows such as RQ3's gloo ranks). For a device class other than the CPU the file is
     <rq>_<class>.tex and every name gets camel(class) in front, unless the notebook put the
     device in the names itself (device_in_names=True).
     """
@@ -147,7 +148,9 @@ def write_macros(rq, values, source, device_in_names=False):
     runs = select_runs(rq)
     if DEVICE in runs:
         path = runs[DEVICE]
-        device = str(pd.read_csv(path, usecols=["device"])["device"].mode().iloc[0])
+        devices = pd.read_csv(path, usecols=["device"])["device"].astype(str)
+        own = devices[devices.map(lambda name: device_class(device_tag(name)) == DEVICE)]
+        device = (own if len(own) else devices).mode().iloc[0]
         values[f"{prefix}{camel(rq)}ResultsFile"] = latex_text(
             "/".join(("results", rq, os.path.basename(path))))
         values[f"{prefix}{camel(rq)}ResultsDevice"] = latex_text(device)

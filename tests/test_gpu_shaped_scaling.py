@@ -74,6 +74,10 @@ def test_notebook_and_paper_on_gpu_shaped_rows(tmp_path):
                  & (df["metric"] == "time_ms")]["value"].item()
     assert gpu["RingOneGpuTime"] == f"{time_ms / 1e3:.1f}\\,s"  # computed here, from the rows
     assert gpu["RingOneGpuTokens"] == "1{,}048{,}576"
+    # The file's device is the GPU, although the host CPU wrote more rows (the gloo ranks).
+    devices = df["device"].value_counts()
+    assert devices.index[0] != gpu_shaped.GPU
+    assert macros["HOneZeroZeroScalingResultsDevice"] == gpu_shaped.GPU
     # Met: ok at 1M tokens and the sampled error within the tolerance rule's bound.
     check = {m: df[(df["part"] == "long") & (df["layout"] == "none") & (df["metric"] == m)]
              ["value"].item() for m in ("max_err_o_sampled", "error_bound_o_sampled")}
