@@ -178,7 +178,7 @@ class _Launch:
         self.name, self.calls = name, calls
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((self.name, grid, args))
+        return lambda *args, **kwargs: self.calls.append((self.name, grid, args, kwargs))
 
 
 def _refuse_device_reads(monkeypatch):
@@ -206,16 +206,17 @@ def test_int_cache_seqlens_reads_nothing_back(append, monkeypatch):
                         for _ in range(2))
     k, v = ((torch.randn(batch, new, nheads_kv, headdim, generator=gen) for _ in range(2))
             if append else (None, None))
-    calls = []
+    calls, names = [], decode_triton._fwd_splitkv.arg_names
     monkeypatch.setattr(decode_triton, "_fwd_splitkv", _Launch("split", calls))
     monkeypatch.setattr(decode_triton, "_merge_splits", _Launch("merge", calls))
     with monkeypatch.context() as m:
         _refuse_device_reads(m)
         longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=length,
                                          causal=True, backend="triton")
-    (split, grid, args), merge = calls[0], calls[1:]
-    # the lengths the kernel reads, and the split count the heuristic gives at that length
-    assert torch.equal(args[4], torch.full((batch,), length + new, dtype=torch.int32))
+    (split, grid, args, kwargs), merge = calls[0], calls[1:]
+    # the length the kernel takes as an argument (no tensor filled on the device), and the
+    # split count the heuristic gives at that length
+    assert kwargs["UNIFORM_SEQLEN"] and args[names.index("seqlen_k_all")] == length + new
     cfg = decode_triton.launch_config(1, nheads // nheads_kv, headdim)
     assert grid[0] == decode_triton.num_splits_heuristic(
         batch * nheads_kv, length + new, cfg.kwargs["BLOCK_N"], decode_triton._num_sms(q.device))

@@ -69,23 +69,26 @@ def _kv_ptrs(CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask, page_siz
 
 # ----------------------------------------------------------------------------- split kernel
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_k_all"])  # it grows by one per decoding step
 def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_PARTIAL,
                  LSE_PARTIAL,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_tb, stride_ob, stride_on, stride_oh,
                  stride_lb, stride_lh, stride_ab, stride_ah,
                  stride_ps, stride_pb, stride_ph, stride_pn, stride_qs, stride_qsb, stride_qsh,
-                 nheads_kv, group_size, seqlen_q, num_splits, page_size, window_left,
-                 window_right, qk_scale, softmax_scale, softcap,
-                 PAGED: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 nheads_kv, group_size, seqlen_q, seqlen_k_all, num_splits, page_size,
+                 window_left, window_right, qk_scale, softmax_scale, softcap,
+                 UNIFORM_SEQLEN: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
     off_b, off_hk = off_bhk // nheads_kv, off_bhk % nheads_kv
-    seqlen_k = tl.load(SEQLENS_K + off_b)
+    seqlen_k = seqlen_k_all  # UNIFORM_SEQLEN: every sequence has this many keys
+    if not UNIFORM_SEQLEN:
+        seqlen_k = tl.load(SEQLENS_K + off_b)
     # -- GQA packing: row r is query i = r // group of head off_hk * group + r % group --
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = seqlen_q * group_size
@@ -238,10 +241,11 @@ def merge_config(num_splits):
 
 
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None):
-    """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append.
-    max_seqlen_k: max(seqlens_k) as an int, for the split heuristic (num_splits 0) without a
-    device-to-host read; None: read from seqlens_k (a synchronization; under torch.compile the
-    cache's capacity instead)."""
+    """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append,
+    or an int when every sequence has that many keys (a kernel argument: no tensor to fill, no
+    fill kernel in a decoding step). max_seqlen_k: max(seqlens_k) as an int, for the split
+    heuristic (num_splits 0) without a device-to-host read; None: read from seqlens_k (a
+    synchronization; under torch.compile the cache's capacity instead)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, seqlen_q, nheads, headdim = q.shape
@@ -255,7 +259,12 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     cfg = launch_config(seqlen_q, group, headdim)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = triton.cdiv(seqlen_q * group, block_m)
-    seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32)
+    uniform = isinstance(seqlens_k, int)
+    if uniform:
+        seqlen_k_all = max_seqlen_k = seqlens_k
+        seqlens_k = lse  # an unread pointer
+    else:
+        seqlen_k_all, seqlens_k = 0, seqlens_k.to(device=q.device, dtype=torch.int32)
     if num_splits == 0:
         if max_seqlen_k is None:
             max_seqlen_k = int(seqlens_k.max()) if not torch.compiler.is_compiling() else (
@@ -281,9 +290,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         0 if alibi is None else alibi.stride(0), 0 if alibi is None else alibi.stride(1),
         *(o_partial.stride()[:4] if split else (0, 0, 0, 0)),
         *(lse_partial.stride()[:3] if split else (0, 0, 0)),
-        nheads_kv, group, seqlen_q, num_splits, page_size, opts.window_left, opts.window_right,
-        opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
-        PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None,
+        nheads_kv, group, seqlen_q, seqlen_k_all, num_splits, page_size, opts.window_left,
+        opts.window_right, opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
+        UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None,
         HEAD_DIM=headdim, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:

@@ -251,7 +251,8 @@ def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
 
 def _split_kv(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size, softcap,
               alibi_slopes, backend, max_seqlen_k):
-    """max_seqlen_k: max(seqlens_k), known here, so the launcher reads nothing back."""
+    """seqlens_k: (batch,) tensor, or an int for every sequence; max_seqlen_k: max(seqlens_k),
+    known here, so the launcher reads nothing back."""
     from .kvcache import _forward  # imported on first use: kvcache imports this module
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     return _forward(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size,
@@ -314,8 +315,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic)
     if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
-        seqlens_k = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
-        o, lse = _split_kv(q, k, v, seqlens_k, None, causal, softmax_scale, window_size, softcap,
+        o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1])
         return (o, lse) if return_lse else o
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,

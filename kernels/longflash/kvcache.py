@@ -67,9 +67,12 @@ def _block_view(cache, start_n, split_stride, block_n):
 @torch.no_grad()
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, block_n=None):
     """Split-KV forward. q: (batch, seqlen_q, nheads, headdim); seqlens_k: (batch,) int, the
-    number of keys of each sequence (after any append). Returns o like q and lse
-    (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key)."""
+    number of keys of each sequence (after any append), or one int for every sequence.
+    Returns o like q and lse (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row
+    that sees no key)."""
     batch, seqlen_q, nheads, headdim = q.shape
+    if _is_int(seqlens_k):
+        seqlens_k = torch.full((batch,), seqlens_k, dtype=torch.long, device=q.device)
     nheads_kv = k_cache.shape[2]
     group = nheads // nheads_kv
     o, lse = empty_outputs(q)
@@ -336,7 +339,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         cache_seqlens: int or (batch,) int32/int64 tensor: each sequence's length before the
             append; default: the whole capacity (minus seqlen_new). An int (or the default)
             is checked on the host and costs no device-to-host synchronization with a
-            contiguous cache: use it when every sequence has the same length. A tensor's
+            contiguous cache, and the Triton kernel takes it as an argument (no lengths
+            tensor to fill): use it when every sequence has the same length. A tensor's
             values are checked too, which reads them back once per call (a synchronization;
             none under torch.compile, where the value checks are skipped); so are the
             block_table entries of a paged cache.
@@ -375,11 +379,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if k is not None:
         _append(k_cache, k, seqlens, block_table)
         _append(v_cache, v, seqlens, block_table)
-    if _is_int(seqlens):  # one fill, no synchronization
-        seqlens_k = torch.full((q.shape[0],), seqlens + seqlen_new, dtype=torch.int32,
-                               device=q.device)
-    else:
-        seqlens_k = seqlens + seqlen_new
+    seqlens_k = seqlens + seqlen_new  # an int stays an int: no tensor to fill, no read back
     max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k)
