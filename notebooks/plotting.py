@@ -21,6 +21,7 @@ in paper/generated/scaling_h100.tex). $LONGFLASH_RESULTS, $LONGFLASH_FIGURES and
 $LONGFLASH_GENERATED move the three folders (tests run the notebooks on scratch copies).
 """
 
+import math
 import os
 import re
 import sys
@@ -205,6 +206,22 @@ def seqlen_axis(ax, seqlens):
 def thousands(n):
     """An integer with thousands separators that survive LaTeX: 1{,}048{,}576."""
     return latex_number(int(n), 0)
+
+
+def sci(x, digits=1):
+    """x in scientific notation for LaTeX math mode: 7.2\\times 10^{-9}; 0 is "0"."""
+    if x == 0:
+        return "0"
+    e = math.floor(math.log10(abs(x)))
+    mantissa = round(x / 10**e, digits)
+    if abs(mantissa) >= 10:  # 9.96e-9 at one digit is 1.0e-8, not 10.0e-9
+        mantissa, e = mantissa / 10, e + 1
+    return rf"{mantissa:.{digits}f}\times 10^{{{e}}}"
+
+
+def pct(x, digits=0):
+    """A fraction as a LaTeX percentage: 0.904 -> 90\\%."""
+    return f"{100 * x:.{digits}f}\\%"
 
 
 def latex_number(x, digits=1):

@@ -118,6 +118,16 @@ def _csv(path, device, timestamp):
     pd.DataFrame([dict(device=device, timestamp=timestamp, value=1.0)]).to_csv(path, index=False)
 
 
+def test_number_formats():
+    """The notebooks' one set of number formats (notebooks/plotting.py)."""
+    plotting = _plotting()
+    assert plotting.sci(7.24e-9) == "7.2\\times 10^{-9}"
+    assert plotting.sci(9.96e-9) == "1.0\\times 10^{-8}"  # rounding carries into the exponent
+    assert plotting.sci(-3.1e2, 0) == "-3\\times 10^{2}" and plotting.sci(0) == "0"
+    assert plotting.pct(0.904) == "90\\%" and plotting.pct(0.0123, 1) == "1.2\\%"
+    assert plotting.thousands(1048576) == "1{,}048{,}576"
+
+
 def test_select_runs_newest_per_class(monkeypatch, tmp_path):
     _csv(tmp_path / "rq" / "cpu-amd-epyc.csv", "AMD EPYC", "2026-11-01T00:00:00+00:00")
     _csv(tmp_path / "rq" / "cpu-intel-x.csv", "Intel X", "2026-11-20T00:00:00+00:00")
