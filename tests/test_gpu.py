@@ -10,6 +10,7 @@ import torch
 
 import longflash
 from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
+from test_kvcache import CASES, case_id, check_case
 
 pytestmark = pytest.mark.gpu
 
@@ -137,6 +138,28 @@ def test_varlen_gpu():
         rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         ob = longflash.attention(q[None, rows], k[None, cols], v[None, cols], causal=True)
         torch.testing.assert_close(o[rows], ob[0])
+
+
+# Decoding over a KV cache (the split-KV kernel): the interpreter's cases in bf16, and caches of
+# thousands of tokens that split into several key blocks per split, paged and not, with the
+# lengths as a tensor and as one int (the kernel's UNIFORM_SEQLEN path, as RQ1 times it).
+# (id, batch, seqlen_q, nheads, nheads_kv, headdim, page_size, capacity, lengths, seqlen_new, kw)
+DECODE_LONG = [
+    ("decode-H32/8-D128-4K", 2, 1, 32, 8, 128, None, 4200, [4095, 4095], 1, dict(causal=True)),
+    ("paged256-H32/8-D128-ragged", 3, 1, 32, 8, 128, 256, 40, [9000, 17, 3001], 1,
+     dict(causal=True)),
+    ("spec4-H16/2-D64-8K-window", 1, 4, 16, 2, 64, None, 8200, [8100], 4,
+     dict(causal=True, window_size=(2048, -1))),
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 3], ids=["splits-auto", "splits3"])
+@pytest.mark.parametrize("case", CASES + DECODE_LONG, ids=case_id)
+def test_kvcache_gpu(case, num_splits):
+    lengths = case[8]
+    check_case(case, torch.bfloat16, "triton", num_splits, device="cuda")
+    if len(set(lengths)) == 1:
+        check_case(case, torch.bfloat16, "triton", num_splits, device="cuda", int_seqlens=True)
 
 
 # Last in the file: the tests above autotune, and so compile every candidate of these shapes.

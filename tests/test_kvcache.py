@@ -84,14 +84,22 @@ def expected_cache(cache, new, block_table, lengths):
     return out
 
 
-def check_case(case, dtype, backend, num_splits):
+def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False):
+    """One case on `device` (the reference on the CPU); int_seqlens: cache_seqlens as an int
+    (the case's lengths must all be equal)."""
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, dtype)
     lengths = cache_seqlens.tolist()
     k_after = expected_cache(k_cache, k, block_table, lengths)
     v_after = expected_cache(v_cache, v, block_table, lengths)
-    o, lse = longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens,
-                                              block_table, return_lse=True, backend=backend,
-                                              num_splits=num_splits, **kw)
+    on = (lambda x: x if x is None else x.to(device))  # noqa: E731
+    seqlens = lengths[0] if int_seqlens else on(cache_seqlens)
+    assert not int_seqlens or set(lengths) == {seqlens}
+    kw_on = {key: on(val) if isinstance(val, torch.Tensor) else val for key, val in kw.items()}
+    caches = [on(k_cache), on(v_cache)]
+    o, lse = longflash.attention_with_kvcache(q.to(device), *caches, on(k), on(v), seqlens,
+                                              on(block_table), return_lse=True,
+                                              backend=backend, num_splits=num_splits, **kw_on)
+    (k_cache, v_cache), o, lse = [c.cpu() for c in caches], o.cpu(), lse.cpu()
     # -- only the appended slots changed, to the appended values --
     assert torch.equal(k_cache, k_after) and torch.equal(v_cache, v_after)
     assert o.shape == q.shape and o.dtype == dtype
