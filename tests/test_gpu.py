@@ -162,6 +162,31 @@ def test_kvcache_gpu(case, num_splits):
         check_case(case, torch.bfloat16, "triton", num_splits, device="cuda", int_seqlens=True)
 
 
+@pytest.mark.parametrize("seqlen_q, kw", [(1, dict(causal=True)), (16, dict(causal=True)),
+                                         (4, dict(window_size=(1000, 0), softcap=30.0))],
+                         ids=["decode", "spec16", "spec4-window-softcap"])
+def test_attention_routes_decoding_to_split_kv_gpu(seqlen_q, kw, monkeypatch):
+    """attention() without a gradient, short queries over 5K keys: the split-KV kernel (with the
+    key length as one int), within the tolerance rule; with a gradient, the main kernel."""
+    from conftest import check_close
+    from longflash import attention_ref, kvcache
+    calls, original = [], kvcache._forward
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(a[3]) or original(*a))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, seqlen_q, 32, 128, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 5000, 8, 128, generator=gen, dtype=torch.float64) for _ in range(2))
+    low = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+    with torch.no_grad():
+        o, lse = longflash.attention(*low, return_lse=True, **kw)
+    assert calls == [5000], "attention did not take the split-KV path with an int length"
+    ref = attention_ref(q, k, v, **kw)
+    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
+    check_close("o", o.cpu(), lowp[0], ref[0])
+    check_close("lse", lse.cpu(), lowp[1], ref[1])
+    longflash.attention(low[0].requires_grad_(), *low[1:], **kw)
+    assert len(calls) == 1
+
+
 # Last in the file: the tests above autotune, and so compile every candidate of these shapes.
 @pytest.mark.parametrize("index", range(4))  # the most candidates a kernel has (test_codegen)
 @pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[2]], ids=shape_id)
