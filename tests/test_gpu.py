@@ -1,5 +1,6 @@
 """GPU tests (marker `gpu`; skipped without CUDA): the Triton kernels in fp16 and bf16 at
-lengths up to 16K, head dims 64, 128, 256, causal and not, against the float64 reference.
+lengths up to 16K, head dims 64, 128, 256, causal and not, and the split-KV decoding kernel in
+bf16, against the float64 reference.
 
 The float64 reference runs on the GPU here (IEEE float64, as on the CPU) because at
 16K tokens the CPU would take minutes per case.
@@ -23,6 +24,55 @@ GPU_SHAPES = [
     (3, 977, 513, 4, 1, 96),
     (1, 113, 203, 8, 8, 40),
 ]
+
+
+# Decoding over a KV cache (the split-KV kernel): the interpreter's cases in bf16, and caches of
+# thousands of tokens that split into several key blocks per split, paged and not, with the
+# lengths as a tensor and as one int (the kernel's UNIFORM_SEQLEN path, as RQ1 times it).
+# First in the file: the campaign's pytest step runs the file in order with what is left of
+# stage 1 (estimated under a minute here, unmeasured), and nothing else tests this kernel.
+# (id, batch, seqlen_q, nheads, nheads_kv, headdim, page_size, capacity, lengths, seqlen_new, kw)
+DECODE_LONG = [
+    ("decode-H32/8-D128-4K", 2, 1, 32, 8, 128, None, 4200, [4095, 4095], 1, dict(causal=True)),
+    ("paged256-H32/8-D128-ragged", 3, 1, 32, 8, 128, 256, 40, [9000, 17, 3001], 1,
+     dict(causal=True)),
+    ("spec4-H16/2-D64-8K-window", 1, 4, 16, 2, 64, None, 8200, [8100], 4,
+     dict(causal=True, window_size=(2048, -1))),
+]
+
+
+@pytest.mark.parametrize("num_splits", [0, 3], ids=["splits-auto", "splits3"])
+@pytest.mark.parametrize("case", CASES + DECODE_LONG, ids=case_id)
+def test_kvcache_gpu(case, num_splits):
+    lengths = case[8]
+    check_case(case, torch.bfloat16, "triton", num_splits, device="cuda")
+    if len(set(lengths)) == 1:
+        check_case(case, torch.bfloat16, "triton", num_splits, device="cuda", int_seqlens=True)
+
+
+@pytest.mark.parametrize("seqlen_q, kw", [(1, dict(causal=True)), (16, dict(causal=True)),
+                                         (4, dict(window_size=(1000, 0), softcap=30.0))],
+                         ids=["decode", "spec16", "spec4-window-softcap"])
+def test_attention_routes_decoding_to_split_kv_gpu(seqlen_q, kw, monkeypatch):
+    """attention() without a gradient, short queries over 5K keys: the split-KV kernel (with the
+    key length as one int), within the tolerance rule; with a gradient, the main kernel."""
+    from conftest import check_close
+    from longflash import attention_ref, kvcache
+    calls, original = [], kvcache._forward
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(a[3]) or original(*a))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, seqlen_q, 32, 128, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 5000, 8, 128, generator=gen, dtype=torch.float64) for _ in range(2))
+    low = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+    with torch.no_grad():
+        o, lse = longflash.attention(*low, return_lse=True, **kw)
+    assert calls == [5000], "attention did not take the split-KV path with an int length"
+    ref = attention_ref(q, k, v, **kw)
+    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
+    check_close("o", o.cpu(), lowp[0], ref[0])
+    check_close("lse", lse.cpu(), lowp[1], ref[1])
+    longflash.attention(low[0].requires_grad_(), *low[1:], **kw)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -138,53 +188,6 @@ def test_varlen_gpu():
         rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         ob = longflash.attention(q[None, rows], k[None, cols], v[None, cols], causal=True)
         torch.testing.assert_close(o[rows], ob[0])
-
-
-# Decoding over a KV cache (the split-KV kernel): the interpreter's cases in bf16, and caches of
-# thousands of tokens that split into several key blocks per split, paged and not, with the
-# lengths as a tensor and as one int (the kernel's UNIFORM_SEQLEN path, as RQ1 times it).
-# (id, batch, seqlen_q, nheads, nheads_kv, headdim, page_size, capacity, lengths, seqlen_new, kw)
-DECODE_LONG = [
-    ("decode-H32/8-D128-4K", 2, 1, 32, 8, 128, None, 4200, [4095, 4095], 1, dict(causal=True)),
-    ("paged256-H32/8-D128-ragged", 3, 1, 32, 8, 128, 256, 40, [9000, 17, 3001], 1,
-     dict(causal=True)),
-    ("spec4-H16/2-D64-8K-window", 1, 4, 16, 2, 64, None, 8200, [8100], 4,
-     dict(causal=True, window_size=(2048, -1))),
-]
-
-
-@pytest.mark.parametrize("num_splits", [0, 3], ids=["splits-auto", "splits3"])
-@pytest.mark.parametrize("case", CASES + DECODE_LONG, ids=case_id)
-def test_kvcache_gpu(case, num_splits):
-    lengths = case[8]
-    check_case(case, torch.bfloat16, "triton", num_splits, device="cuda")
-    if len(set(lengths)) == 1:
-        check_case(case, torch.bfloat16, "triton", num_splits, device="cuda", int_seqlens=True)
-
-
-@pytest.mark.parametrize("seqlen_q, kw", [(1, dict(causal=True)), (16, dict(causal=True)),
-                                         (4, dict(window_size=(1000, 0), softcap=30.0))],
-                         ids=["decode", "spec16", "spec4-window-softcap"])
-def test_attention_routes_decoding_to_split_kv_gpu(seqlen_q, kw, monkeypatch):
-    """attention() without a gradient, short queries over 5K keys: the split-KV kernel (with the
-    key length as one int), within the tolerance rule; with a gradient, the main kernel."""
-    from conftest import check_close
-    from longflash import attention_ref, kvcache
-    calls, original = [], kvcache._forward
-    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(a[3]) or original(*a))
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(2, seqlen_q, 32, 128, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(2, 5000, 8, 128, generator=gen, dtype=torch.float64) for _ in range(2))
-    low = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
-    with torch.no_grad():
-        o, lse = longflash.attention(*low, return_lse=True, **kw)
-    assert calls == [5000], "attention did not take the split-KV path with an int length"
-    ref = attention_ref(q, k, v, **kw)
-    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
-    check_close("o", o.cpu(), lowp[0], ref[0])
-    check_close("lse", lse.cpu(), lowp[1], ref[1])
-    longflash.attention(low[0].requires_grad_(), *low[1:], **kw)
-    assert len(calls) == 1
 
 
 # Last in the file: the tests above autotune, and so compile every candidate of these shapes.
