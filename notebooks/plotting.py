@@ -140,9 +140,10 @@ def write_macros(rq, values, source, device_in_names=False):
     source: the notebook that wrote them, named in the file's header.
     Two macros are added: \<Rq>ResultsFile and \<Rq>ResultsDevice (Rq = camel(rq)), the
     results file drawn and its device (the device of this class that wrote the most rows: the
-    GPU, not the host CPU of a GPU run's CPU-side rows such as RQ3's gloo ranks). For a device class other than the CPU the file is
-    <rq>_<class>.tex and every name gets camel(class) in front, unless the notebook put the
-    device in the names itself (device_in_names=True).
+    GPU, not the host CPU of a GPU run's CPU-side rows such as RQ3's gloo ranks). For a
+    device class other than the CPU the file is <rq>_<class>.tex and every name gets
+    camel(class) in front, unless the notebook put the device in the names itself
+    (device_in_names=True).
     """
     prefix = "" if DEVICE == "cpu" else camel(DEVICE)
     values = {(name if device_in_names else prefix + name): v for name, v in values.items()}

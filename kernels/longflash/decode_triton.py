@@ -259,7 +259,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     cfg = launch_config(seqlen_q, group, headdim)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = triton.cdiv(seqlen_q * group, block_m)
-    uniform = isinstance(seqlens_k, int)
+    uniform = not isinstance(seqlens_k, torch.Tensor)  # an int (a SymInt under torch.compile)
     if uniform:
         seqlen_k_all = max_seqlen_k = seqlens_k
         seqlens_k = lse  # an unread pointer
@@ -292,8 +292,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         *(lse_partial.stride()[:3] if split else (0, 0, 0)),
         nheads_kv, group, seqlen_q, seqlen_k_all, num_splits, page_size, opts.window_left,
         opts.window_right, opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
-        UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0, HAS_ALIBI=alibi is not None,
-        HEAD_DIM=headdim, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0,
+        HAS_ALIBI=alibi is not None, HEAD_DIM=headdim,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         merge = merge_config(num_splits)

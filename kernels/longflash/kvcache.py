@@ -71,7 +71,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     Returns o like q and lse (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row
     that sees no key)."""
     batch, seqlen_q, nheads, headdim = q.shape
-    if _is_int(seqlens_k):
+    if not isinstance(seqlens_k, torch.Tensor):  # one length (an int, or a SymInt)
         seqlens_k = torch.full((batch,), seqlens_k, dtype=torch.long, device=q.device)
     nheads_kv = k_cache.shape[2]
     group = nheads // nheads_kv
