@@ -161,8 +161,8 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
         # split: the long-cache case the goal is about (SPLIT=False only drops the merge)
         # UNIFORM_SEQLEN: one length for every sequence (an int cache_seqlens, as RQ1 times it)
         return decode_triton._fwd_splitkv, tensors, dict(
-            UNIFORM_SEQLEN=flags != "paged", PAGED=flags == "paged", SPLIT=True, HAS_SOFTCAP=flags == "softcap",
-            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
+            UNIFORM_SEQLEN=flags != "paged", PAGED=flags == "paged", SPLIT=True,
+            HAS_SOFTCAP=flags == "softcap", HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     meta = flash_triton.constexprs(headdim, dtype_is_fp32=False, varlen=flags == "varlen",

@@ -4,10 +4,10 @@
 
 "paged" reads the cache through block_table; "all" adds softcap, ALiBi and the split
 output (partials + merge kernel); both read per-sequence lengths, any other takes one length
-for every sequence (UNIFORM_SEQLEN, an int cache_seqlens). Tile sizes are the launcher's (decode_triton.launch_config,
-a decoding step with 4 query heads per KV head). Registers and spills at the alignment the
-launcher specializes on are in experiments/codegen.py's report. Must run without
-TRITON_INTERPRET=1. Used by tests/test_compile.py.
+for every sequence (UNIFORM_SEQLEN, an int cache_seqlens). Tile sizes are the launcher's
+(decode_triton.launch_config, a decoding step with 4 query heads per KV head). Registers and
+spills at the alignment the launcher specializes on are in experiments/codegen.py's report.
+Must run without TRITON_INTERPRET=1. Used by tests/test_compile.py.
 """
 
 import sys

@@ -11,7 +11,8 @@ import torch
 
 import longflash
 from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
-from test_kvcache import CASES, case_id, check_case
+from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, check_case,
+                          route_small)  # noqa: F401 (route_small: a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -53,26 +54,13 @@ def test_kvcache_gpu(case, num_splits):
 @pytest.mark.parametrize("seqlen_q, kw", [(1, dict(causal=True)), (16, dict(causal=True)),
                                          (4, dict(window_size=(1000, 0), softcap=30.0))],
                          ids=["decode", "spec16", "spec4-window-softcap"])
-def test_attention_routes_decoding_to_split_kv_gpu(seqlen_q, kw, monkeypatch):
-    """attention() without a gradient, short queries over 5K keys: the split-KV kernel (with the
-    key length as one int), within the tolerance rule; with a gradient, the main kernel."""
-    from conftest import check_close
-    from longflash import attention_ref, kvcache
-    calls, original = [], kvcache._forward
-    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(a[3]) or original(*a))
+def test_attention_routes_decoding_to_split_kv_gpu(seqlen_q, kw, route_small):
+    """attention() without a gradient, short queries over 5K keys: the split-KV kernel (the key
+    length as one int), in bf16 within the tolerance rule; with a gradient, the main kernel."""
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, seqlen_q, 32, 128, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(2, 5000, 8, 128, generator=gen, dtype=torch.float64) for _ in range(2))
-    low = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
-    with torch.no_grad():
-        o, lse = longflash.attention(*low, return_lse=True, **kw)
-    assert calls == [5000], "attention did not take the split-KV path with an int length"
-    ref = attention_ref(q, k, v, **kw)
-    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
-    check_close("o", o.cpu(), lowp[0], ref[0])
-    check_close("lse", lse.cpu(), lowp[1], ref[1])
-    longflash.attention(low[0].requires_grad_(), *low[1:], **kw)
-    assert len(calls) == 1
+    check_attention_routes_to_split_kv(route_small, q, k, v, torch.bfloat16, "cuda", **kw)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

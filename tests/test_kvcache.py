@@ -343,13 +343,32 @@ def test_errors_leave_the_cache_unchanged(name, error, match, make):
 
 @pytest.fixture
 def route_small(monkeypatch):
-    """Route short queries over keys of >= 20 tokens to the split-KV path; count the calls."""
+    """Route short queries over keys of >= 20 tokens to the split-KV path; record the key
+    lengths each call passes (an int, or a tensor of per-sequence lengths)."""
     from longflash import interface
     monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)
     calls = []
     original = kvcache._forward
-    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(a[3]) or original(*a))
     return calls
+
+
+def check_attention_routes_to_split_kv(calls, q, k, v, dtype, device="cpu", **kw):
+    """q, k, v: float64 on the CPU. attention() in dtype on device, without a gradient, takes
+    the split-KV path with the key length as one int (calls: route_small's record) and is within
+    the tolerance rule of the float64 reference; with a gradient, the main kernel runs."""
+    low = [x.to(device, dtype) for x in (q, k, v)]
+    kw_on = {key: val.to(device) if isinstance(val, torch.Tensor) else val
+             for key, val in kw.items()}
+    with torch.no_grad():
+        o, lse = longflash.attention(*low, return_lse=True, **kw_on)
+    assert calls == [k.shape[1]], "attention did not take the split-KV path with an int length"
+    ref = attention_ref(q, k, v, **kw)
+    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
+    check_close("o", o.cpu(), lowp[0], ref[0])
+    check_close("lse", lse.cpu(), lowp[1], ref[1])
+    longflash.attention(low[0].requires_grad_(), *low[1:], **kw_on)
+    assert len(calls) == 1
 
 
 @pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
@@ -363,16 +382,7 @@ def test_attention_routes_decoding_to_split_kv(route_small, kw):
     kw = dict(kw)
     if "alibi" in kw:
         kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
-    o, lse = longflash.attention(q.float(), k.float(), v.float(), return_lse=True, **kw)
-    assert route_small, "attention did not take the split-KV path"
-    ref = attention_ref(q, k, v, **kw)
-    low = attention_ref(q.float(), k.float(), v.float(), upcast=False, **kw)
-    check_close("o", o, low[0], ref[0])
-    check_close("lse", lse, low[1], ref[1])
-    # with a gradient to compute, the main kernel runs
-    route_small.clear()
-    longflash.attention(q.float().requires_grad_(), k.float(), v.float(), **kw)
-    assert not route_small
+    check_attention_routes_to_split_kv(route_small, q, k, v, torch.float32, **kw)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
