@@ -12,6 +12,7 @@ import torch
 import longflash
 from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
 from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, check_case,
+                          check_compiled_decoding, check_compiled_route,
                           route_small)  # noqa: F401 (route_small: a fixture)
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +84,19 @@ def test_compile_inductor_gpu():
                        fullgraph=True)
     eager = longflash.attention(q, k, v, causal=True).float().sum()
     torch.testing.assert_close(fn(q, k, v), eager)
+
+
+@pytest.mark.parametrize("paged", [None, 16], ids=["contiguous", "paged16"])
+def test_compile_decoding_gpu(paged):
+    """A decoding step under torch.compile(fullgraph=True) with inductor: the split-KV kernel
+    as one op, the append compiled, no recompile from the third token on."""
+    check_compiled_decoding("triton", "inductor", torch.bfloat16, paged, device="cuda")
+
+
+def test_compiled_attention_routes_decoding_to_split_kv_gpu(monkeypatch):
+    from longflash import interface
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)
+    check_compiled_route("inductor", torch.bfloat16, device="cuda")
 
 
 def test_tma_only_where_a_copy_can_read_gpu(monkeypatch):

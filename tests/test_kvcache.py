@@ -84,9 +84,10 @@ def expected_cache(cache, new, block_table, lengths):
     return out
 
 
-def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False):
+def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False,
+               fn=longflash.attention_with_kvcache):
     """One case on `device` (the reference on the CPU); int_seqlens: cache_seqlens as an int
-    (the case's lengths must all be equal)."""
+    (the case's lengths must all be equal); fn: attention_with_kvcache or a compiled one."""
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, dtype)
     lengths = cache_seqlens.tolist()
     k_after = expected_cache(k_cache, k, block_table, lengths)
@@ -96,9 +97,8 @@ def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False
     assert not int_seqlens or set(lengths) == {seqlens}
     kw_on = {key: on(val) if isinstance(val, torch.Tensor) else val for key, val in kw.items()}
     caches = [on(k_cache), on(v_cache)]
-    o, lse = longflash.attention_with_kvcache(q.to(device), *caches, on(k), on(v), seqlens,
-                                              on(block_table), return_lse=True,
-                                              backend=backend, num_splits=num_splits, **kw_on)
+    o, lse = fn(q.to(device), *caches, on(k), on(v), seqlens, on(block_table), return_lse=True,
+                backend=backend, num_splits=num_splits, **kw_on)
     (k_cache, v_cache), o, lse = [c.cpu() for c in caches], o.cpu(), lse.cpu()
     # -- only the appended slots changed, to the appended values --
     assert torch.equal(k_cache, k_after) and torch.equal(v_cache, v_after)
@@ -177,6 +177,76 @@ def test_int_cache_seqlens_is_the_tensor_of_equal_lengths(backend, paged):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     check_case(case, torch.float32, backend, 0)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+def _compile_recorded(fn, compile_backend):
+    """torch.compile(fn, fullgraph=True) on a fresh cache, and the list of the graphs it
+    compiles (one per compile; `compile_backend` compiles each)."""
+    from torch._dynamo.backends.registry import lookup_backend
+    torch._dynamo.reset()
+    graphs, inner = [], lookup_backend(compile_backend)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+def _ops(graph):
+    """The names of the ops a graph calls, without overload (longflash.kvcache_forward)."""
+    return {str(node.target).removesuffix(".default") for node in graph.graph.nodes
+            if node.op == "call_function"}
+
+
+def check_compiled_decoding(backend, compile_backend, dtype, paged, device="cpu"):
+    """attention_with_kvcache under torch.compile(fullgraph=True): one decoding step (GQA,
+    causal, one token appended in place) at three consecutive int lengths, then at ragged
+    tensor lengths, each within the tolerance rule with the cache appended as in eager. The
+    second int length makes the length a SymInt, which serves the third without recompiling:
+    one graph per decoding step would recompile at every token."""
+    step, graphs = _compile_recorded(longflash.attention_with_kvcache, compile_backend)
+
+    def case(lengths):  # contiguous: 90 slots; paged: 12 pages of 8
+        return ("compiled", 2, 1, 8, 2, 32, paged, 12 if paged else 90, lengths, 1,
+                dict(causal=True))
+    for n in (60, 61, 62):
+        check_case(case([n, n]), dtype, backend, 0, device, int_seqlens=True, fn=step)
+    assert len(graphs) == 2, f"{len(graphs)} compiles for three int lengths"
+    check_case(case([75, 9]), dtype, backend, 0, device, fn=step)
+    assert len(graphs) == 3
+    assert all("longflash.kvcache_forward" in _ops(g) for g in graphs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [None, 8], ids=["contiguous", "paged8"])
+def test_compile_fullgraph(backend, paged):
+    check_compiled_decoding(backend, "aot_eager", torch.float32, paged)
+
+
+def check_compiled_route(compile_backend, dtype, device="cpu"):
+    """attention() without a gradient under torch.compile(fullgraph=True), short queries over
+    keys of three consecutive lengths (a SymInt from the second, no third compile): the
+    split-KV path (its op in every graph, the main kernel's in none), within the tolerance
+    rule. Needs SPLIT_KV_MIN_SEQLEN_K <= 41."""
+    fn, graphs = _compile_recorded(longflash.attention, compile_backend)
+    gen = torch.Generator().manual_seed(4)
+    for seqlen_k in (41, 42, 43):
+        q = torch.randn(2, 3, 6, 24, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(2, seqlen_k, 2, 24, generator=gen, dtype=torch.float64)
+                for _ in range(2))
+        low = [x.to(dtype) for x in (q, k, v)]
+        with torch.no_grad():
+            o, lse = fn(*(x.to(device) for x in low), causal=True, return_lse=True)
+        ref, lowp = attention_ref(q, k, v, causal=True), attention_ref(*low, causal=True,
+                                                                        upcast=False)
+        check_close("o", o.cpu(), lowp[0], ref[0])
+        check_close("lse", lse.cpu(), lowp[1], ref[1])
+    assert len(graphs) == 2, f"{len(graphs)} compiles for three key lengths"
+    for g in graphs:
+        assert "longflash.kvcache_forward" in _ops(g)
+        assert "longflash.attention_forward" not in _ops(g)
 
 
 class _Launch:
@@ -383,6 +453,13 @@ def test_attention_routes_decoding_to_split_kv(route_small, kw):
     if "alibi" in kw:
         kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
     check_attention_routes_to_split_kv(route_small, q, k, v, torch.float32, **kw)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
+def test_compiled_attention_routes_decoding_to_split_kv(monkeypatch):
+    from longflash import interface
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)
+    check_compiled_route("aot_eager", torch.float32)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")

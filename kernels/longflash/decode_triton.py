@@ -245,7 +245,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     or an int when every sequence has that many keys (a kernel argument: no tensor to fill, no
     fill kernel in a decoding step). max_seqlen_k: max(seqlens_k) as an int, for the split
     heuristic (num_splits 0) without a device-to-host read; None: read from seqlens_k (a
-    synchronization; under torch.compile the cache's capacity instead)."""
+    synchronization; under torch.compile, kvcache passes the cache's capacity instead)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, seqlen_q, nheads, headdim = q.shape
@@ -259,7 +259,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     cfg = launch_config(seqlen_q, group, headdim)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = triton.cdiv(seqlen_q * group, block_m)
-    uniform = not isinstance(seqlens_k, torch.Tensor)  # an int (a SymInt under torch.compile)
+    uniform = not isinstance(seqlens_k, torch.Tensor)  # an int
     if uniform:
         seqlen_k_all = max_seqlen_k = seqlens_k
         seqlens_k = lse  # an unread pointer
@@ -267,9 +267,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         seqlen_k_all, seqlens_k = 0, seqlens_k.to(device=q.device, dtype=torch.int32)
     if num_splits == 0:
         if max_seqlen_k is None:
-            max_seqlen_k = int(seqlens_k.max()) if not torch.compiler.is_compiling() else (
-                k_cache.shape[1] if block_table is None
-                else block_table.shape[1] * k_cache.shape[1])
+            max_seqlen_k = int(seqlens_k.max())
         num_splits = num_splits_heuristic(batch * nheads_kv * m_blocks, max_seqlen_k, block_n,
                                           _num_sms(q.device))
     split = num_splits > 1

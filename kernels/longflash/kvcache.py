@@ -19,9 +19,11 @@ implementation of the split-KV forward. Its tensor dimensions are the kernel's g
 split. Variable names follow the kernel: m_i, l_i, acc, start_n, split_lo, split_hi.
 """
 
+from typing import Optional
+
 import torch
 
-from ._common import LN2, LOG2E, accumulator_dtype, empty_outputs
+from ._common import LN2, LOG2E, Options, accumulator_dtype, empty_outputs
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -71,7 +73,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     Returns o like q and lse (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row
     that sees no key)."""
     batch, seqlen_q, nheads, headdim = q.shape
-    if not isinstance(seqlens_k, torch.Tensor):  # one length (an int, or a SymInt)
+    if not isinstance(seqlens_k, torch.Tensor):  # one length for every sequence
         seqlens_k = torch.full((batch,), seqlens_k, dtype=torch.long, device=q.device)
     nheads_kv = k_cache.shape[2]
     group = nheads // nheads_kv
@@ -361,6 +363,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
     written, so the cache is unchanged.
+    torch.compile(fullgraph=True) captures a call whole: the append as traced ops, the
+    attention as one op (torch.ops.longflash.kvcache_forward). An int cache_seqlens that
+    changes between calls becomes symbolic after the first change, so a compiled decoding
+    loop compiles twice, not once per token.
     """
     from .interface import _check_inputs  # interface routes decoding here: import late
 
@@ -391,13 +397,49 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
     """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
     of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
     device); None: found from seqlens_k when needed."""
-    from ._common import Options
+    args = (q, k_cache, v_cache, block_table, causal, softmax_scale, *window_size,
+            float(softcap), alibi_slopes, num_splits, backend)
+    if not torch.compiler.is_compiling():
+        return _run(seqlens_k, max_seqlen_k, *args)
+    # Traced by torch.compile: one opaque op, since the PyTorch path loops over as many key
+    # blocks as the lengths' values say, and the launcher picks its splits from them. Eager
+    # calls skip the op's dispatch (a decoding step over a short cache takes microseconds).
+    # Nothing is read back inside the op (CUDA graphs capture it): without a known maximum,
+    # the cache's capacity bounds the lengths.
+    if max_seqlen_k is None:
+        max_seqlen_k = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    tensor = isinstance(seqlens_k, torch.Tensor)
+    return torch.ops.longflash.kvcache_forward(
+        seqlens_k if tensor else None, 0 if tensor else seqlens_k, max_seqlen_k, *args)
+
+
+def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, causal, softmax_scale,
+         window_left, window_right, softcap, alibi_slopes, num_splits, backend):
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
-    opts = Options(softmax_scale, window_size[0], 0 if causal else window_size[1], alibi_slopes,
-                   float(softcap))
+    opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
+                   softcap)
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
                                      num_splits, max_seqlen_k)
     return forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits)
+
+
+@torch.library.custom_op("longflash::kvcache_forward", mutates_args=())
+def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqlen_k: int,
+                     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float,
+                     window_left: int, window_right: int, softcap: float,
+                     alibi_slopes: Optional[torch.Tensor], num_splits: int,
+                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """_run under torch.compile. seqlens_k: (batch,) lengths, or None for one length seqlen_k
+    of every sequence."""
+    lengths = seqlen_k if seqlens_k is None else seqlens_k
+    return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, causal, softmax_scale,
+                window_left, window_right, softcap, alibi_slopes, num_splits, backend)
+
+
+@_kvcache_forward.register_fake
+def _(seqlens_k, seqlen_k, max_seqlen_k, q, *args):
+    return empty_outputs(q)
