@@ -116,8 +116,12 @@ gpu-dry: $(ENV_READY)
 # with it, so a break between those versions shows before a GPU window does. Not in CI (a 4 GB
 # download: torch 2.11 from PyPI is its CUDA build, which runs on a CPU too).
 GPU_IMAGE := .venv-gpu-image
-GPU_IMAGE_PYTHON ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c "" 2>/dev/null && echo python3.12 || echo python3)
+# The first Python 3.12 that runs: on PATH, or one pyenv installed but does not select (its
+# shim then fails); or name it: make gpu-image-check GPU_IMAGE_PYTHON=/path/to/python3.12
+GPU_IMAGE_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c "" >/dev/null 2>&1 && echo $(p))))
 $(GPU_IMAGE)/.installed:
+	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "gpu-image-check needs Python 3.12 (the GPU" \
+	    "machines' version; JAX 0.11 requires it): set GPU_IMAGE_PYTHON=/path/to/python3.12"; exit 1; }
 	$(GPU_IMAGE_PYTHON) -m venv $(GPU_IMAGE)
 	$(GPU_IMAGE)/bin/python -m pip install --quiet --upgrade pip
 	$(GPU_IMAGE)/bin/python -m pip install --quiet torch==2.11.0 triton==3.6.0 numpy pandas pytest \
