@@ -184,14 +184,15 @@ PROVIDER_STYLE = {  # one color, marker and name per provider, the same in every
 }
 
 
-def tokens(n):
-    """A sequence length as the papers write it: 512, 2K, 128K, 1M (powers of two)."""
+def tokens(n, other=str):
+    """A sequence length as the papers write it: 512, 2K, 128K, 1M (powers of two); other
+    lengths by `other` (str for tick labels; thousands for the paper's text)."""
     n = int(n)
     if n >= 2**20 and n % 2**20 == 0:
         return f"{n // 2**20}M"
     if n >= 2**10 and n % 2**10 == 0:
         return f"{n // 2**10}K"
-    return str(n)
+    return other(n)
 
 
 def seqlen_axis(ax, seqlens):
