@@ -322,6 +322,60 @@ def test_backends_agree():
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
 
 
+# ----------------------------------------------------------------------------- rotary
+
+def rotate_ref(x, positions, cos, sin, interleaved):
+    """x (B, N, H, D) in float64, token (b, n) turned by the angles of positions[b][n]: each
+    pair of the first rotary_dim dims as a complex number times cos + i sin."""
+    out, half = x.double().clone(), cos.shape[1]
+    for b in range(x.shape[0]):
+        for n in range(x.shape[1]):
+            turn = torch.complex(cos[positions[b][n]].double(), sin[positions[b][n]].double())
+            xr = out[b, n, :, :2 * half]  # (H, rotary_dim)
+            if interleaved:
+                z = torch.complex(xr[:, 0::2], xr[:, 1::2]) * turn
+                out[b, n, :, :2 * half] = torch.stack([z.real, z.imag], -1).flatten(-2)
+            else:
+                z = torch.complex(xr[:, :half], xr[:, half:]) * turn
+                out[b, n, :, :2 * half] = torch.cat([z.real, z.imag], -1)
+    return out
+
+
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float64)] + (
+    [("triton", torch.float32)] if INTERPRET else []), ids=lambda x: str(x).split(".")[-1])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half-split"])
+@pytest.mark.parametrize("rotary_dim", [16, 24], ids=["partial", "full"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, -1)), {}],
+                         ids=["causal", "window", "full-attention"])
+@pytest.mark.parametrize("paged, as_int", [(None, True), (None, False), (4, False)],
+                         ids=["int", "tensor", "paged4"])
+def test_rotary(backend, dtype, interleaved, rotary_dim, kw, paged, as_int):
+    """rotary_cos/rotary_sin give what rotating q and the new keys by hand gives (float64:
+    to rounding), cache included: keys at cache_seqlens + t; queries at cache_seqlens + i
+    when causal or windowed, else all at cache_seqlens."""
+    lengths = [9, 9] if as_int else [9, 2]
+    case = ("rotary", 2, 3, 4, 2, 24, paged, 6 if paged else 20, lengths, 3, kw)
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, dtype)
+    angles = torch.rand(16, rotary_dim // 2, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    seqlens = lengths[0] if as_int else cache_seqlens
+    caches = [k_cache.clone(), v_cache.clone()]
+    o, lse = longflash.attention_with_kvcache(
+        q, *caches, k, v, seqlens, block_table, return_lse=True, backend=backend,
+        rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, **kw)
+    in_order = kw != {}
+    q_pos = [[n + (i if in_order else 0) for i in range(3)] for n in lengths]
+    k_pos = [[n + t for t in range(3)] for n in lengths]
+    q_r, k_r = (rotate_ref(x, pos, cos, sin, interleaved).to(dtype)
+                for x, pos in ((q, q_pos), (k, k_pos)))
+    o_ref, lse_ref = longflash.attention_with_kvcache(
+        q_r, k_cache, v_cache, k_r, v, seqlens, block_table, return_lse=True,
+        backend=backend, **kw)
+    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    for got, want in zip((o, lse, *caches), (o_ref, lse_ref, k_cache, v_cache)):
+        torch.testing.assert_close(got, want, **tol)
+
+
 # ----------------------------------------------------------------------------- errors
 
 def _error_inputs():
@@ -392,7 +446,34 @@ ERRORS = [
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(backend="cuda"))),
     ("num-splits", ValueError, "num_splits",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(num_splits=-1))),
+    ("rotary-only-cos", ValueError, "together",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(rotary_cos=torch.ones(8, 4)))),
+    ("rotary-without-k", ValueError, "need k and v",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, None, None, 1, None, _rotary(8, 4))),
+    ("rotary-dim", ValueError, "rotary_dim",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, _rotary(8, 9))),
+    ("rotary-shape", ValueError, "same shape",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(rotary_cos=torch.ones(8, 4),
+                                              rotary_sin=torch.ones(7, 4)))),
+    ("rotary-dtype", TypeError, "rotary_cos",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(rotary_cos=torch.ones(8, 4, dtype=torch.long),
+                                              rotary_sin=torch.ones(8, 4)))),
+    ("rotary-positions", ValueError, "position 6 is needed",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([1, 5]), None,
+                                         _rotary(6, 4))),
+    ("rotary-positions-int", ValueError, "position 6 is needed",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 5, None, _rotary(6, 4))),
+    ("rotary-interleaved", TypeError, "rotary_interleaved",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(_rotary(8, 4), rotary_interleaved=1))),
 ]
+
+
+def _rotary(seqlen_ro, half):
+    return dict(rotary_cos=torch.ones(seqlen_ro, half), rotary_sin=torch.zeros(seqlen_ro, half))
 
 
 @pytest.mark.parametrize("name, error, match, make", ERRORS, ids=[e[0] for e in ERRORS])

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ._common import LN2, LOG2E, Options, accumulator_dtype, empty_outputs
+from ._common import LN2, LOG2E, Options, accumulator_dtype, check_bools, empty_outputs
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -322,12 +322,58 @@ def _append(cache, new, seqlens, block_table):
         cache.index_put_((block_table[b, pos // page_size].long(), pos % page_size), new)
 
 
+def _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
+                  q_in_order):
+    """The rotary arguments; max_seqlen: the largest length before the append (None: not
+    known without reading the device, so the positions go unchecked)."""
+    check_bools(rotary_interleaved=rotary_interleaved)
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin rotate the new keys as they are appended: "
+                         "they need k and v (as in FlashAttention)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor of shape (seqlen_ro, "
+                            f"rotary_dim / 2), got {getattr(x, 'dtype', type(x).__name__)} "
+                            f"{tuple(getattr(x, 'shape', ()))}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: they must match")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
+                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= q.shape[-1]:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must lie in "
+                         f"[2, headdim = {q.shape[-1]}]")
+    if max_seqlen is not None:
+        last = max_seqlen + max(seqlen_new, q.shape[1] if q_in_order else 1) - 1
+        if last >= seqlen_ro:
+            raise ValueError(f"rotary_cos and rotary_sin have {seqlen_ro} positions, position "
+                             f"{last} is needed (cache_seqlens + new tokens)")
+
+
+def _rotate(q, k, cos, sin, interleaved, seqlens, q_in_order):
+    """q and the new keys k rotated at their positions (see attention_with_kvcache)."""
+    from .nn import apply_rotary  # nn imports the public API: import late
+
+    def angles(n):  # (n, R/2) for an int length, (B, n, R/2) for per-sequence lengths
+        pos = torch.arange(n, device=q.device)
+        pos = seqlens + pos if _is_int(seqlens) else seqlens[:, None] + pos
+        return cos[pos], sin[pos]
+    q = apply_rotary(q, *angles(q.shape[1] if q_in_order else 1), interleaved)
+    return q, apply_rotary(k, *angles(k.shape[1]), interleaved)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                            block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           return_lse=False, backend="auto", *, num_splits=0):
+                           return_lse=False, backend="auto", *, num_splits=0,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
-    (FlashAttention-2's flash_attn_with_kvcache, without rotary embeddings or cache_batch_idx).
+    (FlashAttention-2's flash_attn_with_kvcache, without cache_batch_idx or cache_leftpad).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim); seqlen_q is small: 1 for decoding, a few for
@@ -359,6 +405,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         backend: "auto" | "triton" | "torch", as in `longflash.attention`.
         num_splits: key splits per sequence; 0 chooses (Triton: from batch, heads, cache
             length and the SM count; the PyTorch path: 1), 1 disables splitting.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), or None: rotary embeddings as
+            FlashAttention applies them (fused there, PyTorch ops before the kernel here):
+            the first rotary_dim dims of the new k are rotated before they are written, key t
+            of sequence b at position cache_seqlens[b] + t; those of q at cache_seqlens[b] + i
+            for query i if causal or windowed, else all at cache_seqlens[b]. Needs k and v;
+            seqlen_ro must exceed every position used.
+        rotary_interleaved: rotate dims (2i, 2i + 1) together (GPT-J; FlashAttention's
+            default) if True, else (i, i + rotary_dim / 2) (GPT-NeoX, Llama).
     Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
@@ -382,6 +436,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
     softmax_scale, backend = _check_inputs(q, keys, keys, causal, softmax_scale, backend,
                                            window_size, alibi_slopes, softcap)
+    q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
+    _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
+                  q_in_order)
+    if rotary_cos is not None:
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens, q_in_order)
     if k is not None:
         _append(k_cache, k, seqlens, block_table)
         _append(v_cache, v, seqlens, block_table)

@@ -34,15 +34,24 @@ def rotary_cos_sin(seqlen, headdim, base=10000.0, device=None):
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x, cos, sin):
-    """Rotate x: (batch, seqlen, nheads, headdim) by position; cos, sin: (seqlen, headdim // 2).
-
-    Computed in float32 and returned in x's dtype (float64 stays float64)."""
+def apply_rotary(x, cos, sin, interleaved=False):
+    """Rotate the first rotary_dim = 2 * cos.shape[-1] dims of x: (batch, seqlen, nheads,
+    headdim) by position; the other dims pass through. cos, sin: (seqlen, rotary_dim // 2), or
+    (batch, seqlen, rotary_dim // 2) where each sequence has its own positions.
+    Layout: dim i pairs with dim i + rotary_dim // 2 (GPT-NeoX, Llama), or, if interleaved,
+    dim 2i with dim 2i + 1 (GPT-J). Computed in float32 and returned in x's dtype (float64
+    stays float64)."""
     dtype = x.dtype
     x = x if dtype == torch.float64 else x.float()
-    x1, x2 = x.chunk(2, dim=-1)                    # (B, N, H, D/2) each
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # (N, 1, D/2)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+    rotary_dim = 2 * cos.shape[-1]
+    cos, sin = (c.to(x.dtype).unsqueeze(-2) for c in (cos, sin))  # (..., N, 1, rotary_dim / 2)
+    if interleaved:
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)  # (B, N, H, rotary_dim / 2) each
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1).to(dtype)
 
 
 def attention_function(attn_impl, backend="auto"):
