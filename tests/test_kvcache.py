@@ -376,6 +376,33 @@ def test_rotary(backend, dtype, interleaved, rotary_dim, kw, paged, as_int):
         torch.testing.assert_close(got, want, **tol)
 
 
+# ----------------------------------------------------------------------------- cache_batch_idx
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("as_int", [True, False], ids=["int", "tensor"])
+def test_cache_batch_idx(backend, as_int):
+    """Sequences on chosen rows of a larger cache give what the same rows, taken out as a
+    cache of their own, give; the append lands in those rows only."""
+    case = ("rows", 5, 2, 4, 2, 16, None, 30, [12] * 5 if as_int else [12, 0, 7, 29, 3], 1,
+            dict(causal=True))
+    _, k_cache, v_cache, _, _, cache_seqlens, _, kw = make_case(case, torch.float32)
+    rows = torch.tensor([4, 0, 2])
+    q, _, _, k, v, _, _, _ = make_case(("q", 3) + case[2:], torch.float32, seed=1)
+    seqlens = 12 if as_int else cache_seqlens[rows]
+    caches = [k_cache.clone(), v_cache.clone()]
+    o, lse = longflash.attention_with_kvcache(q, *caches, k, v, seqlens, return_lse=True,
+                                              backend=backend, cache_batch_idx=rows, **kw)
+    taken = [k_cache[rows], v_cache[rows]]
+    o_ref, lse_ref = longflash.attention_with_kvcache(q, *taken, k, v, seqlens,
+                                                      return_lse=True, backend=backend, **kw)
+    torch.testing.assert_close(o, o_ref, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-6, rtol=2e-6)
+    for cache, before, after in zip(caches, (k_cache, v_cache), taken):
+        assert torch.equal(cache[rows], after)
+        others = [r for r in range(5) if r not in rows.tolist()]
+        assert torch.equal(cache[others], before[others])
+
+
 # ----------------------------------------------------------------------------- errors
 
 def _error_inputs():
@@ -446,6 +473,18 @@ ERRORS = [
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(backend="cuda"))),
     ("num-splits", ValueError, "num_splits",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, dict(num_splits=-1))),
+    ("batch-idx-range", ValueError, "cache_batch_idx entries",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(cache_batch_idx=torch.tensor([0, 2])))),
+    ("batch-idx-shape", TypeError, "cache_batch_idx",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(cache_batch_idx=torch.tensor([0])))),
+    ("batch-idx-dtype", TypeError, "cache_batch_idx",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(cache_batch_idx=torch.tensor([0.0, 1.0])))),
+    ("batch-idx-paged", ValueError, "block_table",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 1, t,
+                                         dict(cache_batch_idx=torch.tensor([0, 1])))),
     ("rotary-only-cos", ValueError, "together",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
                                          dict(rotary_cos=torch.ones(8, 4)))),

@@ -322,6 +322,30 @@ def _append(cache, new, seqlens, block_table):
         cache.index_put_((block_table[b, pos // page_size].long(), pos % page_size), new)
 
 
+def _rows_as_pages(q, k_cache, cache_batch_idx, block_table):
+    """cache_batch_idx (checked) as the block_table of a paged cache whose pages are the rows
+    of the contiguous cache: (batch, 1) int32."""
+    batch = q.shape[0]
+    if block_table is not None:
+        raise ValueError("cache_batch_idx selects rows of a contiguous cache; it cannot be "
+                         "combined with block_table")
+    if not isinstance(cache_batch_idx, torch.Tensor) or \
+            cache_batch_idx.dtype not in (torch.int32, torch.int64) or \
+            tuple(cache_batch_idx.shape) != (batch,):
+        raise TypeError(f"cache_batch_idx must be an int32/int64 tensor of shape ({batch},), "
+                        f"got {getattr(cache_batch_idx, 'dtype', type(cache_batch_idx))} "
+                        f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
+    if cache_batch_idx.device != q.device:
+        raise ValueError(f"cache_batch_idx is on {cache_batch_idx.device}, q on {q.device}")
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and batch \
+            and not torch.compiler.is_compiling():
+        first, last = torch.stack([cache_batch_idx.min(), cache_batch_idx.max()]).tolist()
+        if first < 0 or last >= k_cache.shape[0]:
+            raise ValueError(f"cache_batch_idx entries must lie in [0, {k_cache.shape[0]}) (the "
+                             f"rows of k_cache), got [{first}, {last}]")
+    return cache_batch_idx.to(torch.int32)[:, None]
+
+
 def _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
                   q_in_order):
     """The rotary arguments; max_seqlen: the largest length before the append (None: not
@@ -371,9 +395,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_lse=False, backend="auto", *, num_splits=0,
-                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                           cache_batch_idx=None):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
-    (FlashAttention-2's flash_attn_with_kvcache, without cache_batch_idx or cache_leftpad).
+    (FlashAttention-2's flash_attn_with_kvcache, without cache_leftpad).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim); seqlen_q is small: 1 for decoding, a few for
@@ -413,6 +438,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             seqlen_ro must exceed every position used.
         rotary_interleaved: rotate dims (2i, 2i + 1) together (GPT-J; FlashAttention's
             default) if True, else (i, i + rotary_dim / 2) (GPT-NeoX, Llama).
+        cache_batch_idx: (batch,) int32/int64 tensor, or None: sequence b uses row
+            cache_batch_idx[b] of a contiguous cache of any number of rows (serving slots);
+            not with block_table. Its values are read once to check them. Run as a paged
+            cache of one page per row. With repeated rows and k given, which write lands is
+            unspecified (as in FlashAttention).
     Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
@@ -429,6 +459,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                          f"{getattr(q, 'shape', type(q).__name__)}")
     if not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
+    if cache_batch_idx is not None:
+        block_table = _rows_as_pages(q, k_cache, cache_batch_idx, block_table)
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                    block_table)
     # The remaining checks (dtype, scale, window, softcap, ALiBi, backend) are attention's,
