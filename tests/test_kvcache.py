@@ -225,6 +225,17 @@ def test_compile_fullgraph(backend, paged):
     check_compiled_decoding(backend, "aot_eager", torch.float32, paged)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    """torch.library's consistency checks of the decoding op (fake vs real, schema), with
+    lengths as a tensor and as one int."""
+    case = ("op", 2, 2, 4, 2, 16, None, 30, [20, 20], 0, {})
+    q, k_cache, v_cache, _, _, cache_seqlens, _, _ = make_case(case, torch.float32)
+    rest = (q, k_cache, v_cache, None, True, 0.25, -1, -1, 0.0, None, 0, backend)
+    for lengths in ((cache_seqlens.long(), 0, 20), (None, 20, 20)):
+        torch.library.opcheck(torch.ops.longflash.kvcache_forward.default, lengths + rest)
+
+
 def check_compiled_route(compile_backend, dtype, device="cpu"):
     """attention() without a gradient under torch.compile(fullgraph=True), short queries over
     keys of three consecutive lengths (a SymInt from the second, no third compile): the
