@@ -250,10 +250,7 @@ def check_compiled_route(compile_backend, dtype, device="cpu"):
         low = [x.to(dtype) for x in (q, k, v)]
         with torch.no_grad():
             o, lse = fn(*(x.to(device) for x in low), causal=True, return_lse=True)
-        ref, lowp = attention_ref(q, k, v, causal=True), attention_ref(*low, causal=True,
-                                                                        upcast=False)
-        check_close("o", o.cpu(), lowp[0], ref[0])
-        check_close("lse", lse.cpu(), lowp[1], ref[1])
+        check_route_output(o, lse, q, k, v, low, causal=True)
     assert len(graphs) == 2, f"{len(graphs)} compiles for three key lengths"
     for g in graphs:
         assert "longflash.kvcache_forward" in _ops(g)
@@ -554,6 +551,15 @@ def route_small(monkeypatch):
     return calls
 
 
+def check_route_output(o, lse, q, k, v, low, **kw):
+    """o, lse of attention() on q, k, v (float64 on the CPU) cast to `low`, within the
+    tolerance rule of the float64 reference."""
+    ref = attention_ref(q, k, v, **kw)
+    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
+    check_close("o", o.cpu(), lowp[0], ref[0])
+    check_close("lse", lse.cpu(), lowp[1], ref[1])
+
+
 def check_attention_routes_to_split_kv(calls, q, k, v, dtype, device="cpu", **kw):
     """q, k, v: float64 on the CPU. attention() in dtype on device, without a gradient, takes
     the split-KV path with the key length as one int (calls: route_small's record) and is within
@@ -564,10 +570,7 @@ def check_attention_routes_to_split_kv(calls, q, k, v, dtype, device="cpu", **kw
     with torch.no_grad():
         o, lse = longflash.attention(*low, return_lse=True, **kw_on)
     assert calls == [k.shape[1]], "attention did not take the split-KV path with an int length"
-    ref = attention_ref(q, k, v, **kw)
-    lowp = attention_ref(*(x.cpu() for x in low), upcast=False, **kw)
-    check_close("o", o.cpu(), lowp[0], ref[0])
-    check_close("lse", lse.cpu(), lowp[1], ref[1])
+    check_route_output(o, lse, q, k, v, low, **kw)
     longflash.attention(low[0].requires_grad_(), *low[1:], **kw_on)
     assert len(calls) == 1
 

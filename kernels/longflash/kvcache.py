@@ -208,7 +208,8 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                 table_name="block_table"):
     """Shapes, dtypes and devices of the cache arguments; returns (seqlens, seqlen_new,
     max_seqlen): seqlens the lengths before the append, a Python int when cache_seqlens is an
     int or None (checked on the host: no device work, no sync), else a (batch,) int64 tensor
@@ -297,8 +298,8 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         if entries.numel():
             first, last = torch.stack([entries.min(), entries.max()]).tolist()
             if first < 0 or last >= k_cache.shape[0]:
-                raise ValueError(f"block_table entries of the pages in use must lie in [0, "
-                                 f"{k_cache.shape[0]}) (num_pages of k_cache), got "
+                raise ValueError(f"{table_name} entries in use must lie in [0, "
+                                 f"{k_cache.shape[0]}) (k_cache.shape[0]), got "
                                  f"[{first}, {last}]")
     return seqlens, seqlen_new, hi
 
@@ -322,9 +323,10 @@ def _append(cache, new, seqlens, block_table):
         cache.index_put_((block_table[b, pos // page_size].long(), pos % page_size), new)
 
 
-def _rows_as_pages(q, k_cache, cache_batch_idx, block_table):
-    """cache_batch_idx (checked) as the block_table of a paged cache whose pages are the rows
-    of the contiguous cache: (batch, 1) int32."""
+def _rows_as_pages(q, cache_batch_idx, block_table):
+    """cache_batch_idx as the block_table of a paged cache whose pages are the rows of the
+    contiguous cache: (batch, 1) int32. Its values are checked with the pages in use
+    (_check_cache)."""
     batch = q.shape[0]
     if block_table is not None:
         raise ValueError("cache_batch_idx selects rows of a contiguous cache; it cannot be "
@@ -337,12 +339,6 @@ def _rows_as_pages(q, k_cache, cache_batch_idx, block_table):
                         f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
     if cache_batch_idx.device != q.device:
         raise ValueError(f"cache_batch_idx is on {cache_batch_idx.device}, q on {q.device}")
-    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4 and batch \
-            and not torch.compiler.is_compiling():
-        first, last = torch.stack([cache_batch_idx.min(), cache_batch_idx.max()]).tolist()
-        if first < 0 or last >= k_cache.shape[0]:
-            raise ValueError(f"cache_batch_idx entries must lie in [0, {k_cache.shape[0]}) (the "
-                             f"rows of k_cache), got [{first}, {last}]")
     return cache_batch_idx.to(torch.int32)[:, None]
 
 
@@ -440,7 +436,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             default) if True, else (i, i + rotary_dim / 2) (GPT-NeoX, Llama).
         cache_batch_idx: (batch,) int32/int64 tensor, or None: sequence b uses row
             cache_batch_idx[b] of a contiguous cache of any number of rows (serving slots);
-            not with block_table. Its values are read once to check them. Run as a paged
+            not with block_table. Its values in use are read once to check them. Run as a paged
             cache of one page per row. With repeated rows and k given, which write lands is
             unspecified (as in FlashAttention).
     Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
@@ -459,10 +455,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                          f"{getattr(q, 'shape', type(q).__name__)}")
     if not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}], got {num_splits!r}")
+    table_name = "block_table"
     if cache_batch_idx is not None:
-        block_table = _rows_as_pages(q, k_cache, cache_batch_idx, block_table)
+        block_table, table_name = _rows_as_pages(q, cache_batch_idx, block_table), \
+            "cache_batch_idx"
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
-                                                   block_table)
+                                                   block_table, table_name)
     # The remaining checks (dtype, scale, window, softcap, ALiBi, backend) are attention's,
     # on an empty stand-in for the keys.
     keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
