@@ -9,10 +9,10 @@ dK/dV, dQ) at every config the launcher can choose on that architecture
 ("decode", "decode_merge") at the config the launcher chooses for a decoding step of a
 Llama-like shape (one query, 4 query heads per KV head; the merge for the split count chosen at
 batch 1, 8 KV heads, 128K keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and
-each compile-time variant flag of the kernel (softcap, alibi, dropout, varlen; paged for the
-decoding kernel; "plain" is none of them; "full_tiles" is the warp-specialized candidates
-compiled without masks, as they run when no block needs one, flash_triton._full_tiles), then
-reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
+each compile-time variant flag of the kernel (softcap, alibi, dropout, varlen; paged and
+leftpad (cache_leftpad) for the decoding kernel; "plain" is none of them; "full_tiles" is the
+warp-specialized candidates compiled without masks, as they run when no block needs one,
+flash_triton._full_tiles), then reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
 
 Causal attention is a runtime argument of the kernels (window_right = 0), so one binary
 serves causal and non-causal attention: each compile is written as two rows (causal True and
@@ -71,8 +71,9 @@ ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge"]
 FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
-FLAGS = FLASH_FLAGS + ["paged"]
-KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged"], "decode_merge": ["plain"]}
+FLAGS = FLASH_FLAGS + ["paged", "leftpad"]
+KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged", "leftpad"],
+                "decode_merge": ["plain"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
 DECODE_GROUP, DECODE_PROGRAMS, DECODE_KEYS, H100_SMS = 4, 8, 131072, 132
@@ -155,14 +156,16 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
     if kernel in ("decode", "decode_merge"):
         block_d = max(16, triton.next_power_of_2(headdim))
         tensors = dict(Q=p, K_CACHE=p, V_CACHE=p, O=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
-                       ALIBI="*fp32", LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32")
+                       LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32")
         if kernel == "decode_merge":
             return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim, BLOCK_D=block_d)
         # split: the long-cache case the goal is about (SPLIT=False only drops the merge)
-        # UNIFORM_SEQLEN: one length for every sequence (an int cache_seqlens, as RQ1 times it)
+        # UNIFORM_SEQLEN: one length for every sequence (an int cache_seqlens, as RQ1 times
+        # it); paged and left-padded caches come with per-sequence lengths
         return decode_triton._fwd_splitkv, tensors, dict(
-            UNIFORM_SEQLEN=flags != "paged", PAGED=flags == "paged", SPLIT=True,
-            HAS_SOFTCAP=flags == "softcap", HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
+            UNIFORM_SEQLEN=flags not in ("paged", "leftpad"), PAGED=flags == "paged",
+            SPLIT=True, HAS_LEFTPAD=flags == "leftpad", HAS_SOFTCAP=flags == "softcap",
+            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     meta = flash_triton.constexprs(headdim, dtype_is_fp32=False, varlen=flags == "varlen",

@@ -40,6 +40,8 @@ DECODE_LONG = [
      dict(causal=True)),
     ("spec4-H16/2-D64-8K-window", 1, 4, 16, 2, 64, None, 8200, [8100], 4,
      dict(causal=True, window_size=(2048, -1))),
+    ("leftpad-H32/8-D128-6K", 2, 1, 32, 8, 128, None, 6200, [6000, 3000], 1,
+     dict(causal=True, leftpad=[2500, 77])),
 ]
 
 
@@ -91,6 +93,36 @@ def test_compile_decoding_gpu(paged):
     """A decoding step under torch.compile(fullgraph=True) with inductor: the split-KV kernel
     as one op, the append compiled, no recompile from the third token on."""
     check_compiled_decoding("triton", "inductor", torch.bfloat16, paged, device="cuda")
+
+
+def test_compile_decoding_cuda_graphs_gpu():
+    """Decoding steps under torch.compile(mode="reduce-overhead"): CUDA graphs capture the
+    step (the caches at static addresses, the lengths a tensor that advances between replays)
+    and each replay appends and attends exactly as the eager call does (same splits)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache = randn(2, 4096, 8, 128), randn(2, 4096, 8, 128)
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    for cache in (k_cache, v_cache):
+        torch._dynamo.mark_static_address(cache)
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return longflash.attention_with_kvcache(q, k_cache, v_cache, k, v, lengths,
+                                                causal=True, num_splits=3)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    lengths = torch.tensor([3000, 1200], device="cuda", dtype=torch.int32)
+    for _ in range(5):
+        q, k, v = randn(2, 1, 32, 128), randn(2, 1, 8, 128), randn(2, 1, 8, 128)
+        o = compiled(q, k_cache, v_cache, k, v, lengths).clone()
+        assert torch.equal(o, step(q, k_eager, v_eager, k, v, lengths))
+        lengths += 1
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+    assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped"
 
 
 def test_compiled_attention_routes_decoding_to_split_kv_gpu(monkeypatch):

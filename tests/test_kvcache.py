@@ -24,6 +24,10 @@ CASES = [
     ("noappend-H4/1-D16-alibi", 2, 1, 4, 1, 16, None, 50, [50, 9], 0, dict(alibi=(4,))),
     ("paged16-H2/1-D24-alibi-batch-window", 2, 2, 2, 1, 24, 16, 4, [33, 61], 1,
      dict(alibi=(2, 2), window_size=(10, 2))),
+    ("leftpad-H6/2-D48-causal", 3, 2, 6, 2, 48, None, 40, [33, 20, 5], 2,
+     dict(causal=True, leftpad=[19, 0, 5])),
+    ("paged4-leftpad-H4/1-D32-window-alibi", 2, 3, 4, 1, 32, 4, 10, [30, 13], 3,
+     dict(causal=True, window_size=(20, -1), alibi=(4,), leftpad=[11, 6])),
 ]
 
 
@@ -55,6 +59,8 @@ def make_case(case, dtype, seed=0):
     kw = dict(kw)
     if "alibi" in kw:
         kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
+    if "leftpad" in kw:  # sequence b's keys start at cache row leftpad[b]
+        kw["cache_leftpad"] = torch.tensor(kw.pop("leftpad"), dtype=torch.int32)
     cache_seqlens = torch.tensor(lengths, dtype=torch.int32)
     return q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw
 
@@ -106,11 +112,13 @@ def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     new = 0 if k is None else k.shape[1]
+    pads = kw.get("cache_leftpad", torch.zeros(len(lengths), dtype=torch.int32)).tolist()
     for b, n in enumerate(lengths):
-        keys = seq_keys(k_cache, block_table, b, n + new)
-        values = seq_keys(v_cache, block_table, b, n + new)
+        keys = seq_keys(k_cache, block_table, b, n + new)[:, pads[b]:]
+        values = seq_keys(v_cache, block_table, b, n + new)[:, pads[b]:]
         slopes = kw.get("alibi_slopes")
-        ref_kw = {key: val for key, val in kw.items() if key != "alibi_slopes"}
+        ref_kw = {key: val for key, val in kw.items()
+                  if key not in ("alibi_slopes", "cache_leftpad")}
         if slopes is not None:
             ref_kw["alibi_slopes"] = slopes.expand(q.shape[0], q.shape[2])[b:b + 1]
         ref = attention_ref(q[b:b + 1].double(), keys.double(), values.double(), **ref_kw)
@@ -203,19 +211,21 @@ def _ops(graph):
 def check_compiled_decoding(backend, compile_backend, dtype, paged, device="cpu"):
     """attention_with_kvcache under torch.compile(fullgraph=True): one decoding step (GQA,
     causal, one token appended in place) at three consecutive int lengths, then at ragged
-    tensor lengths, each within the tolerance rule with the cache appended as in eager. The
-    second int length makes the length a SymInt, which serves the third without recompiling:
-    one graph per decoding step would recompile at every token."""
+    tensor lengths, without and with cache_leftpad, each within the tolerance rule with the
+    cache appended as in eager. The second int length makes the length a SymInt, which serves
+    the third without recompiling: one graph per decoding step would recompile at every
+    token."""
     step, graphs = _compile_recorded(longflash.attention_with_kvcache, compile_backend)
 
-    def case(lengths):  # contiguous: 90 slots; paged: 12 pages of 8
+    def case(lengths, **kw):  # contiguous: 90 slots; paged: 12 pages of 8
         return ("compiled", 2, 1, 8, 2, 32, paged, 12 if paged else 90, lengths, 1,
-                dict(causal=True))
+                dict(causal=True, **kw))
     for n in (60, 61, 62):
         check_case(case([n, n]), dtype, backend, 0, device, int_seqlens=True, fn=step)
     assert len(graphs) == 2, f"{len(graphs)} compiles for three int lengths"
     check_case(case([75, 9]), dtype, backend, 0, device, fn=step)
-    assert len(graphs) == 3
+    check_case(case([75, 9], leftpad=[37, 3]), dtype, backend, 0, device, fn=step)
+    assert len(graphs) == 4
     assert all("longflash.kvcache_forward" in _ops(g) for g in graphs)
 
 
@@ -228,12 +238,15 @@ def test_compile_fullgraph(backend, paged):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     """torch.library's consistency checks of the decoding op (fake vs real, schema), with
-    lengths as a tensor and as one int."""
+    lengths as a tensor and as one int, with and without cache_leftpad."""
     case = ("op", 2, 2, 4, 2, 16, None, 30, [20, 20], 0, {})
     q, k_cache, v_cache, _, _, cache_seqlens, _, _ = make_case(case, torch.float32)
-    rest = (q, k_cache, v_cache, None, True, 0.25, -1, -1, 0.0, None, 0, backend)
+    rest = (True, 0.25, -1, -1, 0.0, None, 0, backend)
+    leftpad = torch.tensor([3, 17], dtype=torch.int32)
     for lengths in ((cache_seqlens.long(), 0, 20), (None, 20, 20)):
-        torch.library.opcheck(torch.ops.longflash.kvcache_forward.default, lengths + rest)
+        for pads in (None, leftpad):
+            torch.library.opcheck(torch.ops.longflash.kvcache_forward.default,
+                                  lengths + (q, k_cache, v_cache, None, pads) + rest)
 
 
 def check_compiled_route(compile_backend, dtype, device="cpu"):
@@ -493,6 +506,21 @@ ERRORS = [
     ("batch-idx-paged", ValueError, "block_table",
      lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 1, t,
                                          dict(cache_batch_idx=torch.tensor([0, 1])))),
+    ("leftpad-beyond-length", ValueError, r"cache_leftpad\[1\] = 3 must lie in \[0, cache_seqlens",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([1, 2]), None,
+                                         dict(cache_leftpad=torch.tensor([0, 3])))),
+    ("leftpad-negative-int-seqlens", ValueError, r"cache_leftpad\[0\] = -1",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 2, None,
+                                         dict(cache_leftpad=torch.tensor([-1, 0])))),
+    ("leftpad-paged-beyond-length", ValueError, r"cache_leftpad\[0\] = 5",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 4, t,
+                                         dict(cache_leftpad=torch.tensor([5, 0])))),
+    ("leftpad-dtype", TypeError, "cache_leftpad",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(cache_leftpad=torch.tensor([0.0, 1.0])))),
+    ("leftpad-shape", TypeError, "cache_leftpad",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
+                                         dict(cache_leftpad=torch.tensor([0])))),
     ("rotary-only-cos", ValueError, "together",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
                                          dict(rotary_cos=torch.ones(8, 4)))),

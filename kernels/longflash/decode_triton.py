@@ -28,8 +28,10 @@ launcher's config it is spill-free on sm_90a at head dims 64-256 with Triton 3.6
 (experiments/codegen.py, results/codegen/), its 16-row tiles on mma.sync (below wgmma's 64
 rows) and its cache loads pipelined with cp.async. It has not run on a GPU: block sizes,
 warps, stages and the split heuristic are untuned guesses.
-Unlike FlashAttention's flash_attn_with_kvcache: no rotary embedding, no cache_batch_idx /
-cache_leftpad, the append is a separate PyTorch op rather than fused into the kernel.
+Unlike FlashAttention's flash_attn_with_kvcache, the append and the rotary embedding are
+PyTorch ops before the launch (`kvcache.attention_with_kvcache`), not fused into the kernel;
+cache_batch_idx is served as a paged cache of one page per row; cache_leftpad is LEFTPAD_K
+(each sequence's first key).
 """
 
 import os
@@ -70,8 +72,8 @@ def _kv_ptrs(CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask, page_siz
 # ----------------------------------------------------------------------------- split kernel
 
 @triton.jit(do_not_specialize=["seqlen_k_all"])  # it grows by one per decoding step
-def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_PARTIAL,
-                 LSE_PARTIAL,
+def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, O, LSE,
+                 O_PARTIAL, LSE_PARTIAL,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_tb, stride_ob, stride_on, stride_oh,
                  stride_lb, stride_lh, stride_ab, stride_ah,
@@ -79,7 +81,7 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_P
                  nheads_kv, group_size, seqlen_q, seqlen_k_all, num_splits, page_size,
                  window_left, window_right, qk_scale, softmax_scale, softcap,
                  UNIFORM_SEQLEN: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr,
+                 HAS_LEFTPAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     split = tl.program_id(0)
@@ -89,6 +91,9 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_P
     seqlen_k = seqlen_k_all  # UNIFORM_SEQLEN: every sequence has this many keys
     if not UNIFORM_SEQLEN:
         seqlen_k = tl.load(SEQLENS_K + off_b)
+    leftpad = 0  # keys before it are padding (cache_leftpad): the sequence starts there
+    if HAS_LEFTPAD:
+        leftpad = tl.load(LEFTPAD_K + off_b)
     # -- GQA packing: row r is query i = r // group of head off_hk * group + r % group --
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = seqlen_q * group_size
@@ -110,8 +115,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_P
     last = (tl.minimum(start_m + BLOCK_M, rows) - 1) // group_size + (seqlen_k - seqlen_q)
     hi = tl.where(window_right >= 0,
                   tl.minimum(tl.maximum(last + window_right + 1, 0), seqlen_k), seqlen_k)
-    lo = tl.where(window_left >= 0,
-                  tl.minimum(tl.maximum(first - window_left, 0), hi) // BLOCK_N * BLOCK_N, 0)
+    lo = tl.where(window_left >= 0, tl.maximum(first - window_left, 0), 0)
+    lo = tl.minimum(tl.maximum(lo, leftpad), hi) // BLOCK_N * BLOCK_N
     blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     split_lo = lo + split * blocks_per_split * BLOCK_N
     split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, hi)
@@ -139,6 +144,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, ALIBI, O, LSE, O_P
                                                             + window_right))
         visible = visible & ((window_left < 0) | (offs_n[None, :] >= diag[:, None]
                                                   - window_left))
+        if HAS_LEFTPAD:
+            visible = visible & (offs_n[None, :] >= leftpad)
         s = tl.where(visible, s, float("-inf"))
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = tl.maximum(m_i, tl.max(s, 1))
@@ -240,12 +247,15 @@ def merge_config(num_splits):
     return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
 
 
-def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None):
+def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None,
+            leftpad_k=None):
     """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append,
     or an int when every sequence has that many keys (a kernel argument: no tensor to fill, no
     fill kernel in a decoding step). max_seqlen_k: max(seqlens_k) as an int, for the split
     heuristic (num_splits 0) without a device-to-host read; None: read from seqlens_k (a
-    synchronization; under torch.compile, kvcache passes the cache's capacity instead)."""
+    synchronization; under torch.compile, kvcache passes the cache's capacity instead).
+    leftpad_k: (batch,) integer tensor or None: sequence b's keys are [leftpad_k[b],
+    seqlens_k[b]), positions counted from the start of the cache."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, seqlen_q, nheads, headdim = q.shape
@@ -278,11 +288,14 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     else:
         o_partial = lse_partial = lse  # unused pointers
     alibi = opts.alibi_slopes
+    if leftpad_k is not None:
+        leftpad_k = leftpad_k.to(device=q.device, dtype=torch.int32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
     _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
         q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
-        lse if alibi is None else alibi, o, lse, o_partial, lse_partial,
+        seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,
+        o_partial, lse_partial,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_table.stride(0) if paged else 0, *o.stride()[:3], *lse.stride()[:2],
         0 if alibi is None else alibi.stride(0), 0 if alibi is None else alibi.stride(1),
@@ -290,7 +303,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         *(lse_partial.stride()[:3] if split else (0, 0, 0)),
         nheads_kv, group, seqlen_q, seqlen_k_all, num_splits, page_size, opts.window_left,
         opts.window_right, opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
-        UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_SOFTCAP=opts.softcap > 0,
+        UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_LEFTPAD=leftpad_k is not None,
+        HAS_SOFTCAP=opts.softcap > 0,
         HAS_ALIBI=alibi is not None, HEAD_DIM=headdim,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

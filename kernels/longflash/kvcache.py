@@ -67,11 +67,13 @@ def _block_view(cache, start_n, split_stride, block_n):
 
 
 @torch.no_grad()
-def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, block_n=None):
+def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, block_n=None,
+            leftpad_k=None):
     """Split-KV forward. q: (batch, seqlen_q, nheads, headdim); seqlens_k: (batch,) int, the
-    number of keys of each sequence (after any append), or one int for every sequence.
-    Returns o like q and lse (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row
-    that sees no key)."""
+    number of keys of each sequence (after any append), or one int for every sequence;
+    leftpad_k: (batch,) int or None, the first key of each sequence (keys before it are
+    padding; positions are counted from the start of the cache). Returns o like q and lse
+    (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key)."""
     batch, seqlen_q, nheads, headdim = q.shape
     if not isinstance(seqlens_k, torch.Tensor):  # one length for every sequence
         seqlens_k = torch.full((batch,), seqlens_k, dtype=torch.long, device=q.device)
@@ -87,8 +89,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         for seq in range(batch):
             one = slice(seq, seq + 1)
             slopes = None if opts.alibi_slopes is None else opts.alibi_slopes[one]
+            pad = None if leftpad_k is None else leftpad_k[one]
             o[one], lse[one] = forward(q[one], k_cache[one], v_cache[one], seqlens_k[one], None,
-                                       opts._replace(alibi_slopes=slopes), num_splits, block_n)
+                                       opts._replace(alibi_slopes=slopes), num_splits, block_n,
+                                       pad)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
     block_n = block_n or BLOCK_N
@@ -110,6 +114,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
     lo, hi = key_limits(offset, offset + seqlen_q - 1, seqlens_k, opts.window_left,
                         opts.window_right)
+    if leftpad_k is not None:
+        leftpad_k = leftpad_k.to(device=device, dtype=torch.long)
+        lo = torch.minimum(torch.maximum(lo, leftpad_k), hi)
     lo = lo // block_n * block_n
     n_blocks = (hi - lo + block_n - 1) // block_n
     blocks_per_split = (n_blocks + num_splits - 1) // num_splits  # (B,)
@@ -131,6 +138,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     split_stride = int(split_lo[0, 1] - split_lo[0, 0]) if contiguous and num_splits > 1 else 0
     split_room = int((split_hi - split_lo).min()) if batch else 0
     diag_lo, diag_hi = (int(offset.min()), int(offset.max()) + seqlen_q - 1) if batch else (0, 0)
+    pad_hi = 0 if leftpad_k is None else int(leftpad_k.max())
     for step in range(steps):
         start_n = split_lo + step * block_n  # (B, S)
         width = block_n
@@ -164,6 +172,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
                 mask = mask & (j <= diag + opts.window_right)
             if opts.window_left >= 0:
                 mask = mask & (j >= diag - opts.window_left)
+        if first < pad_hi:  # a block that starts before some sequence's first key
+            mask = True if mask is None else mask
+            mask = mask & (j >= leftpad_k.view(batch, 1, 1, 1, 1))
         if mask is not None:
             qk = qk.masked_fill(~mask, float("-inf"))
         qk = qk * LOG2E
@@ -208,15 +219,27 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _check_per_sequence(name, x, q):
+    """x must be a (batch,) int32/int64 tensor on q's device."""
+    batch = q.shape[0]
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or \
+            tuple(x.shape) != (batch,):
+        raise TypeError(f"{name} must be an int32/int64 tensor of shape ({batch},), got "
+                        f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+
+
 def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                 table_name="block_table"):
+                 table_name="block_table", cache_leftpad=None):
     """Shapes, dtypes and devices of the cache arguments; returns (seqlens, seqlen_new,
     max_seqlen): seqlens the lengths before the append, a Python int when cache_seqlens is an
     int or None (checked on the host: no device work, no sync), else a (batch,) int64 tensor
-    on q's device whose values are read once (one device-to-host copy); max_seqlen their
-    maximum as an int (None for a tensor while torch.compile traces, or at batch 0). A paged
-    cache's block_table entries in use are read too (one more copy). Raises naming the
-    argument; nothing has been written yet."""
+    on q's device whose values are read once (one device-to-host copy, with cache_leftpad's if
+    given); max_seqlen their maximum as an int (None for a tensor while torch.compile traces,
+    or at batch 0). cache_leftpad's values are read too (with an int cache_seqlens, a copy of
+    their own), and a paged cache's block_table entries in use (one more copy). Raises naming
+    the argument; nothing has been written yet."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if x is None and name in ("k", "v"):
             continue
@@ -277,17 +300,29 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     else:
         raise TypeError(f"cache_seqlens must be an int or an integer tensor of shape "
                         f"({batch},), got {type(cache_seqlens).__name__}")
-    if _is_int(seqlens):
-        lo = hi = seqlens
-    elif torch.compiler.is_compiling() or batch == 0:
-        return seqlens, seqlen_new, None  # the value checks below need the data
-    else:
+    if cache_leftpad is not None:
+        _check_per_sequence("cache_leftpad", cache_leftpad, q)
+    reads = not torch.compiler.is_compiling() and batch > 0  # the value checks below may read
+    if not _is_int(seqlens) and not reads:
+        return seqlens, seqlen_new, None
+    lengths, pads = [seqlens] * batch, None
+    if cache_leftpad is not None and reads:  # one device-to-host copy of both
+        if _is_int(seqlens):
+            pads = cache_leftpad.tolist()
+        else:
+            lengths, pads = torch.stack([seqlens, cache_leftpad.long()]).tolist()
+    elif not _is_int(seqlens):
         lengths = seqlens.tolist()  # the one device-to-host copy of cache_seqlens
-        lo, hi = min(lengths), max(lengths)
+    lo, hi = (seqlens, seqlens) if _is_int(seqlens) else (min(lengths), max(lengths))
     if lo < 0 or hi + seqlen_new > capacity:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache "
                          f"capacity), got cache_seqlens in [{lo}, {hi}] and "
                          f"seqlen_new = {seqlen_new}")
+    for b, (pad, length) in enumerate(zip(pads or (), lengths)):
+        if not 0 <= pad <= length:
+            raise ValueError(f"cache_leftpad[{b}] = {pad} must lie in [0, cache_seqlens[{b}] = "
+                             f"{length}] (sequence {b}'s keys are the cache rows from "
+                             f"cache_leftpad to cache_seqlens + seqlen_new)")
     if block_table is not None and batch and not torch.compiler.is_compiling():
         pages_used = (seqlens + seqlen_new + slots - 1) // slots  # int or (B,)
         if _is_int(pages_used):
@@ -327,18 +362,10 @@ def _rows_as_pages(q, cache_batch_idx, block_table):
     """cache_batch_idx as the block_table of a paged cache whose pages are the rows of the
     contiguous cache: (batch, 1) int32. Its values are checked with the pages in use
     (_check_cache)."""
-    batch = q.shape[0]
     if block_table is not None:
         raise ValueError("cache_batch_idx selects rows of a contiguous cache; it cannot be "
                          "combined with block_table")
-    if not isinstance(cache_batch_idx, torch.Tensor) or \
-            cache_batch_idx.dtype not in (torch.int32, torch.int64) or \
-            tuple(cache_batch_idx.shape) != (batch,):
-        raise TypeError(f"cache_batch_idx must be an int32/int64 tensor of shape ({batch},), "
-                        f"got {getattr(cache_batch_idx, 'dtype', type(cache_batch_idx))} "
-                        f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
-    if cache_batch_idx.device != q.device:
-        raise ValueError(f"cache_batch_idx is on {cache_batch_idx.device}, q on {q.device}")
+    _check_per_sequence("cache_batch_idx", cache_batch_idx, q)
     return cache_batch_idx.to(torch.int32)[:, None]
 
 
@@ -392,9 +419,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_lse=False, backend="auto", *, num_splits=0,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                           cache_batch_idx=None):
+                           cache_batch_idx=None, cache_leftpad=None):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
-    (FlashAttention-2's flash_attn_with_kvcache, without cache_leftpad).
+    (FlashAttention-2's flash_attn_with_kvcache).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim); seqlen_q is small: 1 for decoding, a few for
@@ -439,6 +466,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             not with block_table. Its values in use are read once to check them. Run as a paged
             cache of one page per row. With repeated rows and k given, which write lands is
             unspecified (as in FlashAttention).
+        cache_leftpad: (batch,) int32/int64 tensor, or None: the cache row where each sequence
+            starts (left padding): sequence b's keys are rows cache_leftpad[b] ...
+            cache_seqlens[b] + seqlen_new - 1, and 0 <= cache_leftpad[b] <= cache_seqlens[b].
+            cache_seqlens, the append, causal alignment (to the last key) and rotary
+            positions (the rows) are as without it. Its values are read once to check them
+            (with a tensor cache_seqlens, in the same copy).
     Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
@@ -460,7 +493,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         block_table, table_name = _rows_as_pages(q, cache_batch_idx, block_table), \
             "cache_batch_idx"
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
-                                                   block_table, table_name)
+                                                   block_table, table_name, cache_leftpad)
     # The remaining checks (dtype, scale, window, softcap, ALiBi, backend) are attention's,
     # on an empty stand-in for the keys.
     keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
@@ -477,16 +510,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     seqlens_k = seqlens + seqlen_new  # an int stays an int: no tensor to fill, no read back
     max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
-                      window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k)
+                      window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
+                      cache_leftpad)
     return (o, lse) if return_lse else o
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
-             softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None):
+             softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None, leftpad_k=None):
     """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
     of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
-    device); None: found from seqlens_k when needed."""
-    args = (q, k_cache, v_cache, block_table, causal, softmax_scale, *window_size,
+    device); None: found from seqlens_k when needed. leftpad_k: each sequence's first key
+    (cache_leftpad) or None."""
+    args = (q, k_cache, v_cache, block_table, leftpad_k, causal, softmax_scale, *window_size,
             float(softcap), alibi_slopes, num_splits, backend)
     if not torch.compiler.is_compiling():
         return _run(seqlens_k, max_seqlen_k, *args)
@@ -502,8 +537,8 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
         seqlens_k if tensor else None, 0 if tensor else seqlens_k, max_seqlen_k, *args)
 
 
-def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, causal, softmax_scale,
-         window_left, window_right, softcap, alibi_slopes, num_splits, backend):
+def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
+         softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, backend):
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
     opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
@@ -511,22 +546,25 @@ def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, causal, soft
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
-                                     num_splits, max_seqlen_k)
-    return forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits)
+                                     num_splits, max_seqlen_k, leftpad_k)
+    return forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits,
+                   leftpad_k=leftpad_k)
 
 
 @torch.library.custom_op("longflash::kvcache_forward", mutates_args=())
 def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqlen_k: int,
                      q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_table: Optional[torch.Tensor], causal: bool, softmax_scale: float,
+                     block_table: Optional[torch.Tensor], leftpad_k: Optional[torch.Tensor],
+                     causal: bool, softmax_scale: float,
                      window_left: int, window_right: int, softcap: float,
                      alibi_slopes: Optional[torch.Tensor], num_splits: int,
                      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """_run under torch.compile. seqlens_k: (batch,) lengths, or None for one length seqlen_k
     of every sequence."""
     lengths = seqlen_k if seqlens_k is None else seqlens_k
-    return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, causal, softmax_scale,
-                window_left, window_right, softcap, alibi_slopes, num_splits, backend)
+    return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
+                softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits,
+                backend)
 
 
 @_kvcache_forward.register_fake
