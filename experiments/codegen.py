@@ -12,7 +12,8 @@ batch 1, 8 KV heads, 128K keys on a 132-SM H100), for head dims 64/128/256, bf16
 each compile-time variant flag of the kernel (softcap, alibi, dropout, varlen; paged and
 leftpad (cache_leftpad) for the decoding kernel; "plain" is none of them; "full_tiles" is the
 warp-specialized candidates compiled without masks, as they run when no block needs one,
-flash_triton._full_tiles), then reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
+flash_triton._full_tiles), then reads the ptxas report (`ptxas -v`, the ptxas shipped in the
+triton package) and the PTX.
 
 Causal attention is a runtime argument of the kernels (window_right = 0), so one binary
 serves causal and non-causal attention: each compile is written as two rows (causal True and

@@ -11,7 +11,8 @@ kernels, for CUDA tensors). `attention(..., backend="auto" | "triton" | "torch")
 chooses among them.
 
 Sequence parallelism: `longflash.parallel.ring_attention` (ring attention over a
-torch.distributed process group).
+torch.distributed process group). Decoding: `attention_with_kvcache`. FlashAttention-2's
+functions with their exact signatures: `from longflash.flash_attn import flash_attn_func`.
 """
 
 from . import parallel  # noqa: F401 - longflash.parallel.ring_attention, shard/unshard_sequence

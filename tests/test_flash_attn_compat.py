@@ -1,0 +1,140 @@
+"""longflash.flash_attn: FlashAttention-2's Python API (flash_attn 2.7's signatures) on LongFlash.
+
+The signatures are compared with FlashAttention's, written out below (parameter names, order
+and defaults), so code written for flash_attn keeps its meaning, positional arguments
+included; each function's results are compared with the native call they stand for, bit for
+bit, gradients of the packed forms included.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+import longflash
+from longflash import flash_attn as fa
+
+_OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+            ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+            ("deterministic", False), ("return_attn_probs", False)]
+_REQUIRED = inspect.Parameter.empty
+_VARLEN = [("cu_seqlens_q", _REQUIRED), ("cu_seqlens_k", _REQUIRED),
+           ("max_seqlen_q", _REQUIRED), ("max_seqlen_k", _REQUIRED)]
+# flash_attn/flash_attn_interface.py (flash_attn 2.7): (name, default) in order
+FLASH_ATTN_SIGNATURES = {
+    "flash_attn_func": [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _OPTIONS,
+    "flash_attn_kvpacked_func": [("q", _REQUIRED), ("kv", _REQUIRED)] + _OPTIONS,
+    "flash_attn_qkvpacked_func": [("qkv", _REQUIRED)] + _OPTIONS,
+    "flash_attn_varlen_func": [("q", _REQUIRED), ("k", _REQUIRED), ("v", _REQUIRED)] + _VARLEN
+    + _OPTIONS + [("block_table", None)],
+    "flash_attn_varlen_kvpacked_func": [("q", _REQUIRED), ("kv", _REQUIRED)] + _VARLEN
+    + _OPTIONS,
+    "flash_attn_varlen_qkvpacked_func": [("qkv", _REQUIRED), ("cu_seqlens", _REQUIRED),
+                                         ("max_seqlen", _REQUIRED)] + _OPTIONS,
+    "flash_attn_with_kvcache": [
+        ("q", _REQUIRED), ("k_cache", _REQUIRED), ("v_cache", _REQUIRED), ("k", None),
+        ("v", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+        ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None),
+        ("num_splits", 0), ("return_softmax_lse", False)],
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_ATTN_SIGNATURES))
+def test_signature_is_flash_attn_s(name):
+    params = inspect.signature(getattr(fa, name)).parameters.values()
+    assert [(p.name, p.default) for p in params] == FLASH_ATTN_SIGNATURES[name]
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+
+
+def _randn(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+
+# Positional, in FlashAttention's order: dropout_p, softmax_scale, causal, window_size,
+# softcap, alibi_slopes, deterministic, return_attn_probs.
+POSITIONAL = [
+    pytest.param((0.0, 0.3, True), {}, id="scale-causal"),
+    pytest.param((0.0, None, False, (5, 2), 0.7), dict(window_size=(5, 2), softcap=0.7),
+                 id="window-softcap"),
+    pytest.param((0.25,), dict(dropout_p=0.25), id="dropout"),
+]
+
+
+@pytest.mark.parametrize("args, kw", POSITIONAL)
+def test_flash_attn_func_is_attention(args, kw):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _randn(gen, 2, 37, 6, 24), _randn(gen, 2, 53, 2, 24), _randn(gen, 2, 53, 2, 24)
+    native_kw = dict(kw, softmax_scale=args[1] if len(args) > 1 else None,
+                     causal=args[2] if len(args) > 2 else False)
+    torch.manual_seed(7)  # the dropout seed is drawn from torch's default generator
+    out, lse, probs = fa.flash_attn_func(q, k, v, *args, return_attn_probs=True)
+    torch.manual_seed(7)
+    want_out, want_lse = longflash.attention(q, k, v, return_lse=True, **native_kw)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and probs is None
+    torch.manual_seed(7)
+    assert torch.equal(fa.flash_attn_func(q, k, v, *args), want_out)
+
+
+def test_packed_forms_and_their_gradients():
+    """kvpacked and qkvpacked give the unpacked call's output, and the packed tensor's gradient
+    is the unpacked gradients stacked."""
+    gen = torch.Generator().manual_seed(1)
+    qkv = _randn(gen, 2, 29, 3, 4, 16).requires_grad_()
+    slopes = torch.rand(4, generator=gen)
+    out = fa.flash_attn_qkvpacked_func(qkv, 0.0, None, True, alibi_slopes=slopes)
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv.unbind(2))
+    want = longflash.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    assert torch.equal(out, want)
+    grad = _randn(gen, *out.shape)
+    out.backward(grad)
+    want.backward(grad)
+    assert torch.equal(qkv.grad, torch.stack([q.grad, k.grad, v.grad], 2))
+    kv = torch.stack([k.detach(), v.detach()], 2)[:, :, :, :2].contiguous()  # GQA: 2 KV heads
+    got = fa.flash_attn_kvpacked_func(q.detach(), kv, causal=True)
+    assert torch.equal(got, longflash.attention(q.detach(), *kv.unbind(2), causal=True))
+
+
+def test_varlen_forms():
+    gen = torch.Generator().manual_seed(2)
+    cu_q = torch.tensor([0, 5, 17, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 10, 40], dtype=torch.int32)
+    q, k, v = _randn(gen, 30, 4, 16), _randn(gen, 40, 2, 16), _randn(gen, 40, 2, 16)
+    out, lse, probs = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 30, 0.0, None, True,
+                                                return_attn_probs=True)
+    want_out, want_lse = longflash.attention_varlen(q, k, v, cu_q, cu_k, 13, 30, causal=True,
+                                                    return_lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse) and probs is None
+    kv = torch.stack([k, v], 1)
+    assert torch.equal(fa.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 13, 30,
+                                                          causal=True), want_out)
+    qkv = torch.stack([q, _randn(gen, 30, 4, 16), _randn(gen, 30, 4, 16)], 1)
+    assert torch.equal(fa.flash_attn_varlen_qkvpacked_func(qkv, cu_q, 13, window_size=(3, 0)),
+                       longflash.attention_varlen(*qkv.unbind(1), cu_q, cu_q, 13, 13,
+                                                  window_size=(3, 0)))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 30, block_table=cu_q[None])
+
+
+def test_flash_attn_with_kvcache_is_attention_with_kvcache():
+    """Every argument in FlashAttention's positional order, rotary and left padding included;
+    both calls append the same keys to their own copy of the cache."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _randn(gen, 2, 1, 8, 32), _randn(gen, 2, 1, 2, 32), _randn(gen, 2, 1, 2, 32)
+    k_cache, v_cache = _randn(gen, 3, 40, 2, 32), _randn(gen, 3, 40, 2, 32)
+    angles = torch.rand(64, 8, generator=gen) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    lengths, rows, pads = (torch.tensor(x, dtype=torch.int32) for x in ([30, 12], [2, 0], [4, 11]))
+    slopes = torch.rand(8, generator=gen)
+    caches = [k_cache.clone(), v_cache.clone()]
+    out, lse = fa.flash_attn_with_kvcache(q, *caches, k, v, cos, sin, lengths, rows, pads, None,
+                                          0.2, True, (20, 0), 0.9, False, slopes, 2, True)
+    want_caches = [k_cache.clone(), v_cache.clone()]
+    want = longflash.attention_with_kvcache(
+        q, *want_caches, k, v, lengths, None, 0.2, True, (20, 0), 0.9, slopes, True,
+        num_splits=2, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False,
+        cache_batch_idx=rows, cache_leftpad=pads)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert all(torch.equal(a, b) for a, b in zip(caches, want_caches))
+    assert not torch.equal(caches[0], k_cache)  # the append happened
