@@ -19,6 +19,10 @@ Rows (experiment "speedup", part "decode", mode "fwd", causal False, key column 
 0 or 1 for longflash, empty for the others):
   time_ms (ms)          median with p20/p80 (experiments.measure.time_ms_interleaved: on a
                         CPU the providers of one shape are called in turn, round robin).
+  time_ms_graph (ms)    GPU only: the same step captured in a CUDA graph and replayed
+                        (experiments.measure.time_ms_graph): the GPU's time without the host's
+                        (Python, checks, kernel launches), which time_ms can measure instead
+                        on short caches. A step that cannot be captured is a row "error".
   read_gbps (GB/s)      the cache's bytes (keys and values, read once) / time; the notebook
                         divides it by the run's copy_gbps ceiling.
   max_err_o_sampled     longflash only: max |o - o_ref| of the first sequence of the batch,
@@ -32,7 +36,7 @@ import time
 import torch
 
 import longflash
-from experiments.measure import is_oom, time_ms, time_ms_interleaved
+from experiments.measure import is_oom, time_ms, time_ms_graph, time_ms_interleaved
 # Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
 # its rules for a failed call, shared.
 from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, compiled_flex,
@@ -122,7 +126,7 @@ def run(cfg, device, log, machine, started, done=frozenset()):
                     if _key(provider, num_splits, cfg.dtype, batch, seqlen_k) not in done]
             ready = [_prepare(provider, num_splits, inputs, device)
                      for provider, num_splits in todo]
-            _time([r for r in ready if r["status"] == "ok"], device, cfg)
+            _time(ready, device, cfg)
             for (provider, num_splits), r in zip(todo, ready):
                 rows += _rows(provider, num_splits, r, base, cache_bytes, log)
             del inputs
@@ -139,7 +143,7 @@ def _prepare(provider, num_splits, inputs, device):
     """One provider's step at one shape, warmed up (compilation, autotuning), with its error
     (longflash) and status: {"provider", "step", "err", "status", "message", "times"}."""
     out = dict(provider=provider, step=None, err=math.nan, status="ok", message="",
-               times=(math.nan,) * 3)
+               times=(math.nan,) * 3, graph=None)
     try:
         step, layout = make_decode(provider, device, 0 if math.isnan(num_splits) else num_splits)
         q, k, v = inputs[layout]
@@ -156,8 +160,26 @@ def _prepare(provider, num_splits, inputs, device):
 
 
 def _time(ready, device, cfg):
-    """Time the prepared steps of one shape together (measure.time_ms_interleaved). If one
-    fails while timed, each is timed again alone, and the one that fails gets its status."""
+    """Time the prepared steps of one shape that are "ok" together (measure.time_ms_
+    interleaved), then, on a GPU, each as CUDA-graph replays (r["graph"]: (times, status,
+    message); a step that failed before keeps its status there too). If one fails while
+    timed, each is timed again alone, and the one that fails gets its status."""
+    _time_calls([r for r in ready if r["status"] == "ok"], device, cfg)
+    if device != "cuda":
+        return
+    for r in ready:
+        if r["status"] != "ok":
+            r["graph"] = ((math.nan,) * 3, r["status"], r["message"])
+            continue
+        try:
+            r["graph"] = (time_ms_graph(r["step"]), "ok", "")
+        except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
+            r["graph"] = ((math.nan,) * 3, _status(e, r["provider"]), _summary(e))
+            if is_oom(e):
+                torch.cuda.empty_cache()
+
+
+def _time_calls(ready, device, cfg):
     try:
         times = time_ms_interleaved([r["step"] for r in ready], device, warmup=cfg.warmup_ms,
                                     rep=cfg.rep_ms)
@@ -176,7 +198,8 @@ def _time(ready, device, cfg):
 
 
 def _rows(provider, num_splits, r, base, cache_bytes, log):
-    """The rows of one provider at one shape (time_ms, read_gbps, and longflash's error)."""
+    """The rows of one provider at one shape (time_ms, read_gbps, on a GPU time_ms_graph, and
+    longflash's error)."""
     row = dict(base, provider=provider, num_splits=num_splits)
     times, err, status, message = r["times"], r["err"], r["status"], r["message"]
     med, p20, p80 = times
@@ -188,6 +211,13 @@ def _rows(provider, num_splits, r, base, cache_bytes, log):
     out = [dict(row, metric="time_ms", value=med, unit="ms", p20=p20, p80=p80, status=status),
            dict(row, metric="read_gbps", value=gb(med), unit="GB/s", p20=gb(p80), p80=gb(p20),
                 status=status)]
+    if r["graph"] is not None:
+        (g_med, g_p20, g_p80), g_status, g_message = r["graph"]
+        log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "
+            f"splits {_splits_name(num_splits):<4} {g_med:9.3f} ms as CUDA-graph replays "
+            f"[{g_status}]" + (f"  {g_message}" if g_message else ""))
+        out.append(dict(row, metric="time_ms_graph", value=g_med, unit="ms", p20=g_p20,
+                        p80=g_p80, status=g_status))
     if provider == "longflash":
         out.append(dict(row, metric="max_err_o_sampled", value=err, unit="abs", p20=nan,
                         p80=nan, status=status if math.isfinite(err) or status != "ok"

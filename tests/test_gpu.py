@@ -125,6 +125,24 @@ def test_compile_decoding_cuda_graphs_gpu():
     assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped"
 
 
+def test_time_ms_graph_leaves_out_the_host_gpu():
+    """experiments.measure.time_ms_graph (RQ1's decode time_ms_graph) times the GPU's work
+    alone: a call that sleeps 2 ms on the host before a tiny kernel takes about 2 ms by
+    time_ms (do_bench) and a small fraction of it as graph replays, while a matmul, all GPU
+    work, takes about as long either way."""
+    import time
+    from experiments.measure import time_ms, time_ms_graph
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def slow_host():
+        time.sleep(0.002)
+        x[0, 0].add_(1)
+    assert time_ms(slow_host, "cuda", warmup=5, rep=20)[0] >= 1.5
+    assert time_ms_graph(slow_host)[0] < 0.5
+    events, graph = time_ms(lambda: x @ x, "cuda")[0], time_ms_graph(lambda: x @ x)[0]
+    assert 0.5 < events / graph < 2, (events, graph)
+
+
 def test_compiled_attention_routes_decoding_to_split_kv_gpu(monkeypatch):
     from longflash import interface
     monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)

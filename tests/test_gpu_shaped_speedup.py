@@ -108,6 +108,16 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     assert "sdpa\\_cudnn unsupported" in m[f"{P}OverSdpaCudnnSlower"]
     assert "flex unsupported" in m[f"{P}OverFlexSlower"]
     assert "\\newcommand{\\GpuSpeedup}{HOneZeroZero}" in (gen / "devices.tex").read_text()
+    # Decoding timed as CUDA-graph replays, recomputed from the rows: LongFlash (splits chosen)
+    # against the fastest other provider of each (batch, cache length).
+    d = rows[(rows["part"] == "decode") & (rows["metric"] == "time_ms_graph")
+             & (rows["status"] == "ok")]
+    lf = d[(d["provider"] == "longflash") & (d["num_splits"] == 0)]
+    best = d[d["provider"] != "longflash"].groupby(["batch", "seqlen_k"])["value"].min()
+    ratio = (best / lf.set_index(["batch", "seqlen_k"])["value"]).dropna()
+    assert m[f"{P}DecodeGraphOverBestPeerMin"] == f"{ratio.min():.2f}"
+    assert m[f"{P}DecodeGraphOverBestPeerMax"] == f"{ratio.max():.2f}"
+    assert m[f"{P}DecodeGraphOverBestPeerConfigs"] == str(len(ratio)) == "16"
     # README: the GPU row first, the CPU rows kept.
     table = _readme(tmp_path, gen)
     lines = [line for line in table.splitlines() if line.startswith("| RQ")]
@@ -123,6 +133,7 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     if text:
         flat = " ".join(text.split())
         assert "On a GPU." in flat and "measured (worst, where)" in flat
+        assert "timed instead as replays of each step captured in a CUDA graph" in flat
         start = flat.index("RQ1: How much faster")  # this section's text only
         rq1 = flat[start:flat.index("RQ2: ", start)]
         assert "No GPU was available" not in rq1 and "could not make" not in rq1
@@ -179,12 +190,15 @@ def test_decode_comparisons_not_measured(tmp_path):
     assert "longflash\\_nosplit error in 16 configurations" in m[f"{P}DecodeSplitGainNotMeasured"]
     peer = m[f"{P}DecodeOverBestPeerNotMeasured"]
     assert "sdpa\\_flash error in 16 configurations" in peer and "longflash\\_split ok" in peer
+    graph = m[f"{P}DecodeGraphOverBestPeerNotMeasured"]
+    assert "sdpa\\_flash error in 16 configurations" in graph and "longflash\\_split ok" in graph
     text = _paper(tmp_path, gen)
     if text:
         flat = " ".join(text.split())
         assert "the gain from splitting the cache" in flat  # a float may fall inside the sentence
         assert "longflash_nosplit error in 16 configurations" in flat
         assert "the comparison was not measured (" in flat and "× to × " not in flat
+        assert "timed as CUDA-graph replays, the comparison was not measured" in flat
 
 
 def test_goals_judge_only_bf16_at_16k_tokens_per_batch(tmp_path):
