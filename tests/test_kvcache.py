@@ -438,6 +438,11 @@ def _error_inputs():
     return q, k_cache, v_cache, k, v, pages_k, pages_v, table
 
 
+def _per_sequence(arg, value):
+    """Inputs with a bad (batch,) per-sequence tensor argument."""
+    return lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, {arg: value})
+
+
 ERRORS = [
     ("beyond-capacity", ValueError, "cache_seqlens",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([3, 7]))),
@@ -497,12 +502,6 @@ ERRORS = [
     ("batch-idx-range", ValueError, "cache_batch_idx entries",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
                                          dict(cache_batch_idx=torch.tensor([0, 2])))),
-    ("batch-idx-shape", TypeError, "cache_batch_idx",
-     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
-                                         dict(cache_batch_idx=torch.tensor([0])))),
-    ("batch-idx-dtype", TypeError, "cache_batch_idx",
-     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
-                                         dict(cache_batch_idx=torch.tensor([0.0, 1.0])))),
     ("batch-idx-paged", ValueError, "block_table",
      lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 1, t,
                                          dict(cache_batch_idx=torch.tensor([0, 1])))),
@@ -515,12 +514,6 @@ ERRORS = [
     ("leftpad-paged-beyond-length", ValueError, r"cache_leftpad\[0\] = 5",
      lambda q, kc, vc, k, v, pk, pv, t: (q, pk, pv, k, v, 4, t,
                                          dict(cache_leftpad=torch.tensor([5, 0])))),
-    ("leftpad-dtype", TypeError, "cache_leftpad",
-     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
-                                         dict(cache_leftpad=torch.tensor([0.0, 1.0])))),
-    ("leftpad-shape", TypeError, "cache_leftpad",
-     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
-                                         dict(cache_leftpad=torch.tensor([0])))),
     ("rotary-only-cos", ValueError, "together",
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
                                          dict(rotary_cos=torch.ones(8, 4)))),
@@ -545,6 +538,11 @@ ERRORS = [
      lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None,
                                          dict(_rotary(8, 4), rotary_interleaved=1))),
 ]
+
+
+ERRORS += [(f"{arg}-{what}", TypeError, arg, _per_sequence(arg, bad))
+           for arg in ("cache_batch_idx", "cache_leftpad")
+           for what, bad in (("shape", torch.tensor([0])), ("dtype", torch.tensor([0.0, 1.0])))]
 
 
 def _rotary(seqlen_ro, half):
