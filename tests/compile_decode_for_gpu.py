@@ -1,10 +1,12 @@
-"""Compile (not run) the split-KV decoding kernels for NVIDIA GPU targets, on any machine.
+"""Compile (not run) the decoding kernels (append, split-KV, merge) for NVIDIA GPU targets, on
+any machine.
 
     python tests/compile_decode_for_gpu.py 90:bfloat16:paged:128 80:float16:all:64
 
-"paged" reads the cache through block_table; "all" adds cache_leftpad, softcap, ALiBi and the
-split output (partials + merge kernel); both read per-sequence lengths, any other takes one length
-for every sequence (UNIFORM_SEQLEN, an int cache_seqlens). Tile sizes are the launcher's
+"paged" reads the cache through block_table and appends with interleaved rotary; "all" adds
+half-split rotary, cache_leftpad, softcap, ALiBi and the split output (partials + merge
+kernel); both read per-sequence lengths, any other takes one length for every sequence
+(UNIFORM_SEQLEN, an int cache_seqlens) and appends without rotary. Tile sizes are the launcher's
 (decode_triton.launch_config, a decoding step with 4 query heads per KV head). Registers and
 spills at the alignment the launcher specializes on are in experiments/codegen.py's report.
 Must run without TRITON_INTERPRET=1. Used by tests/test_compile.py.
@@ -31,6 +33,13 @@ def compile_all(capability, dtype, features, headdim):
                 HEAD_DIM=headdim, INPUT_PRECISION="ieee" if dtype == "float32" else "tf32",
                 **cfg.kwargs)
     compile_kernel(decode_triton._fwd_splitkv, pointers, meta, target)
+    rotary = features in ("paged", "all")
+    compile_kernel(decode_triton._append_rotary,
+                   dict(Q=p, Q_ROT=p, K_NEW=p, V_NEW=p, K_CACHE=p, V_CACHE=p,
+                        BLOCK_TABLE="*i32", SEQLENS="*i64", COS="*fp32", SIN="*fp32"),
+                   dict(UNIFORM_SEQLEN=meta["UNIFORM_SEQLEN"], PAGED=meta["PAGED"],
+                        ROTARY=rotary, INTERLEAVED=features == "paged", Q_IN_ORDER=on,
+                        HEAD_DIM=headdim, BLOCK_D=cfg.kwargs["BLOCK_D"]), target, num_warps=1)
     merge = dict(HEAD_DIM=headdim, BLOCK_D=cfg.kwargs["BLOCK_D"],
                  **decode_triton.merge_config(decode_triton.MAX_SPLITS).kwargs)
     compile_kernel(decode_triton._merge_splits,

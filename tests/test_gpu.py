@@ -12,7 +12,7 @@ import torch
 import longflash
 from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
 from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, check_case,
-                          check_compiled_decoding, check_compiled_route,
+                          check_compiled_decoding, check_compiled_route, check_rotary,
                           route_small)  # noqa: F401 (route_small: a fixture)
 
 pytestmark = pytest.mark.gpu
@@ -52,6 +52,15 @@ def test_kvcache_gpu(case, num_splits):
     check_case(case, torch.bfloat16, "triton", num_splits, device="cuda")
     if len(set(lengths)) == 1:
         check_case(case, torch.bfloat16, "triton", num_splits, device="cuda", int_seqlens=True)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half-split"])
+@pytest.mark.parametrize("paged, as_int", [(None, True), (4, False)], ids=["int", "paged4"])
+def test_kvcache_rotary_gpu(interleaved, paged, as_int):
+    """The append kernel's rotary (q and the new keys) in bf16: what rotating by hand in
+    float64 gives, cache included, within a bf16 rounding."""
+    check_rotary("triton", torch.bfloat16, interleaved, 16, dict(causal=True), paged, as_int,
+                 device="cuda")
 
 
 @pytest.mark.parametrize("seqlen_q, kw", [(1, dict(causal=True)), (16, dict(causal=True)),

@@ -6,8 +6,11 @@ ARCHITECTURE.md: `check_close`), and checks that exactly the appended slots of t
 changed. The Triton cases run under the interpreter (tiny, fp16 / fp32).
 """
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import longflash
 from longflash import attention_ref, kvcache
@@ -330,6 +333,54 @@ def test_int_cache_seqlens_reads_nothing_back(append, monkeypatch):
                 (batch,), length, dtype=torch.int32), backend="triton")
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops run inside it (each one a kernel launch on a GPU, but views)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+ALLOCATIONS = {"aten.empty.memory_format", "aten.new_empty.default", "aten.empty_like.default"}
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton launcher on CPU tensors")
+@pytest.mark.parametrize("new, rotary", [(0, False), (2, False), (2, True)],
+                         ids=["no-append", "append", "append-rotary"])
+@pytest.mark.parametrize("as_int", [True, False], ids=["int", "tensor"])
+def test_triton_decoding_step_is_its_kernels(new, rotary, as_int, monkeypatch):
+    """On the Triton backend a decoding step launches the append kernel (which also rotates)
+    when k is given, the split kernel and the merge, and no PyTorch op but allocations, and,
+    with a tensor cache_seqlens and an append, the add of the new lengths: a host that issued a
+    dozen small kernels for the append and rotary would cost more than the attention over a
+    short cache. The kernels are stubbed (the interpreter runs PyTorch ops of its own)."""
+    from longflash import decode_triton
+    batch, seqlen_q, nheads, nheads_kv, headdim, length = 2, 1, 4, 1, 16, 190
+    case = ("launches", batch, seqlen_q, nheads, nheads_kv, headdim, None, 200,
+            [length] * batch, new, dict(causal=True))
+    q, k_cache, v_cache, k, v, cache_seqlens, _, kw = make_case(case, torch.float32)
+    if rotary:
+        kw.update(_rotary(256, 4))
+    monkeypatch.setattr(longflash._common, "POISON_OUTPUTS", False)  # as outside the tests
+    calls = []
+    for name in ("_append_rotary", "_fwd_splitkv", "_merge_splits"):
+        monkeypatch.setattr(decode_triton, name, _Launch(name, calls))
+    with _CountOps() as counted:
+        longflash.attention_with_kvcache(q, k_cache, v_cache, k, v,
+                                         length if as_int else cache_seqlens,
+                                         backend="triton", **kw)
+    launched = [c[0] for c in calls]
+    assert launched == ["_append_rotary"] * bool(new) + ["_fwd_splitkv", "_merge_splits"]
+    if new:
+        assert calls[0][1] == (new * nheads_kv + (seqlen_q * nheads if rotary else 0), batch)
+    extra = Counter({"aten.add.Tensor": 1}) if new and not as_int else Counter()
+    assert Counter({op: n for op, n in counted.ops.items() if op not in ALLOCATIONS}) == extra
+
+
 @pytest.mark.skipif(not INTERPRET, reason="compares the two CPU paths")
 def test_backends_agree():
     case = CASES[3]
@@ -374,27 +425,69 @@ def test_rotary(backend, dtype, interleaved, rotary_dim, kw, paged, as_int):
     """rotary_cos/rotary_sin give what rotating q and the new keys by hand gives (float64:
     to rounding), cache included: keys at cache_seqlens + t; queries at cache_seqlens + i
     when causal or windowed, else all at cache_seqlens."""
+    check_rotary(backend, dtype, interleaved, rotary_dim, kw, paged, as_int)
+
+
+# the inputs' rounding of a rotated value, in the stored dtype
+ROTARY_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3,
+              torch.bfloat16: 2e-2}
+
+
+def check_rotary(backend, dtype, interleaved, rotary_dim, kw, paged, as_int, device="cpu"):
     lengths = [9, 9] if as_int else [9, 2]
     case = ("rotary", 2, 3, 4, 2, 24, paged, 6 if paged else 20, lengths, 3, kw)
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, dtype)
     angles = torch.rand(16, rotary_dim // 2, dtype=torch.float64) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    seqlens = lengths[0] if as_int else cache_seqlens
-    caches = [k_cache.clone(), v_cache.clone()]
+    seqlens = lengths[0] if as_int else cache_seqlens.to(device)
+    table = None if block_table is None else block_table.to(device)
+    caches = [k_cache.to(device, copy=True), v_cache.to(device, copy=True)]
+    ref_caches = [k_cache.to(device, copy=True), v_cache.to(device, copy=True)]
     o, lse = longflash.attention_with_kvcache(
-        q, *caches, k, v, seqlens, block_table, return_lse=True, backend=backend,
-        rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, **kw)
+        q.to(device), *caches, k.to(device), v.to(device), seqlens, table, return_lse=True,
+        backend=backend, rotary_cos=cos.to(device), rotary_sin=sin.to(device),
+        rotary_interleaved=interleaved, **kw)
     in_order = kw != {}
     q_pos = [[n + (i if in_order else 0) for i in range(3)] for n in lengths]
     k_pos = [[n + t for t in range(3)] for n in lengths]
     q_r, k_r = (rotate_ref(x, pos, cos, sin, interleaved).to(dtype)
                 for x, pos in ((q, q_pos), (k, k_pos)))
     o_ref, lse_ref = longflash.attention_with_kvcache(
-        q_r, k_cache, v_cache, k_r, v, seqlens, block_table, return_lse=True,
-        backend=backend, **kw)
-    tol = dict(atol=1e-12, rtol=1e-12) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
-    for got, want in zip((o, lse, *caches), (o_ref, lse_ref, k_cache, v_cache)):
-        torch.testing.assert_close(got, want, **tol)
+        q_r.to(device), *ref_caches, k_r.to(device), v.to(device),
+        seqlens, table, return_lse=True, backend=backend, **kw)
+    tol = ROTARY_TOL[dtype]
+    for got, want in zip((o, lse, *caches), (o_ref, lse_ref, *ref_caches)):
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_append_from_fused_projection_views(backend, rotary):
+    """q, k and v as views into one fused projection (batch, seqlen, nheads + 2 * nheads_kv,
+    headdim), as a model's qkv layer leaves them, and a transposed cos table: the same output
+    and cache as contiguous copies give, exactly (float32)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, seqlen, nheads, nheads_kv, headdim = 2, 3, 4, 2, 24
+    qkv = torch.randn(batch, seqlen, nheads + 2 * nheads_kv, headdim, generator=gen)
+    q, k, v = qkv.split([nheads, nheads_kv, nheads_kv], dim=2)
+    k_cache, v_cache = (torch.randn(batch, 20, nheads_kv, headdim, generator=gen)
+                        for _ in range(2))
+    kw = dict(causal=True, return_lse=True, backend=backend)
+    if rotary:
+        angles = torch.rand(8, 12, generator=gen, dtype=torch.float64) * 6.3
+        kw.update(rotary_cos=angles.cos().float().t().contiguous().t(),
+                  rotary_sin=angles.sin().float(), rotary_interleaved=False)
+    lengths = torch.tensor([5, 2])
+    runs = []
+    for views in (True, False):
+        caches = [k_cache.clone(), v_cache.clone()]
+        args = (q, k, v) if views else (q.contiguous(), k.contiguous(), v.contiguous())
+        if not views and rotary:
+            kw["rotary_cos"] = kw["rotary_cos"].contiguous()
+        o, lse = longflash.attention_with_kvcache(args[0], *caches, *args[1:], lengths, **kw)
+        runs.append((o, lse, *caches))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------- cache_batch_idx

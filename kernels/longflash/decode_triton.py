@@ -17,7 +17,9 @@ Caches: contiguous (batch, capacity, nheads_kv, headdim), or paged (num_pages, p
 nheads_kv, headdim) with block_table (batch, max_pages): the key at position n of sequence b
 is in page block_table[b, n // page_size], slot n % page_size (any page size; each row of
 the key tile is addressed on its own). Per-sequence lengths come from SEQLENS_K (after the
-append, which `kvcache.attention_with_kvcache` does in PyTorch before the launch).
+append). The append comes first, from a kernel of its own, `_append_rotary` (one program per
+new key row, and per query row to rotate): it writes the new keys and values into the cache,
+the keys turned by the rotary embedding if one is given, and q's rotated copy.
 
 Every key tile is masked (visibility, window, end of split): decoding is memory-bound and the
 mask is a few integer operations per score. Key blocks outside the rows' window are skipped.
@@ -28,12 +30,13 @@ launcher's config it is spill-free on sm_90a at head dims 64-256 with Triton 3.6
 (experiments/codegen.py, results/codegen/), its 16-row tiles on mma.sync (below wgmma's 64
 rows) and its cache loads pipelined with cp.async. It has not run on a GPU: block sizes,
 warps, stages and the split heuristic are untuned guesses.
-Unlike FlashAttention's flash_attn_with_kvcache, the append and the rotary embedding are
-PyTorch ops before the launch (`kvcache.attention_with_kvcache`), not fused into the kernel;
-cache_batch_idx is served as a paged cache of one page per row; cache_leftpad is LEFTPAD_K
-(each sequence's first key).
+Unlike FlashAttention's flash_attn_with_kvcache, the append and the rotary embedding are a
+kernel launched before the attention's, not fused into it (a decoding step is two or three
+launches: append, split, merge); cache_batch_idx is served as a paged cache of one page per
+row; cache_leftpad is LEFTPAD_K (each sequence's first key).
 """
 
+import functools
 import os
 
 import torch
@@ -67,6 +70,88 @@ def _kv_ptrs(CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask, page_siz
     else:
         rows = off_b * stride_cb + offs_n.to(tl.int64) * stride_cn
     return CACHE + off_hk * stride_ch + rows[:, None] + offs_d[None, :]
+
+
+# ----------------------------------------------------------------------------- append kernel
+
+@triton.jit
+def _rotated(X, offs_d, d_mask, COS, SIN, pos, stride_cos, rotary_dim,
+             INTERLEAVED: tl.constexpr):
+    """The row X[offs_d] turned by the angles of position pos, in float32: each pair (x1, x2)
+    of its first rotary_dim dims becomes (x1 cos - x2 sin, x2 cos + x1 sin), pairs (i,
+    i + rotary_dim / 2) or, if INTERLEAVED, (2i, 2i + 1); later dims pass through (cos 1,
+    sin 0). Written as x * cos + sign * partner * sin, one gather of the partner dims."""
+    half = rotary_dim // 2
+    in_rot = offs_d < rotary_dim
+    if INTERLEAVED:
+        first = offs_d % 2 == 0
+        partner = offs_d ^ 1
+        j = offs_d // 2
+    else:
+        first = offs_d < half
+        partner = tl.where(first, offs_d + half, offs_d - half)
+        j = tl.where(first, offs_d, offs_d - half)
+    x = tl.load(X + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(X + partner, mask=d_mask & in_rot, other=0.0).to(tl.float32)
+    angles = pos.to(tl.int64) * stride_cos + j
+    cos = tl.load(COS + angles, mask=in_rot, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + angles, mask=in_rot, other=0.0).to(tl.float32)
+    return x * cos + tl.where(first, -x_partner, x_partner) * sin
+
+
+@triton.jit(do_not_specialize=["seqlen_all"])
+def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, COS, SIN,
+                   stride_qb, stride_qn, stride_qh, stride_rb, stride_rn, stride_rh,
+                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                   stride_kcb, stride_kcn, stride_kch, stride_vcb, stride_vcn, stride_vch,
+                   stride_tb, stride_cos, nheads, nheads_kv, seqlen_new, seqlen_all,
+                   page_size, rotary_dim,
+                   UNIFORM_SEQLEN: tl.constexpr, PAGED: tl.constexpr, ROTARY: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, Q_IN_ORDER: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (row, sequence): rows t * nheads_kv + h write new key/value t of KV
+    head h into the cache at position seqlen + t (the key rotated first if ROTARY); with
+    ROTARY, the rows after them turn query i of head h into Q_ROT, at position seqlen + i
+    (Q_IN_ORDER: causal or windowed) or seqlen. seqlen: the sequence's length before the
+    append (SEQLENS, or seqlen_all for every sequence)."""
+    row = tl.program_id(0)
+    off_b = tl.program_id(1).to(tl.int64)
+    seqlen = seqlen_all
+    if not UNIFORM_SEQLEN:
+        seqlen = tl.load(SEQLENS + off_b).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    if row < seqlen_new * nheads_kv:
+        t, off_h = row // nheads_kv, row % nheads_kv
+        pos = seqlen + t
+        # -- the cache slot of key position pos: through the page table, or row pos --
+        if PAGED:
+            page = tl.load(BLOCK_TABLE + off_b * stride_tb + pos // page_size).to(tl.int64)
+            slot = (pos % page_size).to(tl.int64)
+        else:
+            page, slot = off_b, pos.to(tl.int64)
+        k_row = K_NEW + off_b * stride_kb + t * stride_kn + off_h * stride_kh
+        if ROTARY:
+            k = _rotated(k_row, offs_d, d_mask, COS, SIN, pos, stride_cos, rotary_dim,
+                         INTERLEAVED)
+        else:
+            k = tl.load(k_row + offs_d, mask=d_mask)
+        tl.store(K_CACHE + page * stride_kcb + slot * stride_kcn + off_h * stride_kch + offs_d,
+                 k.to(K_CACHE.dtype.element_ty), mask=d_mask)
+        v = tl.load(V_NEW + off_b * stride_vb + t * stride_vn + off_h * stride_vh + offs_d,
+                    mask=d_mask)
+        tl.store(V_CACHE + page * stride_vcb + slot * stride_vcn + off_h * stride_vch + offs_d,
+                 v, mask=d_mask)
+    elif ROTARY:
+        row -= seqlen_new * nheads_kv
+        i, off_h = row // nheads, row % nheads
+        pos = seqlen
+        if Q_IN_ORDER:
+            pos += i
+        q = _rotated(Q + off_b * stride_qb + i * stride_qn + off_h * stride_qh, offs_d, d_mask,
+                     COS, SIN, pos, stride_cos, rotary_dim, INTERLEAVED)
+        tl.store(Q_ROT + off_b * stride_rb + i * stride_rn + off_h * stride_rh + offs_d,
+                 q.to(Q_ROT.dtype.element_ty), mask=d_mask)
 
 
 # ----------------------------------------------------------------------------- split kernel
@@ -226,12 +311,17 @@ def num_splits_heuristic(programs, max_seqlen_k, block_n, num_sms, min_blocks_pe
     partial) and no more than MAX_SPLITS. One split once the grid already fills the GPU."""
     if programs >= num_sms:
         return 1
-    n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    by_sms = triton.cdiv(2 * num_sms, programs)
+    n_blocks = _cdiv(max(max_seqlen_k, 1), block_n)
+    by_sms = _cdiv(2 * num_sms, programs)
     by_length = max(1, n_blocks // min_blocks_per_split)
     return max(1, min(by_sms, by_length, MAX_SPLITS))
 
 
+def _cdiv(a, b):  # triton.cdiv's host-side call costs microseconds: this is on every step
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)  # read-only Configs, looked up on every decoding step
 def launch_config(seqlen_q, group, headdim):
     """The split kernel's tile sizes and launch options: BLOCK_M (packed rows: at least 16,
     the smallest tl.dot), BLOCK_N, BLOCK_D. One place for forward() and experiments.codegen."""
@@ -242,9 +332,51 @@ def launch_config(seqlen_q, group, headdim):
                          num_stages=1 if _INTERPRET else 3)
 
 
+@functools.lru_cache(maxsize=None)
 def merge_config(num_splits):
     """The merge kernel's launch: all splits of a row in one tile."""
     return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
+
+
+def check_cache_layout(k_cache, v_cache):
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"k_cache and v_cache must have a contiguous last dimension (headdim) on "
+                         f"the Triton backend, got strides {k_cache.stride()} and "
+                         f"{v_cache.stride()}")
+
+
+def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rotary_sin=None,
+           rotary_interleaved=True, q_in_order=False):
+    """kvcache's _rotate and _append in one launch: k and v (batch, seqlen_new, nheads_kv,
+    headdim) written into the cache in place at positions seqlens[b] + t (seqlens: an int, or
+    the (batch,) lengths before the append), k rotated first if rotary_cos is given; returns q,
+    rotated into a new tensor if rotary_cos is given. Arguments checked by the caller."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    batch, seqlen_new, nheads_kv, headdim = k.shape
+    rotary = rotary_cos is not None
+    nheads = q.shape[2]
+    rows = seqlen_new * nheads_kv + (q.shape[1] * nheads if rotary else 0)
+    if batch == 0 or rows == 0:
+        return q
+    q_rot = torch.empty_like(q, memory_format=torch.contiguous_format) if rotary else q
+    cos, sin = (rotary_cos, rotary_sin) if rotary else (q, q)  # unread pointers without
+    if rotary and (cos.stride(1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    uniform = not isinstance(seqlens, torch.Tensor)
+    paged = block_table is not None
+    _append_rotary[(rows, batch)](
+        q, q_rot, k, v, k_cache, v_cache, block_table if paged else k,
+        k if uniform else seqlens, cos, sin,
+        *q.stride()[:3], *q_rot.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0,
+        cos.stride(0) if rotary else 0, nheads, nheads_kv, seqlen_new,
+        seqlens if uniform else 0, k_cache.shape[1] if paged else 0,
+        2 * cos.shape[1] if rotary else 0,
+        UNIFORM_SEQLEN=uniform, PAGED=paged, ROTARY=rotary, INTERLEAVED=rotary_interleaved,
+        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim,
+        BLOCK_D=launch_config(q.shape[1], nheads // nheads_kv, headdim).kwargs["BLOCK_D"],
+        num_warps=1)
+    return q_rot
 
 
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None,
@@ -264,11 +396,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     o, lse = empty_outputs(q)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must have a contiguous last dimension (headdim)")
+    check_cache_layout(k_cache, v_cache)
     cfg = launch_config(seqlen_q, group, headdim)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-    m_blocks = triton.cdiv(seqlen_q * group, block_m)
+    m_blocks = _cdiv(seqlen_q * group, block_m)
     uniform = not isinstance(seqlens_k, torch.Tensor)  # an int
     if uniform:
         seqlen_k_all = max_seqlen_k = seqlens_k

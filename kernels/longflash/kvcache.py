@@ -13,7 +13,8 @@ GQA packing: the `group = nheads // nheads_kv` query heads that share a KV head 
 of one tile (row r = i * group + g for query i and head g of the group), so one read of a key
 block serves the whole group and the tile's rows are used even when seqlen_q = 1.
 
-This module holds the public function (validation, the in-place append) and the PyTorch
+This module holds the public function (validation; the in-place append and rotary embedding,
+in PyTorch ops or, on the Triton backend, decode_triton's append kernel) and the PyTorch
 implementation of the split-KV forward. Its tensor dimensions are the kernel's grid
 (batch, KV head, split); the Python loop is the kernel's loop over the key blocks of one
 split. Variable names follow the kernel: m_i, l_i, acc, start_n, split_lo, split_hi.
@@ -234,8 +235,8 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                  table_name="block_table", cache_leftpad=None):
     """Shapes, dtypes and devices of the cache arguments; returns (seqlens, seqlen_new,
     max_seqlen): seqlens the lengths before the append, a Python int when cache_seqlens is an
-    int or None (checked on the host: no device work, no sync), else a (batch,) int64 tensor
-    on q's device whose values are read once (one device-to-host copy, with cache_leftpad's if
+    int or None (checked on the host: no device work, no sync), else cache_seqlens itself
+    (int32 or int64), whose values are read once (one device-to-host copy, with cache_leftpad's if
     given); max_seqlen their maximum as an int (None for a tensor while torch.compile traces,
     or at batch 0). cache_leftpad's values are read too (with an int cache_seqlens, a copy of
     their own), and a paged cache's block_table entries in use (one more copy). Raises naming
@@ -296,7 +297,7 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                             f"({batch},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device}, q on {q.device}")
-        seqlens = cache_seqlens.long()
+        seqlens = cache_seqlens  # int32 or int64 as given: no conversion kernel
     else:
         raise TypeError(f"cache_seqlens must be an int or an integer tensor of shape "
                         f"({batch},), got {type(cache_seqlens).__name__}")
@@ -310,7 +311,7 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         if _is_int(seqlens):
             pads = cache_leftpad.tolist()
         else:
-            lengths, pads = torch.stack([seqlens, cache_leftpad.long()]).tolist()
+            lengths, pads = torch.stack([seqlens.long(), cache_leftpad.long()]).tolist()
     elif not _is_int(seqlens):
         lengths = seqlens.tolist()  # the one device-to-host copy of cache_seqlens
     lo, hi = (seqlens, seqlens) if _is_int(seqlens) else (min(lengths), max(lengths))
@@ -454,7 +455,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         num_splits: key splits per sequence; 0 chooses (Triton: from batch, heads, cache
             length and the SM count; the PyTorch path: 1), 1 disables splitting.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), or None: rotary embeddings as
-            FlashAttention applies them (fused there, PyTorch ops before the kernel here):
+            FlashAttention applies them (fused into its kernel there; on the Triton backend
+            here, one kernel with the append, before the attention's):
             the first rotary_dim dims of the new k are rotated before they are written, key t
             of sequence b at position cache_seqlens[b] + t; those of q at cache_seqlens[b] + i
             for query i if causal or windowed, else all at cache_seqlens[b]. Needs k and v;
@@ -476,6 +478,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
     written, so the cache is unchanged.
+    Eager, the Triton backend appends (and rotates) in one kernel of its own
+    (decode_triton.append); the PyTorch path and torch.compile use PyTorch ops for it.
     torch.compile(fullgraph=True) captures a call whole: the append as traced ops, the
     attention as one op (torch.ops.longflash.kvcache_forward). An int cache_seqlens that
     changes between calls becomes symbolic after the first change, so a compiled decoding
@@ -502,12 +506,21 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
                   q_in_order)
-    if rotary_cos is not None:
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens, q_in_order)
-    if k is not None:
+    if backend == "triton":
+        from . import decode_triton
+        decode_triton.check_cache_layout(k_cache, v_cache)
+    if k is not None and backend == "triton" and not torch.compiler.is_compiling():
+        # One launch for both (the PyTorch ops below are a dozen small kernels)
+        q = decode_triton.append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos,
+                                 rotary_sin, rotary_interleaved, q_in_order)
+    elif k is not None:  # traced by torch.compile, these fuse
+        if rotary_cos is not None:
+            q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens,
+                           q_in_order)
         _append(k_cache, k, seqlens, block_table)
         _append(v_cache, v, seqlens, block_table)
-    seqlens_k = seqlens + seqlen_new  # an int stays an int: no tensor to fill, no read back
+    # an int stays an int: no tensor to fill, no read back
+    seqlens_k = seqlens + seqlen_new if seqlen_new else seqlens
     max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
