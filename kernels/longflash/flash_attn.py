@@ -15,7 +15,9 @@ softcap, ALiBi, GQA, dropout). Differences from flash_attn 2.7:
 - Dropout masks come from LongFlash's counter-based generator, seeded from torch's default
   generator: the same probability and scaling, not FlashAttention's bits.
 - Packed qkv / kv are split into views; their gradients are concatenated by autograd.
-- flash_attn_varlen_func's block_table (paged keys in the prefill) is not supported.
+- flash_attn_varlen_func's block_table (paged keys in the prefill) packs the keys in use into
+  a copy before the kernel, except for equal short queries (decoding), which read the pages in
+  place (`attention_varlen`).
 - CPU tensors and head dims 1 to 256 work (FlashAttention needs CUDA, head dims <= 256).
 """
 
@@ -63,15 +65,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
-    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim); cu_seqlens_q/k:
-    (batch + 1,) int32. Returns out like q; with return_attn_probs, (out, softmax_lse
-    (nheads, total_q), None). block_table must be None."""
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged keys) is not supported by longflash's "
-                                  "flash_attn_varlen_func; flash_attn_with_kvcache takes a paged "
-                                  "cache")
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), or with block_table
+    (batch, max_pages) int32 paged caches (num_pages, page_size, nheads_k, headdim);
+    cu_seqlens_q/k: (batch + 1,) int32. Returns out like q; with return_attn_probs, (out,
+    softmax_lse (nheads, total_q), None)."""
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                causal, softmax_scale, True,
+                                causal, softmax_scale, True, block_table=block_table,
                                 **_options(dropout_p, window_size, softcap, alibi_slopes,
                                            deterministic))
     return _returns(out, lse, return_attn_probs)

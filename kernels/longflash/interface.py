@@ -90,14 +90,22 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     return float(softmax_scale), _resolve_backend(backend, q)
 
 
-def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """Packed-sequence metadata; returns the number of sequences."""
+def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      paged=False):
+    """Packed-sequence metadata; returns the number of sequences. paged: k and v are paged
+    caches (checked by _check_pages), so cu_seqlens_k's last offset is not k's length."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        if paged and name != "q":
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise ValueError(f"{name} must be a paged cache of 4 dimensions (num_pages, "
+                                 f"page_size, nheads_kv, headdim) with block_table, got "
+                                 f"{getattr(x, 'shape', x)}")
+        elif not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a tensor of 3 dimensions (total_tokens, nheads, "
                              f"headdim) for attention_varlen, got {getattr(x, 'shape', x)}")
+    total_k = None if paged else k.shape[0]
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
+                                     ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 \
                 or cu.numel() < 1:
             raise TypeError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets")
@@ -109,9 +117,10 @@ def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         if torch.compiler.is_compiling():
             continue  # the checks below read the tensor's values: skipped inside a graph
         offsets = cu.tolist()
-        if offsets[0] != 0 or offsets[-1] != total:
-            raise ValueError(f"{name} must start at 0 and end at the number of tokens ({total}), "
-                             f"got {offsets[0]} ... {offsets[-1]}")
+        if offsets[0] != 0 or offsets[-1] != (offsets[-1] if total is None else total):
+            raise ValueError(f"{name} must start at 0 and end at the number of tokens "
+                             f"({'any' if total is None else total}), got {offsets[0]} ... "
+                             f"{offsets[-1]}")
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         if any(n < 0 for n in lengths):
             raise ValueError(f"{name} must be non-decreasing")
@@ -123,6 +132,45 @@ def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                          f"sequences, got {cu_seqlens_q.numel() - 1} and "
                          f"{cu_seqlens_k.numel() - 1}")
     return cu_seqlens_q.numel() - 1
+
+
+def _check_pages(q, k, v, block_table, cu_seqlens_k, batch):
+    """A paged k, v (num_pages, page_size, nheads_kv, headdim) read through block_table
+    (batch, max_pages) int32 for the lengths of cu_seqlens_k (checked already); returns the
+    number of keys, cu_seqlens_k[-1]. Reads cu_seqlens_k and the entries in use back."""
+    from .kvcache import check_block_table, check_pages_in_use  # kvcache imports this module
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    check_block_table(block_table, batch, q.device)
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("attention_varlen with block_table under torch.compile: the "
+                                  "keys in use are gathered into a copy whose length is a value "
+                                  "of cu_seqlens_k")
+    num_pages, page_size = k.shape[:2]
+    offsets = cu_seqlens_k.tolist()
+    longest = max(b - a for a, b in zip(offsets, offsets[1:])) if batch else 0
+    if longest > block_table.shape[1] * page_size:
+        raise ValueError(f"cu_seqlens_k has a sequence of {longest} keys, more than block_table "
+                         f"holds ({block_table.shape[1]} pages of {page_size})")
+    if batch:
+        check_pages_in_use(block_table, cu_seqlens_k.diff(), page_size, num_pages,
+                           "block_table", "k")
+    return offsets[-1]
+
+
+def _gather_pages(k, v, block_table, cu_seqlens_k, total_k):
+    """The keys and values in use, packed as attention_varlen takes them: (total_k, nheads_kv,
+    headdim) each, a copy (gradients flow back to the pages). Key n of sequence b is page
+    block_table[b, n // page_size], slot n % page_size."""
+    batch, page_size = block_table.shape[0], k.shape[1]
+    device = k.device
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), cu_seqlens_k.diff(),
+                                  output_size=total_k)  # (total_k,) sequence of each key
+    pos = torch.arange(total_k, device=device) - cu_seqlens_k[:-1].long()[seq]
+    page = block_table[seq, pos // page_size].long()
+    slot = pos % page_size
+    return k[page, slot], v[page, slot]
 
 
 def _resolve_backend(backend, q):
@@ -327,7 +375,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
                      window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
-                     seed=None, generator=None, deterministic=False):
+                     seed=None, generator=None, deterministic=False, block_table=None):
     """`attention` on a packed batch of variable-length sequences, with no padding computed.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim)
@@ -336,30 +384,46 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         cu_seqlens_q[b + 1]]). max_seqlen_q, max_seqlen_k: the longest sequence lengths.
     Every keyword works as in `attention`, per sequence (causal and windows aligned to each
     sequence's own end, alibi_slopes (batch, nheads) indexed by sequence).
+    block_table: (batch, max_pages) int32, or None. If given, k and v are paged caches
+        (num_pages, page_size, nheads_kv, headdim), as in flash_attn_with_kvcache, and
+        cu_seqlens_k gives each sequence's number of keys: key n of sequence b is
+        k[block_table[b, n // page_size], n % page_size]. Equal short queries without a
+        gradient (decoding, on the Triton backend) read the pages in place (the split-KV
+        kernel); otherwise the keys in use are gathered into a packed copy first (linear
+        memory, total_k keys; gradients flow back to the pages). Reads cu_seqlens_k and the
+        entries in use back to check them; not under torch.compile.
     Returns o: (total_q, nheads, headdim) and, with return_lse, lse: (nheads, total_q).
     """
-    batch = _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    paged = block_table is not None
+    batch = _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              paged)
+    if paged:
+        total_k = _check_pages(q, k, v, block_table, cu_seqlens_k, batch)
+    # (1, total_k, nheads_kv, headdim); paged: the checks need no keys, an empty stand-in
+    keys, values = (x.new_empty((1, 0, *x.shape[2:])) if paged else x[None] for x in (k, v))
     softmax_scale, backend = _check_inputs(
-        q[None], k[None], v[None], causal, softmax_scale,
+        q[None], keys, values, causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
         batch=batch)
     if _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q, k, v) \
             and not torch.compiler.is_compiling():
         lengths_q = cu_seqlens_q.diff()
         if batch and bool((lengths_q == max_seqlen_q).all()):  # the same seqlen_q everywhere
-            # The packed keys as a paged cache of one-token pages: sequence b's key n is
-            # row cu_seqlens_k[b] + n.
-            block_table = cu_seqlens_k[:-1, None] + torch.arange(
-                max_seqlen_k, device=q.device, dtype=torch.int32)
-            block_table = block_table.clamp_(max=max(k.shape[0] - 1, 0))  # unread entries
-            o, lse = _split_kv(q.reshape(batch, max_seqlen_q, *q.shape[1:]), k[:, None],
-                               v[:, None],
-                               cu_seqlens_k.diff(), block_table.to(torch.int32), causal,
-                               softmax_scale, window_size, softcap, alibi_slopes, backend,
-                               max_seqlen_k)
+            pages = (k, v, block_table)
+            if not paged:  # the packed keys as a paged cache of one-token pages: sequence
+                # b's key n is row cu_seqlens_k[b] + n
+                table = cu_seqlens_k[:-1, None] + torch.arange(
+                    max_seqlen_k, device=q.device, dtype=torch.int32)
+                table = table.clamp_(max=max(k.shape[0] - 1, 0))  # unread entries
+                pages = (k[:, None], v[:, None], table.to(torch.int32))
+            o, lse = _split_kv(q.reshape(batch, max_seqlen_q, *q.shape[1:]), *pages[:2],
+                               cu_seqlens_k.diff(), pages[2], causal, softmax_scale,
+                               window_size, softcap, alibi_slopes, backend, max_seqlen_k)
             o = o.view(q.shape)  # (total_q, H, D)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return (o, lse) if return_lse else o
+    if paged:
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,

@@ -278,13 +278,7 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                              f"cache needs block_table)")
         capacity = slots
     else:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
-                block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise TypeError(f"block_table must be an int32 tensor of shape (batch={batch}, "
-                            f"max_pages), got {getattr(block_table, 'dtype', type(block_table))}"
-                            f" {tuple(getattr(block_table, 'shape', ()))}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table is on {block_table.device}, q on {q.device}")
+        check_block_table(block_table, batch, q.device)
         capacity = block_table.shape[1] * slots
     if cache_seqlens is None:
         seqlens = capacity - seqlen_new
@@ -325,19 +319,37 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                              f"{length}] (sequence {b}'s keys are the cache rows from "
                              f"cache_leftpad to cache_seqlens + seqlen_new)")
     if block_table is not None and batch and not torch.compiler.is_compiling():
-        pages_used = (seqlens + seqlen_new + slots - 1) // slots  # int or (B,)
-        if _is_int(pages_used):
-            entries = block_table[:, :pages_used]
-        else:
-            entries = block_table[torch.arange(block_table.shape[1], device=q.device)
-                                  < pages_used[:, None]]
-        if entries.numel():
-            first, last = torch.stack([entries.min(), entries.max()]).tolist()
-            if first < 0 or last >= k_cache.shape[0]:
-                raise ValueError(f"{table_name} entries in use must lie in [0, "
-                                 f"{k_cache.shape[0]}) (k_cache.shape[0]), got "
-                                 f"[{first}, {last}]")
+        check_pages_in_use(block_table, seqlens + seqlen_new, slots, k_cache.shape[0],
+                           table_name, "k_cache")
     return seqlens, seqlen_new, hi
+
+
+def check_block_table(block_table, batch, device):
+    """block_table must be a (batch, max_pages) int32 tensor on q's device."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
+            block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise TypeError(f"block_table must be an int32 tensor of shape (batch={batch}, "
+                        f"max_pages), got {getattr(block_table, 'dtype', type(block_table))} "
+                        f"{tuple(getattr(block_table, 'shape', ()))}")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device}, q on {device}")
+
+
+def check_pages_in_use(block_table, lengths, page_size, num_pages, table_name, cache_name):
+    """The entries of block_table (batch, max_pages) that sequences of these lengths (an int,
+    or a (batch,) tensor) read must be pages of the cache: [0, num_pages). One device-to-host
+    copy (of their minimum and maximum)."""
+    pages_used = (lengths + page_size - 1) // page_size  # int or (B,)
+    if _is_int(pages_used):
+        entries = block_table[:, :pages_used]
+    else:
+        entries = block_table[torch.arange(block_table.shape[1], device=block_table.device)
+                              < pages_used[:, None]]
+    if entries.numel():
+        first, last = torch.stack([entries.min(), entries.max()]).tolist()
+        if first < 0 or last >= num_pages:
+            raise ValueError(f"{table_name} entries in use must lie in [0, {num_pages}) "
+                             f"({cache_name}.shape[0]), got [{first}, {last}]")
 
 
 def _append(cache, new, seqlens, block_table):

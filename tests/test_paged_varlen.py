@@ -1,0 +1,159 @@
+"""attention_varlen with block_table: packed queries over paged keys (FlashAttention-2's
+flash_attn_varlen_func(block_table=...), chunked prefill into a paged KV cache).
+
+The same keys, once packed as attention_varlen takes them and once scattered over the shuffled
+pages of a cache, give the same output, lse and gradients, bit for bit: the paged call packs
+the keys in use and runs the same kernel, or, for equal short queries without a gradient on
+the Triton backend, reads the pages in place with the split-KV kernel (the packed call's
+route too, over one-token pages). The packed call itself is checked against the float64
+reference in test_variants.
+"""
+
+import pytest
+import torch
+
+import longflash
+from longflash import flash_attn as fa
+from conftest import INTERPRET
+from test_kvcache import route_small  # noqa: F401 (a fixture)
+
+BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+
+
+def make_paged(lengths_q, lengths_k, nheads, nheads_kv, headdim, page_size, dtype, seed=0):
+    """q (total_q, H, D), the packed k, v (total_k, Hkv, D), cu_seqlens_q/k, and the same keys
+    in a paged cache (num_pages, page_size, Hkv, D) with a shuffled block_table, whose other
+    slots (and a few spare pages) hold noise."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    def offsets(lengths):
+        return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    q = randn(int(cu_q[-1]), nheads, headdim)
+    k, v = (randn(int(cu_k[-1]), nheads_kv, headdim) for _ in range(2))
+    batch, max_pages = len(lengths_k), -(-max(lengths_k + [1]) // page_size)
+    num_pages = batch * max_pages + 3
+    table = torch.randperm(num_pages, generator=gen)[:batch * max_pages].view(
+        batch, max_pages).to(torch.int32)
+    k_pages, v_pages = (randn(num_pages, page_size, nheads_kv, headdim) for _ in range(2))
+    for b, n in enumerate(lengths_k):
+        pos = torch.arange(n)
+        rows = int(cu_k[b]) + pos
+        k_pages[table[b, pos // page_size].long(), pos % page_size] = k[rows]
+        v_pages[table[b, pos // page_size].long(), pos % page_size] = v[rows]
+    return q, k, v, cu_q, cu_k, k_pages, v_pages, table
+
+
+def gathered(pages, table, cu_k):
+    """The packed (total_k, ...) rows of a paged tensor (for gradients)."""
+    page_size, rows = pages.shape[1], []
+    for b in range(table.shape[0]):
+        pos = torch.arange(int(cu_k[b + 1] - cu_k[b]))
+        rows.append(pages[table[b, pos // page_size].long(), pos % page_size])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("page_size", [4, 16], ids=["pages4", "pages16"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 2), softcap=2.0), {}],
+                         ids=["causal", "window-softcap", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_keys_give_what_packed_keys_give(backend, dtype, kw, page_size):
+    """Output, lse and gradients (the pages' gradients at the slots in use; zero elsewhere)
+    equal the packed call's, with sequences of no keys, of no queries, and longer than a
+    page, and GQA."""
+    lengths_q, lengths_k = [3, 1, 0, 6, 2], [7, 0, 9, 21, 2]
+    q, k, v, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        lengths_q, lengths_k, 4, 2, 16, page_size, dtype)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    runs = []
+    for keys in ((k, v), (k_pages, v_pages)):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, *keys)]
+        paged = keys[0] is k_pages
+        o, lse = longflash.attention_varlen(*leaves, *args, return_lse=True, backend=backend,
+                                            block_table=table if paged else None, **kw)
+        (o.float().square().sum() + lse.sum()).backward()
+        grads = [leaf.grad for leaf in leaves]
+        if paged:  # the slots in use, packed; zero elsewhere
+            in_use = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
+            for b, n in enumerate(lengths_k):
+                pos = torch.arange(n)
+                in_use[table[b, pos // page_size].long(), pos % page_size] = True
+            assert not any(g[~in_use].any() for g in grads[1:])
+            grads[1:] = [gathered(g, table, cu_k) for g in grads[1:]]
+        runs.append((o, lse, *grads))
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the split-KV route is the Triton backend's")
+def test_paged_decoding_reads_the_pages_in_place(route_small, monkeypatch):  # noqa: F811
+    """Equal short queries without a gradient: the split-KV kernel over the caller's pages
+    and block_table (no copy), giving what the packed keys give."""
+    from longflash import kvcache
+    tables, route = [], kvcache._forward
+    monkeypatch.setattr(kvcache, "_forward", lambda *a: tables.append(a[4]) or route(*a))
+    lengths_k = [30, 21, 45]
+    q, k, v, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        [1, 1, 1], lengths_k, 8, 2, 32, 8, torch.float32)
+    packed = longflash.attention_varlen(q, k, v, cu_q, cu_k, 1, 45, causal=True,
+                                        return_lse=True)
+    paged = longflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, 1, 45, causal=True,
+                                       return_lse=True, block_table=table)
+    assert len(route_small) == 2 and route_small[1].tolist() == lengths_k
+    assert tables[1] is table
+    for a, b in zip(packed, paged):
+        assert torch.equal(a, b)
+
+
+def test_flash_attn_varlen_func_block_table():
+    q, k, v, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        [2, 5], [9, 13], 4, 4, 16, 4, torch.float32)
+    out, lse, probs = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, 13, 0.0,
+                                                None, True, return_attn_probs=True,
+                                                block_table=table)
+    want = longflash.attention_varlen(q, k, v, cu_q, cu_k, 5, 13, causal=True, return_lse=True)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1]) and probs is None
+
+
+def _bad(**changes):
+    """Paged inputs with some arguments replaced (a function of the good ones)."""
+    def make():
+        q, _, _, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+            [2, 3], [9, 6], 4, 2, 16, 4, torch.float32)
+        args = dict(q=q, k=k_pages, v=v_pages, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                    max_seqlen_q=3, max_seqlen_k=9, block_table=table)
+        args.update({name: change(args) for name, change in changes.items()})
+        return args
+    return make
+
+
+ERRORS = [
+    ("table-dtype", TypeError, "block_table must be an int32",
+     _bad(block_table=lambda a: a["block_table"].long())),
+    ("table-batch", TypeError, r"block_table must be an int32 tensor of shape \(batch=2",
+     _bad(block_table=lambda a: a["block_table"][:1])),
+    ("table-range", ValueError, r"block_table entries in use must lie in \[0, 9\)",
+     _bad(block_table=lambda a: a["block_table"].clone().fill_(9))),
+    ("beyond-capacity", ValueError, "more than block_table holds",
+     _bad(block_table=lambda a: a["block_table"][:, :2])),
+    ("packed-keys", ValueError, "paged cache of 4 dimensions",
+     _bad(k=lambda a: a["k"][0], v=lambda a: a["v"][0])),
+    ("shapes", ValueError, "k and v must have the same shape",
+     _bad(v=lambda a: a["v"][:, :2])),
+    ("cu-start", ValueError, "cu_seqlens_k must start at 0",
+     _bad(cu_seqlens_k=lambda a: a["cu_seqlens_k"] + 1)),
+    ("max-seqlen", ValueError, "max_seqlen_k = 8 is smaller",
+     _bad(max_seqlen_k=lambda a: 8)),
+    ("heads", ValueError, "nheads",
+     _bad(q=lambda a: a["q"][:, :3])),
+]
+
+
+@pytest.mark.parametrize("name, error, match, make", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors(name, error, match, make):
+    with pytest.raises(error, match=match):
+        longflash.attention_varlen(**make())
