@@ -5,12 +5,13 @@
 
 Compiles (never runs) every Triton kernel of `longflash.flash_triton` (forward, preprocess,
 dK/dV, dQ) at every config the launcher can choose on that architecture
-(`flash_triton.CONFIGS`), and the split-KV decoding kernels of `longflash.decode_triton`
-("decode", "decode_merge") at the config the launcher chooses for a decoding step of a
-Llama-like shape (one query, 4 query heads per KV head; the merge for the split count chosen at
-batch 1, 8 KV heads, 128K keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and
-each compile-time variant flag of the kernel (softcap, alibi, dropout, varlen; paged and
-leftpad (cache_leftpad) for the decoding kernel; "plain" is none of them; "full_tiles" is the
+(`flash_triton.CONFIGS`), and the decoding kernels of `longflash.decode_triton` ("decode":
+split-KV, "decode_merge", "decode_append": the append and rotary embedding) at the config the
+launcher chooses for a decoding step of a Llama-like shape (one query, 4 query heads per KV
+head; the merge for the split count chosen at batch 1, 8 KV heads, 128K keys on a 132-SM
+H100), for head dims 64/128/256, bf16 and fp16, and each compile-time variant flag of the
+kernel (softcap, alibi, dropout, varlen; paged and leftpad (cache_leftpad) for the decoding
+kernel, paged and rotary (half-split, queries in order) for the append; "plain" is none of them; "full_tiles" is the
 warp-specialized candidates compiled without masks, as they run when no block needs one,
 flash_triton._full_tiles), then reads the ptxas report (`ptxas -v`, the ptxas shipped in the
 triton package) and the PTX.
@@ -70,11 +71,11 @@ from longflash import decode_triton, flash_triton  # noqa: E402
 
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
-KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge"]
+KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
 FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
-FLAGS = FLASH_FLAGS + ["paged", "leftpad"]
+FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary"]
 KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged", "leftpad"],
-                "decode_merge": ["plain"]}
+                "decode_merge": ["plain"], "decode_append": ["plain", "paged", "rotary"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
 DECODE_GROUP, DECODE_PROGRAMS, DECODE_KEYS, H100_SMS = 4, 8, 131072, 132
@@ -121,10 +122,12 @@ def _signature(fn, pointers, constexprs):
 
 
 # Strides that are not multiples of 16 elements in a launch: the ALiBi slopes'; in a decoding
-# step also the block table's (max_pages) and the per-query log-sum-exps' (seqlen_q = 1). The
-# flash kernels' log-sum-exp head stride is the sequence length: a multiple of 16 in RQ1.
+# step also the block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1) and the
+# rotary table's (rotary_dim / 2, any). The flash kernels' log-sum-exp head stride is the
+# sequence length: a multiple of 16 in RQ1.
 UNALIGNED_STRIDES = ("stride_ab", "stride_ah")
-DECODE_UNALIGNED_STRIDES = UNALIGNED_STRIDES + ("stride_tb", "stride_lh", "stride_qsh")
+DECODE_UNALIGNED_STRIDES = UNALIGNED_STRIDES + ("stride_tb", "stride_lh", "stride_qsh",
+                                                "stride_cos")
 
 
 def _divisibility(fn, pointers, unaligned=UNALIGNED_STRIDES):
@@ -144,6 +147,8 @@ def configs_for(kernel, major, headdim):
     """The triton.Configs the launcher may choose for `kernel` on this major capability."""
     if kernel == "decode":
         return [decode_triton.launch_config(1, DECODE_GROUP, headdim)]
+    if kernel == "decode_append":
+        return [decode_triton.append_config(headdim)]
     if kernel == "decode_merge":
         block_n = decode_triton.launch_config(1, DECODE_GROUP, headdim).kwargs["BLOCK_N"]
         return [decode_triton.merge_config(decode_triton.num_splits_heuristic(
@@ -154,6 +159,12 @@ def configs_for(kernel, major, headdim):
 def kernel_spec(kernel, dtype, flags, headdim, arch):
     """(jit function, signature pointers, constexprs) of one kernel, as the launcher calls it."""
     p = "*" + DTYPES[dtype]
+    if kernel == "decode_append":  # with an int cache_seqlens unless paged (as decode)
+        tensors = dict(Q=p, Q_ROT=p, K_NEW=p, V_NEW=p, K_CACHE=p, V_CACHE=p,
+                       BLOCK_TABLE="*i32", SEQLENS="*i32", COS="*fp32", SIN="*fp32")
+        return decode_triton._append_rotary, tensors, dict(
+            UNIFORM_SEQLEN=flags != "paged", PAGED=flags == "paged", ROTARY=flags == "rotary",
+            INTERLEAVED=False, Q_IN_ORDER=True, HEAD_DIM=headdim)
     if kernel in ("decode", "decode_merge"):
         block_d = max(16, triton.next_power_of_2(headdim))
         tensors = dict(Q=p, K_CACHE=p, V_CACHE=p, O=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",

@@ -333,6 +333,12 @@ def launch_config(seqlen_q, group, headdim):
 
 
 @functools.lru_cache(maxsize=None)
+def append_config(headdim):
+    """The append kernel's launch: a program writes one row of headdim, with one warp."""
+    return triton.Config(dict(BLOCK_D=max(16, triton.next_power_of_2(headdim))), num_warps=1)
+
+
+@functools.lru_cache(maxsize=None)
 def merge_config(num_splits):
     """The merge kernel's launch: all splits of a row in one tile."""
     return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
@@ -364,6 +370,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
         cos, sin = cos.contiguous(), sin.contiguous()
     uniform = not isinstance(seqlens, torch.Tensor)
     paged = block_table is not None
+    cfg = append_config(headdim)
     _append_rotary[(rows, batch)](
         q, q_rot, k, v, k_cache, v_cache, block_table if paged else k,
         k if uniform else seqlens, cos, sin,
@@ -373,9 +380,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
         seqlens if uniform else 0, k_cache.shape[1] if paged else 0,
         2 * cos.shape[1] if rotary else 0,
         UNIFORM_SEQLEN=uniform, PAGED=paged, ROTARY=rotary, INTERLEAVED=rotary_interleaved,
-        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim,
-        BLOCK_D=launch_config(q.shape[1], nheads // nheads_kv, headdim).kwargs["BLOCK_D"],
-        num_warps=1)
+        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim, **cfg.kwargs, num_warps=cfg.num_warps)
     return q_rot
 
 
