@@ -119,6 +119,20 @@ def test_flash_attn_varlen_func_block_table():
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1]) and probs is None
 
 
+def test_compiled_call_runs_eagerly():
+    """torch.compile (without fullgraph) breaks the graph at the paged call and runs it
+    eagerly: the same output."""
+    q, _, _, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        [2, 5], [9, 13], 4, 2, 16, 4, torch.float32)
+    torch._dynamo.reset()
+
+    def step(q, k, v):
+        return longflash.attention_varlen(q, k, v, cu_q, cu_k, 5, 13, causal=True,
+                                          backend="torch", block_table=table) * 2
+    want = step(q, k_pages, v_pages)
+    assert torch.equal(torch.compile(step)(q, k_pages, v_pages), want)
+
+
 def _bad(**changes):
     """Paged inputs with some arguments replaced (a function of the good ones)."""
     def make():

@@ -391,7 +391,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         gradient (decoding, on the Triton backend) read the pages in place (the split-KV
         kernel); otherwise the keys in use are gathered into a packed copy first (linear
         memory, total_k keys; gradients flow back to the pages). Reads cu_seqlens_k and the
-        entries in use back to check them; not under torch.compile.
+        entries in use back to check them; torch.compile runs such a call eagerly (a graph
+        break: the copy's length is a value of cu_seqlens_k), and fullgraph=True refuses it.
     Returns o: (total_q, nheads, headdim) and, with return_lse, lse: (nheads, total_q).
     """
     paged = block_table is not None
