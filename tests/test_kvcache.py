@@ -381,6 +381,20 @@ def test_triton_decoding_step_is_its_kernels(new, rotary, as_int, monkeypatch):
     assert Counter({op: n for op, n in counted.ops.items() if op not in ALLOCATIONS}) == extra
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the Triton launcher on CPU tensors")
+def test_triton_cache_with_strided_headdim_is_refused_before_the_append():
+    """The Triton kernels read a cache row as contiguous headdim elements: a cache whose last
+    dimension is strided raises, naming the caches, before the new keys are written."""
+    case = ("strided", 2, 1, 4, 2, 16, None, 20, [5, 9], 1, {})
+    q, k_cache, v_cache, k, v, cache_seqlens, _, _ = make_case(case, torch.float32)
+    strided = torch.zeros(2, 20, 2, 32)[..., ::2]  # (2, 20, 2, 16), headdim stride 2
+    before = strided.clone()
+    with pytest.raises(ValueError, match="k_cache and v_cache must have a contiguous last"):
+        longflash.attention_with_kvcache(q, strided, v_cache, k, v, cache_seqlens,
+                                         backend="triton")
+    assert torch.equal(strided, before)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="compares the two CPU paths")
 def test_backends_agree():
     case = CASES[3]
