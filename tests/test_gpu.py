@@ -252,20 +252,18 @@ def test_varlen_gpu():
 
 
 def test_paged_varlen_gpu():
-    """attention_varlen over paged keys in bf16 (packed into a copy, then the main kernel;
-    forward and gradients) gives what the packed keys give, bit for bit."""
+    """attention_varlen over paged keys in bf16 (packed into a copy, then the main kernel)
+    gives what the packed keys give, bit for bit (forward; the gradients through the copy are
+    PyTorch's, checked on the CPU). The lengths keep test_varlen_gpu's autotuning key."""
     from test_paged_varlen import make_paged
     q, k, v, cu_q, cu_k, k_pages, v_pages, table = (
-        x.cuda() for x in make_paged([700, 1, 0, 300], [900, 5000, 3, 300], 8, 2, 128, 256,
+        x.cuda() for x in make_paged([700, 1, 0, 300], [900, 3000, 3, 300], 8, 2, 128, 256,
                                      torch.bfloat16))
-    runs = []
-    for keys, block_table in (((k, v), None), ((k_pages, v_pages), table)):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, *keys)]
-        o = longflash.attention_varlen(*leaves, cu_q, cu_k, 700, 5000, causal=True,
-                                       block_table=block_table)
-        o.float().square().sum().backward()
-        runs.append((o, leaves[0].grad))
-    for a, b in zip(*runs):
+    packed = longflash.attention_varlen(q, k, v, cu_q, cu_k, 700, 3000, causal=True,
+                                        return_lse=True)
+    paged = longflash.attention_varlen(q, k_pages, v_pages, cu_q, cu_k, 700, 3000, causal=True,
+                                       return_lse=True, block_table=table)
+    for a, b in zip(packed, paged):
         assert torch.equal(a, b)
 
 
