@@ -2,7 +2,8 @@
 
 Each attention implementation inside the same module is checked against the float64 module
 with materialized attention, by the tolerance rule of conftest.check_close; the GPT the same
-way end to end; and a GPT block compiles with torch.compile(fullgraph=True) under inductor.
+way end to end; a GPT block compiles with torch.compile(fullgraph=True) under inductor; and
+generation over a KV cache gives what recomputing the whole sequence gives.
 """
 
 import copy
@@ -11,10 +12,11 @@ import math
 import pytest
 import torch
 
-from conftest import check_close
+from conftest import INTERPRET, check_close
 from longflash.models import GPT, GPTConfig
 from longflash.models.gpt import Block
-from longflash.nn import MultiheadSelfAttention, apply_rotary, attention_function, rotary_cos_sin
+from longflash.nn import (KVCache, MultiheadSelfAttention, apply_rotary, attention_function,
+                          rotary_cos_sin)
 
 
 def with_impl(model, attn_impl):
@@ -156,3 +158,53 @@ def test_gpt_block_compiles_fullgraph_with_inductor():
     torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
     for name in grads:
         torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- generation
+
+BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_with_kv_cache_gives_the_full_forward_logits(backend):
+    """A prompt into a fresh KV cache, then one token at a time, gives the logits of one
+    forward pass over the whole sequence (rotary positions, GQA, causal alignment)."""
+    model = tiny_gpt().eval()
+    for m in model.modules():
+        if isinstance(m, MultiheadSelfAttention):
+            m.backend = backend
+    idx = torch.randint(0, 256, (2, 13))
+    full = model(idx)[0]
+    cache = model.new_kv_cache(2, 16)
+    steps = [model(idx[:, :9], kv_cache=cache)[0]]
+    steps += [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(9, 13)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
+    assert all(layer.seqlen == 13 for layer in cache)
+
+
+def test_gpt_generate():
+    """Greedy generation over the KV cache picks what recomputing the whole sequence at each
+    step picks; sampling is reproducible with a generator, stays in the top_k tokens, and
+    keeps the prompt."""
+    model = tiny_gpt().eval()
+    prompt = torch.randint(0, 256, (2, 5))
+    recomputed = prompt
+    for _ in range(6):
+        next_token = model(recomputed)[0][:, -1].argmax(-1, keepdim=True)
+        recomputed = torch.cat([recomputed, next_token], 1)
+    assert torch.equal(model.generate(prompt, 6, temperature=0), recomputed)
+    draws = [model.generate(prompt, 4, top_k=1 if k == 1 else 40,
+                            generator=torch.Generator().manual_seed(3)) for k in (40, 40, 1)]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0][:, :5], prompt)
+    assert torch.equal(draws[2], recomputed[:, :9])  # top_k 1 is greedy
+
+
+def test_kv_cache_errors():
+    model = tiny_gpt().eval()
+    with pytest.raises(ValueError, match="cache_seqlens"):  # beyond the cache's capacity
+        model(torch.zeros(1, 5, dtype=torch.long), kv_cache=model.new_kv_cache(1, 4))
+    attn = MultiheadSelfAttention(32, 4, attn_impl="sdpa")
+    with pytest.raises(NotImplementedError, match="attn_impl='longflash'"):
+        attn(torch.randn(1, 2, 32), KVCache(1, 4, 4, 8))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), -1)

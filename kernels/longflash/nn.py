@@ -12,6 +12,10 @@ that the experiments compare:
 
 Rotary position embeddings (Su et al., RoFormer) use the half-split layout of GPT-NeoX and
 Llama: dimension i of the first half pairs with dimension i of the second half.
+
+Generation: `forward(x, kv_cache=KVCache(...))` appends the new tokens' keys and values to the
+cache and attends over everything cached (longflash.attention_with_kvcache: the split-KV
+decoding kernel, with the append and rotary embedding in one kernel on a GPU).
 """
 
 import torch
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interface import attention
+from .kvcache import attention_with_kvcache
 from .reference import attention_ref
 
 ATTN_IMPLEMENTATIONS = ("longflash", "sdpa", "standard")
@@ -79,6 +84,26 @@ def attention_function(attn_impl, backend="auto"):
     raise ValueError(f"attn_impl must be one of {ATTN_IMPLEMENTATIONS}, got {attn_impl!r}")
 
 
+class KVCache:
+    """One attention layer's keys and values for generation: k, v (batch, capacity, nheads_kv,
+    headdim), the first `seqlen` positions filled (the same number for every sequence), and
+    the rotary tables of positions [0, capacity), made once. MultiheadSelfAttention.forward
+    appends to it and advances seqlen."""
+
+    def __init__(self, batch, capacity, nheads_kv, headdim, dtype=None, device=None):
+        self.k = torch.zeros(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.seqlen = 0
+        self._rotary = {}
+
+    def rotary_tables(self, base):
+        """cos, sin (capacity, headdim // 2) of rotary_cos_sin, for every position."""
+        if base not in self._rotary:
+            self._rotary[base] = rotary_cos_sin(self.k.shape[1], self.k.shape[3], base,
+                                                self.k.device)
+        return self._rotary[base]
+
+
 class MultiheadSelfAttention(nn.Module):
     """Multi-head (num_heads_kv = num_heads), grouped-query or multi-query (num_heads_kv = 1)
     self-attention with input and output projections.
@@ -93,7 +118,10 @@ class MultiheadSelfAttention(nn.Module):
         dropout: attention dropout probability, applied in training mode only.
         attn_impl: "longflash" (default), "sdpa" or "standard" (see the module docstring).
         backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash".
-    forward(x): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim)
+    forward(x, kv_cache=None): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim).
+        With a KVCache (inference, attn_impl "longflash"), x holds the tokens after the cached
+        ones: their keys and values are appended and they attend to every cached token, at
+        positions kv_cache.seqlen onwards (no dropout).
     """
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, causal=True, bias=False,
@@ -115,22 +143,39 @@ class MultiheadSelfAttention(nn.Module):
         if rotary and self.headdim % 2:
             raise ValueError(f"rotary needs an even head dim, got {self.headdim}")
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
-        self.dropout, self.attn_impl = dropout, attn_impl
+        self.dropout, self.attn_impl, self.backend = dropout, attn_impl, backend
         factory = dict(device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_heads_kv) * self.headdim,
                                   bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
 
-    def forward(self, x):
+    def forward(self, x, kv_cache=None):
         batch, seqlen, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, seqlen, self.num_heads + 2 * self.num_heads_kv,
                                     self.headdim)  # (B, N, H + 2 Hkv, D)
         q, k, v = qkv.split([self.num_heads, self.num_heads_kv, self.num_heads_kv], dim=2)
+        if kv_cache is not None:
+            o = self._attend_cached(q, k, v, kv_cache)
+            return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
         if self.rotary:
             cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0)
         return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
+
+    def _attend_cached(self, q, k, v, kv_cache):
+        if self.attn_impl != "longflash" or not self.causal:
+            raise NotImplementedError(f"kv_cache needs causal=True and attn_impl='longflash' "
+                                      f"(the decoding kernel), got causal={self.causal}, "
+                                      f"attn_impl={self.attn_impl!r}")
+        rotary = {}
+        if self.rotary:  # positions kv_cache.seqlen onwards, half-split as in forward
+            cos, sin = kv_cache.rotary_tables(self.rotary_base)
+            rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+        o = attention_with_kvcache(q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen,
+                                   causal=self.causal, backend=self.backend, **rotary)
+        kv_cache.seqlen += q.shape[1]
+        return o
 
     def extra_repr(self):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
@@ -138,5 +183,5 @@ class MultiheadSelfAttention(nn.Module):
                 f"rotary={self.rotary}, attn_impl={self.attn_impl!r}")
 
 
-__all__ = ["MultiheadSelfAttention", "attention_function", "apply_rotary", "rotary_cos_sin",
-           "ATTN_IMPLEMENTATIONS"]
+__all__ = ["MultiheadSelfAttention", "KVCache", "attention_function", "apply_rotary",
+           "rotary_cos_sin", "ATTN_IMPLEMENTATIONS"]

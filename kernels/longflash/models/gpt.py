@@ -3,12 +3,15 @@
     from longflash.models import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, attn_impl="longflash"))
     logits, loss = model(idx, targets)       # idx, targets: (batch, seqlen) int64
+    out = model.generate(idx, max_new_tokens=100, temperature=0.8, top_k=50)
 
 Pre-norm blocks (LayerNorm, self-attention, LayerNorm, 4x GELU MLP), rotary position embeddings
 (so no maximum context is baked into the weights), tied input/output embeddings, byte-level
 vocabulary by default. `attn_impl` is "longflash", "sdpa" or "standard" (materialized); the
 rest of the model is identical, so differences in memory or loss come from attention alone.
 `checkpoint=True` recomputes each block in the backward pass (activation checkpointing).
+`generate` samples with a KV cache (longflash.nn.KVCache per block): the prompt once, then one
+decoding step (attention_with_kvcache) per new token.
 """
 
 import math
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..nn import MultiheadSelfAttention
+from ..nn import KVCache, MultiheadSelfAttention
 
 
 @dataclass
@@ -57,8 +60,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):  # (B, N, C) -> (B, N, C)
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x, kv_cache=None):  # (B, N, C) -> (B, N, C)
+        x = x + self.dropout(self.attn(self.ln_1(x), kv_cache))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -87,12 +90,16 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, kv_cache=None):
         """idx: (batch, seqlen) int64 -> logits (batch, seqlen, vocab_size), and the mean
-        cross-entropy against targets (batch, seqlen) if given (else None)."""
+        cross-entropy against targets (batch, seqlen) if given (else None). kv_cache: a list of
+        one KVCache per block (new_kv_cache) for inference: idx are then the tokens after the
+        cached ones, and are appended to the cache."""
         x = self.drop(self.wte(idx))  # (B, N, C)
-        for block in self.blocks:
-            if self.config.checkpoint and self.training and torch.is_grad_enabled():
+        for i, block in enumerate(self.blocks):
+            if kv_cache is not None:
+                x = block(x, kv_cache[i])
+            elif self.config.checkpoint and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
@@ -101,3 +108,36 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
+
+    def new_kv_cache(self, batch, capacity):
+        """An empty KV cache for `capacity` tokens per sequence: one KVCache per block, in the
+        model's dtype and on its device."""
+        weight = self.wte.weight
+        return [KVCache(batch, capacity, block.attn.num_heads_kv, block.attn.headdim,
+                        dtype=weight.dtype, device=weight.device) for block in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Continue each prompt of idx (batch, seqlen) by max_new_tokens sampled tokens:
+        logits / temperature, restricted to the top_k most likely if given; temperature 0
+        picks the most likely (greedy). The prompt runs once into a fresh KV cache, then each
+        token is one decoding step over it. Returns (batch, seqlen + max_new_tokens). Call it
+        in eval mode (dropout would apply otherwise)."""
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens)
+        tokens, step = [idx], idx
+        for _ in range(max_new_tokens):
+            logits = self(step, kv_cache=cache)[0][:, -1].float()  # (B, V)
+            if temperature == 0:
+                step = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                step = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            tokens.append(step)
+        return torch.cat(tokens, dim=1)
