@@ -136,3 +136,77 @@ def test_flash_attn_with_kvcache_is_attention_with_kvcache():
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     assert all(torch.equal(a, b) for a, b in zip(caches, want_caches))
     assert not torch.equal(caches[0], k_cache)  # the append happened
+
+
+# ----------------------------------------------------------------------------- bert_padding
+
+# flash_attn/bert_padding.py (flash_attn 2.7): (name, default) in order
+BERT_PADDING_SIGNATURES = {
+    "index_first_axis": [("input", _REQUIRED), ("indices", _REQUIRED)],
+    "index_put_first_axis": [("values", _REQUIRED), ("indices", _REQUIRED),
+                             ("first_axis_dim", _REQUIRED)],
+    "unpad_input": [("hidden_states", _REQUIRED), ("attention_mask", _REQUIRED),
+                    ("unused_mask", None)],
+    "unpad_input_for_concatenated_sequences": [("hidden_states", _REQUIRED),
+                                               ("attention_mask_in_length", _REQUIRED)],
+    "pad_input": [("hidden_states", _REQUIRED), ("indices", _REQUIRED), ("batch", _REQUIRED),
+                  ("seqlen", _REQUIRED)],
+}
+
+
+@pytest.mark.parametrize("name", list(BERT_PADDING_SIGNATURES))
+def test_bert_padding_signature_is_flash_attn_s(name):
+    from longflash.flash_attn import bert_padding
+    params = inspect.signature(getattr(bert_padding, name)).parameters.values()
+    assert [(p.name, p.default) for p in params] == BERT_PADDING_SIGNATURES[name]
+
+
+def test_unpad_and_pad_input():
+    """unpad_input keeps the masked-in tokens in order (rows without any, and full rows), with
+    int32 offsets and the longest length; pad_input puts them back, zeros elsewhere; the
+    gradient reaches exactly the kept tokens; unused_mask keeps tokens but not in seqused."""
+    from longflash.flash_attn.bert_padding import pad_input, unpad_input
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    x = _randn(gen, 3, 5, 2, 4).requires_grad_()
+    packed, indices, cu, max_seqlen, seqused = unpad_input(x, mask)
+    assert torch.equal(packed, x[mask]) and indices.tolist() == [0, 1, 3, 10, 11, 12, 13, 14]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 8] and max_seqlen == 5
+    assert seqused.tolist() == [3, 0, 5]
+    padded = pad_input(packed, indices, 3, 5)
+    assert torch.equal(padded, x * mask[..., None, None])
+    padded.sum().backward()
+    assert torch.equal(x.grad, mask[..., None, None].expand_as(x).float())
+    unused = torch.zeros_like(mask)
+    unused[0, 4] = True
+    packed, indices, cu, max_seqlen, seqused = unpad_input(x, mask, unused)
+    assert cu.tolist() == [0, 4, 4, 9] and seqused.tolist() == [3, 0, 5]
+
+
+def test_unpad_input_for_concatenated_sequences():
+    """flash_attn's documented example: rows of several short sequences each."""
+    from longflash.flash_attn.bert_padding import unpad_input_for_concatenated_sequences
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    x = torch.arange(18.0).view(3, 6, 1)
+    packed, indices, cu, max_seqlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+    assert cu.tolist() == [0, 2, 5, 8, 10, 16] and max_seqlen == 6
+    assert torch.equal(packed[:, 0], indices.float())
+
+
+def test_padded_batch_through_varlen_attention():
+    """The FlashAttention recipe for a padded batch (unpad, varlen attention, pad) gives each
+    sequence its own attention and zeros at the padding."""
+    from longflash.flash_attn.bert_padding import pad_input, unpad_input
+    gen = torch.Generator().manual_seed(5)
+    lengths = [7, 2, 11]
+    mask = torch.arange(11)[None] < torch.tensor(lengths)[:, None]
+    q, k, v = (_randn(gen, 3, 11, 4, 16) for _ in range(3))
+    q_packed, indices, cu, max_seqlen, _ = unpad_input(q, mask)
+    k_packed, v_packed = unpad_input(k, mask)[0], unpad_input(v, mask)[0]
+    out = pad_input(fa.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu, cu, max_seqlen,
+                                              max_seqlen, causal=True), indices, 3, 11)
+    for b, n in enumerate(lengths):
+        want = longflash.attention(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], causal=True)
+        torch.testing.assert_close(out[b:b + 1, :n], want, atol=1e-6, rtol=1e-6)
+        assert not out[b, n:].any()

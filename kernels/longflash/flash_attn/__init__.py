@@ -19,10 +19,12 @@ softcap, ALiBi, GQA, dropout). Differences from flash_attn 2.7:
   a copy before the kernel, except for equal short queries (decoding), which read the pages in
   place (`attention_varlen`).
 - CPU tensors and head dims 1 to 256 work (FlashAttention needs CUDA, head dims <= 256).
+`longflash.flash_attn.bert_padding` has flash_attn.bert_padding's helpers (unpad_input,
+pad_input, ...) for padded batches.
 """
 
-from .interface import attention, attention_varlen
-from .kvcache import attention_with_kvcache
+from ..interface import attention, attention_varlen
+from ..kvcache import attention_with_kvcache
 
 
 def _options(dropout_p, window_size, softcap, alibi_slopes, deterministic):
