@@ -63,6 +63,30 @@ def test_kvcache_rotary_gpu(interleaved, paged, as_int):
                  device="cuda")
 
 
+def test_decoding_step_does_not_synchronize_gpu():
+    """With an int cache_seqlens, an eager decoding step (append with rotary, split-KV and
+    merge kernels) never waits for the GPU: CUDA's sync debug mode turns any synchronizing
+    call into an error (after a warm-up step, which compiles the kernels)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache = randn(2, 4096, 8, 128), randn(2, 4096, 8, 128)
+    angles = torch.rand(4096, 64, device="cuda", generator=gen) * 6.3
+
+    def step(length):
+        return longflash.attention_with_kvcache(
+            randn(2, 1, 32, 128), k_cache, v_cache, randn(2, 1, 8, 128), randn(2, 1, 8, 128),
+            length, causal=True, rotary_cos=angles.cos(), rotary_sin=angles.sin())
+    step(3000)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(3001)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("seqlen_q, kw", [(1, dict(causal=True)), (16, dict(causal=True)),
                                          (4, dict(window_size=(1000, 0), softcap=30.0))],
                          ids=["decode", "spec16", "spec4-window-softcap"])
