@@ -117,7 +117,7 @@ def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         if torch.compiler.is_compiling():
             continue  # the checks below read the tensor's values: skipped inside a graph
         offsets = cu.tolist()
-        if offsets[0] != 0 or offsets[-1] != (offsets[-1] if total is None else total):
+        if offsets[0] != 0 or (total is not None and offsets[-1] != total):
             raise ValueError(f"{name} must start at 0 and end at the number of tokens "
                              f"({'any' if total is None else total}), got {offsets[0]} ... "
                              f"{offsets[-1]}")
