@@ -200,7 +200,10 @@ def peak_memory_mb(fn, device, limit_mb=None):
       and code pages first touched by fn count as its memory (a few MiB at most).
     - if the child raises, RuntimeError with its traceback (is_oom() sees "can't allocate
       memory" in it); if it is killed (SIGKILL: the kernel's OOM killer), RuntimeError saying
-      "out of memory".
+      "out of memory". Under limit_mb, oneDNN (PyTorch's CPU linear, GELU, ... kernels)
+      reports a failed allocation only as "could not create a primitive": that is read as
+      the budget exceeded (it happens, now and then, on the probe just above the largest
+      that fits), and the message says so.
     Other operating systems: NaN.
     """
     if torch.device(device).type == "cuda":
@@ -228,8 +231,12 @@ def peak_memory_mb(fn, device, limit_mb=None):
                 if limit_mb is not None:
                     _limit_address_space(limit_mb)
                 msg = ["ok", rss_growth_kb(fn)]
-            except BaseException:
+            except BaseException as e:
                 msg = ["error", traceback.format_exc()]
+                if limit_mb is not None and "could not create a primitive" in str(e):
+                    msg[1] = (f"can't allocate memory within the budget of {limit_mb} MiB: "
+                              f"oneDNN says only that it could not create a primitive, which "
+                              f"under the address-space cap is its failed allocation\n" + msg[1])
             with os.fdopen(write_fd, "w") as f:
                 f.write(json.dumps(msg))
         finally:

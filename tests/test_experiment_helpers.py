@@ -193,9 +193,12 @@ out["noop"] = peak_memory_mb(lambda: None, "cpu")
 out["within_budget"] = peak_memory_mb(lambda: torch.ones(100 * 2**20, dtype=torch.uint8), "cpu",
                                       limit_mb=300)
 big = lambda: torch.ones(400 * 2**20, dtype=torch.uint8)  # fits the machine, not the budget
+def onednn():  # how oneDNN reports a failed allocation (and any other failure)
+    raise RuntimeError("could not create a primitive")
 for name, fn, limit in [("error", lambda: 1 / 0, None),
                         ("oom", lambda: torch.empty(2**62, dtype=torch.uint8), None),
-                        ("over_budget", big, 300)]:
+                        ("over_budget", big, 300), ("onednn_over_budget", onednn, 300),
+                        ("onednn_error", onednn, None)]:
     try:
         peak_memory_mb(fn, "cpu", limit_mb=limit)
     except RuntimeError as e:
@@ -223,6 +226,10 @@ def test_peak_memory_mb_cpu_in_fresh_process():
     assert 90 <= out["within_budget"] <= 140
     message, oom = out["over_budget"]
     assert oom, message
+    message, oom = out["onednn_over_budget"]  # under the budget: its failed allocation
+    assert oom and "could not create a primitive" in message, message
+    message, oom = out["onednn_error"]  # without a budget: an error like any other
+    assert not oom, message
 
 
 def test_extra_key_columns(tmp_path):
