@@ -15,7 +15,7 @@ import torch
 import longflash
 from longflash import flash_attn as fa
 from conftest import INTERPRET
-from test_kvcache import route_small  # noqa: F401 (a fixture)
+from test_kvcache import route_small, seq_keys  # noqa: F401 (route_small: a fixture)
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 
@@ -49,11 +49,8 @@ def make_paged(lengths_q, lengths_k, nheads, nheads_kv, headdim, page_size, dtyp
 
 def gathered(pages, table, cu_k):
     """The packed (total_k, ...) rows of a paged tensor (for gradients)."""
-    page_size, rows = pages.shape[1], []
-    for b in range(table.shape[0]):
-        pos = torch.arange(int(cu_k[b + 1] - cu_k[b]))
-        rows.append(pages[table[b, pos // page_size].long(), pos % page_size])
-    return torch.cat(rows)
+    return torch.cat([seq_keys(pages, table, b, int(cu_k[b + 1] - cu_k[b]))[0]
+                      for b in range(table.shape[0])])
 
 
 @pytest.mark.parametrize("page_size", [4, 16], ids=["pages4", "pages16"])
