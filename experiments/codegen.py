@@ -10,8 +10,9 @@ split-KV, "decode_merge", "decode_append": the append and rotary embedding) at t
 launcher chooses for a decoding step of a Llama-like shape (one query, 4 query heads per KV
 head; the merge for the split count chosen at batch 1, 8 KV heads, 128K keys on a 132-SM
 H100), for head dims 64/128/256, bf16 and fp16, and each compile-time variant flag of the
-kernel (softcap, alibi, dropout, varlen; paged and leftpad (cache_leftpad) for the decoding
-kernel, paged and rotary (half-split, queries in order) for the append; "plain" is none of them; "full_tiles" is the
+kernel (softcap, alibi, dropout, varlen; paged for the forward (packed sequences whose keys
+are read from a paged cache through a block table); paged and leftpad (cache_leftpad) for the
+decoding kernel, paged and rotary (half-split, queries in order) for the append; "plain" is none of them; "full_tiles" is the
 warp-specialized candidates compiled without masks, as they run when no block needs one,
 flash_triton._full_tiles), then reads the ptxas report (`ptxas -v`, the ptxas shipped in the
 triton package) and the PTX.
@@ -74,7 +75,8 @@ PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
 FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
 FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary"]
-KERNEL_FLAGS = {"decode": ["plain", "softcap", "alibi", "paged", "leftpad"],
+KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"],
+                "decode": ["plain", "softcap", "alibi", "paged", "leftpad"],
                 "decode_merge": ["plain"], "decode_append": ["plain", "paged", "rotary"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
@@ -125,7 +127,7 @@ def _signature(fn, pointers, constexprs):
 # step also the block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1) and the
 # rotary table's (rotary_dim / 2, any). The flash kernels' log-sum-exp head stride is the
 # sequence length: a multiple of 16 in RQ1.
-UNALIGNED_STRIDES = ("stride_ab", "stride_ah")
+UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb")
 DECODE_UNALIGNED_STRIDES = UNALIGNED_STRIDES + ("stride_tb", "stride_lh", "stride_qsh",
                                                 "stride_cos")
 
@@ -179,15 +181,16 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
             SPLIT=True, HAS_LEFTPAD=flags == "leftpad", HAS_SOFTCAP=flags == "softcap",
             HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
-    tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, **stats)
-    meta = flash_triton.constexprs(headdim, dtype_is_fp32=False, varlen=flags == "varlen",
+    tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, TABLE="*i32", **stats)
+    meta = flash_triton.constexprs(headdim, dtype_is_fp32=False,
+                                   varlen=flags in ("varlen", "paged"),
                                    softcap=flags == "softcap", alibi=flags == "alibi",
                                    dropout=flags == "dropout")
     fn = {"fwd": flash_triton._attn_fwd, "preprocess": flash_triton._attn_bwd_preprocess,
           "dkdv": flash_triton._attn_bwd_dkdv, "dq": flash_triton._attn_bwd_dq}[kernel]
     fn = flash_triton.jit_function(fn)
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
-    return fn, tensors, dict(meta, FULL_TILES=flags == "full_tiles")
+    return fn, tensors, dict(meta, FULL_TILES=flags == "full_tiles", PAGED=flags == "paged")
 
 
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
@@ -257,8 +260,11 @@ def sweep(conf, log=print):
                 candidates = configs_for(kernel, ARCHS[arch] // 10, headdim)
                 for dtype in conf.dtypes:
                     for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
-                        for cfg in [c for c in candidates if flags != "full_tiles"
-                                    or c.kwargs.get("WARP_SPECIALIZE")]:
+                        # full_tiles: what the warp-specialized candidates compile to;
+                        # paged: only the pointer candidates run it (no TMA tile across pages)
+                        for cfg in [c for c in candidates
+                                    if (flags != "full_tiles" or c.kwargs.get("WARP_SPECIALIZE"))
+                                    and (flags != "paged" or not c.kwargs.get("USE_TMA"))]:
                             mode = "bwd" if kernel in ("preprocess", "dkdv", "dq") else "fwd"
                             key = dict(arch=arch, kernel=kernel, config=config_name(cfg),
                                        flags=flags, experiment="codegen", provider="longflash",

@@ -2,7 +2,8 @@
 
     python tests/compile_for_gpu.py 90:bfloat16:plain:80 80:float16:all:256
 
-"all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences). On
+"all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences, and for
+the forward's pointer loads paged keys). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
 (USE_TMA), as the autotuner may launch either there, and on capability 9 in 16-bit types also
 warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ), with and without the masks that
@@ -46,21 +47,22 @@ def compile_all(capability, dtype, features, headdim):
                 BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
                 INPUT_PRECISION="ieee" if dtype == "float32" else "tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
+    fwd = dict(Q=p, K=p, V=p, O=p, TABLE="*i32", **stats)
     compile_kernel(flash_triton._attn_bwd_preprocess, dict(O=p, DO=p, **stats),
                    dict(IS_VARLEN=on, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=128), target)
     grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
     for tma in (False, True) if capability >= 90 else (False,):
         meta["USE_TMA"] = tma
         meta["WARP_SPECIALIZE"] = meta["FULL_TILES"] = False
-        compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats), meta, target)
+        compile_kernel(flash_triton._attn_fwd, fwd, dict(meta, PAGED=on and not tma), target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
     if capability == 90 and dtype != "float32":  # the warp-specialized candidates, masked
         # and not (FULL_TILES, never with packed sequences)
         for full_tiles in (False,) if on else (False, True):
             ws = dict(meta, USE_TMA=True, WARP_SPECIALIZE=True, FULL_TILES=full_tiles)
-            compile_kernel(flash_triton._attn_fwd, dict(Q=p, K=p, V=p, O=p, **stats),
-                           dict(ws, BLOCK_M=128), target, num_warps=4)
+            compile_kernel(flash_triton._attn_fwd, fwd, dict(ws, BLOCK_M=128, PAGED=False), target,
+                           num_warps=4)
             compile_kernel(flash_triton._attn_bwd_dkdv, grads,
                            dict(ws, BLOCK_M=32, BLOCK_N=128), target, num_warps=4)
             compile_kernel(flash_triton._attn_bwd_dq, grads, dict(ws, BLOCK_M=128), target,

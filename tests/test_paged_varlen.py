@@ -2,10 +2,10 @@
 flash_attn_varlen_func(block_table=...), chunked prefill into a paged KV cache).
 
 The same keys, once packed as attention_varlen takes them and once scattered over the shuffled
-pages of a cache, give the same output, lse and gradients, bit for bit: the paged call packs
-the keys in use and runs the same kernel, or, for equal short queries without a gradient on
-the Triton backend, reads the pages in place with the split-KV kernel (the packed call's
-route too, over one-token pages). The packed call itself is checked against the float64
+pages of a cache, give the same output, lse and gradients, bit for bit: with a gradient the
+paged call packs the keys in use and runs the same kernel; without one, the same kernel reads
+the pages in place through the block table, or, for equal short queries on the Triton
+backend, the split-KV kernel does (the packed call's route too, over one-token pages). The packed call itself is checked against the float64
 reference in test_variants.
 """
 
@@ -83,6 +83,34 @@ def test_paged_keys_give_what_packed_keys_give(backend, dtype, kw, page_size):
             grads[1:] = [gathered(g, table, cu_k) for g in grads[1:]]
         runs.append((o, lse, *grads))
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("page_size", [5, 16], ids=["pages5", "pages16"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 2), softcap=2.0,
+                                                        alibi_slopes=torch.rand(4))],
+                         ids=["causal", "window-softcap-alibi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_gradient_the_pages_are_read_in_place(backend, dtype, kw, page_size,
+                                                      monkeypatch):
+    """No gradient: the kernels read the keys through block_table (no packed copy), from pages
+    whose heads are a strided view of a larger cache; output and lse equal the packed call's,
+    bit for bit."""
+    from longflash import interface
+    lengths_q, lengths_k = [3, 1, 0, 6, 20], [7, 0, 9, 21, 40]
+    q, k, v, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        lengths_q, lengths_k, 4, 2, 16, page_size, dtype)
+    # the pages as heads 1 and 3 of a cache of 4 KV heads: strided heads, offset start
+    k_wide, v_wide = (torch.zeros(*x.shape[:2], 4, x.shape[3], dtype=dtype)
+                      for x in (k_pages, v_pages))
+    k_wide[:, :, 1::2], v_wide[:, :, 1::2] = k_pages, v_pages
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    want = longflash.attention_varlen(q, k, v, *args, return_lse=True, backend=backend, **kw)
+    monkeypatch.setattr(interface, "_gather_pages", None)  # a packed copy would fail
+    got = longflash.attention_varlen(q, k_wide[:, :, 1::2], v_wide[:, :, 1::2], *args,
+                                     return_lse=True, backend=backend, block_table=table, **kw)
+    for name, a, b in zip(("o", "lse"), want, got):
         assert torch.equal(a, b), name
 
 

@@ -118,6 +118,14 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right):
     return ok
 
 
+def paged_rows(pages, block_table, b, pos):
+    """Rows at key positions pos of sequences b (broadcasting index tensors, or ints) of a
+    paged tensor (num_pages, page_size, ...): key n of sequence b lives in page
+    block_table[b, n // page_size], slot n % page_size. A copy."""
+    page_size = pages.shape[1]
+    return pages[block_table[b, pos // page_size].long(), pos % page_size]
+
+
 def _floor(x, block):
     return x // block * block
 
@@ -201,6 +209,9 @@ class Options(NamedTuple):
     alibi_slopes: (batch, nheads) float32 or None (a (nheads,) input is broadcast).
     softcap: 0 for none. dropout_p: 0 for none; seed: the dropout stream (an int).
     cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 for packed sequences, else None.
+    block_table: (batch, max_pages) int32 or None; if given (packed queries only), k and v are
+    paged (num_pages, page_size, nheads_kv, headdim), read in place through it (`paged_rows`),
+    and cu_seqlens_k gives each sequence's number of keys. Forward only.
     """
     softmax_scale: float
     window_left: int = -1
@@ -213,6 +224,7 @@ class Options(NamedTuple):
     cu_seqlens_k: Optional[torch.Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    block_table: Optional[torch.Tensor] = None
 
     @property
     def varlen(self):

@@ -23,7 +23,9 @@ grid cell, here batch and heads are batched tensor dimensions and the block
 loops run in Python. GQA: query head h reads key/value head h // (nheads //
 nheads_kv); tensors are viewed as (batch, nheads_kv, group, seqlen, headdim) so
 that keys and values broadcast over the group without being copied. Packed
-variable-length batches run sequence by sequence, so no padding is computed.
+variable-length batches run sequence by sequence, so no padding is computed; paged keys
+(opts.block_table) are read one sequence at a time through the block table, where the
+kernel reads each key block's rows through it.
 
 Autograd is registered once for all implementations in `interface.py`; these
 functions take and return plain tensors.
@@ -32,7 +34,7 @@ functions take and return plain tensors.
 import torch
 
 from ._common import (LN2, LOG2E, accumulator_dtype, dropout_uniform, empty_like, empty_outputs,
-                      key_range, query_range, visible)
+                      key_range, paged_rows, query_range, visible)
 
 # Larger tiles than on a GPU: on a CPU each tile is a batched matmul and the
 # Python loop overhead is paid per tile.
@@ -149,6 +151,15 @@ def _sequences(opts):
         yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
 
 
+def _keys(x, b, cols, opts):
+    """Sequence b's keys (or values) (1, n, Hkv, D): rows cols of the packed x, or, with
+    opts.block_table, its n keys read from the pages of x (a copy of this sequence's only)."""
+    if opts.block_table is None:
+        return x[None, cols]
+    pos = torch.arange(cols.stop - cols.start, device=x.device)
+    return paged_rows(x, opts.block_table, b, pos)[None]
+
+
 @torch.no_grad()
 def forward(q, k, v, opts, block_m=None, block_n=None):
     """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences,
@@ -159,8 +170,8 @@ def forward(q, k, v, opts, block_m=None, block_n=None):
         return o, lse
     for b, rows, cols in _sequences(opts):  # (total, H, D) slices -> (1, n, H, D)
         lse_b = lse.new_empty((1, q.shape[1], rows.stop - rows.start))
-        _forward_dense(q[None, rows], k[None, cols], v[None, cols], opts, o[None, rows], lse_b, b,
-                       block_m, block_n)
+        _forward_dense(q[None, rows], _keys(k, b, cols, opts), _keys(v, b, cols, opts), opts,
+                       o[None, rows], lse_b, b, block_m, block_n)
         lse[:, rows] = lse_b[0]
     return o, lse
 

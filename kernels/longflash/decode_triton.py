@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, empty_outputs, fix_triton_interpreter
+from .flash_triton import page_rows
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -64,9 +65,8 @@ def _kv_ptrs(CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask, page_siz
              stride_cb, stride_cn, stride_ch, stride_tb, PAGED: tl.constexpr):
     """Pointers to the (BLOCK_N, BLOCK_D) tile of keys offs_n of sequence off_b, head off_hk."""
     if PAGED:
-        page = tl.load(BLOCK_TABLE + off_b * stride_tb + offs_n // page_size, mask=n_mask,
-                       other=0).to(tl.int64)
-        rows = page * stride_cb + (offs_n % page_size).to(tl.int64) * stride_cn
+        rows = page_rows(BLOCK_TABLE + off_b * stride_tb, offs_n, n_mask, page_size, stride_cb,
+                         stride_cn)
     else:
         rows = off_b * stride_cb + offs_n.to(tl.int64) * stride_cn
     return CACHE + off_hk * stride_ch + rows[:, None] + offs_d[None, :]

@@ -10,7 +10,8 @@ j iff j <= i + seqlen_k - seqlen_q) and sliding windows visit only the key block
 that some row can see, and mask only the blocks that straddle a window edge or
 the sequence end. Softcap, ALiBi and dropout (Philox, regenerated in backward)
 are compile-time flags; packed variable-length batches read each sequence's
-offsets from cu_seqlens, so no padding is computed.
+offsets from cu_seqlens, so no padding is computed, and the forward can read their
+keys and values in place from a paged cache through a block table (PAGED).
 The forward saves the log-sum-exp per row; the backward recomputes the
 probabilities from it: a preprocessing step delta = rowsum(dO * O), one kernel
 for dK/dV (a program per key block, looping over query blocks and, for GQA,
@@ -54,7 +55,8 @@ Where it was tested and where it breaks:
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
-  paged KV caches and split-KV decoding live in decode_triton.py; fp32 inputs use IEEE
+  split-KV decoding lives in decode_triton.py, and paged keys are read by pointer loads only
+  (no TMA or warp-specialized candidate; the backward takes packed keys); fp32 inputs use IEEE
   fp32 dot products (no TF32), which matches PyTorch's default for matmul.
 """
 
@@ -220,7 +222,7 @@ def _autotune(kernel):
     return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
-                                "ws_ok"],
+                                "ws_ok"] + (["PAGED"] if kernel == "fwd" else []),
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
 
 
@@ -403,16 +405,33 @@ def _block_mask(start, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 
 
 @triton.jit
-def _load_block(base, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr = False):
-    """Rows [start, start + BLOCK_ROWS) of a (seqlen, headdim) slice; zeros past the ends."""
-    ptrs = _block_ptrs(base, start, stride, BLOCK_ROWS, BLOCK_D)
+def _load_masked(ptrs, start, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr):
+    """The (BLOCK_ROWS, BLOCK_D) tile at ptrs, whose rows are start, start + 1, ... of a
+    sequence of n_rows; zeros past the ends."""
     mask = _block_mask(start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, ROWS_IN_BOUNDS)
     if ROWS_IN_BOUNDS and HEAD_DIM == BLOCK_D:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=mask, other=0.0)
     return x
+
+
+@triton.jit
+def _load_block(base, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr = False):
+    """Rows [start, start + BLOCK_ROWS) of a (seqlen, headdim) slice; zeros past the ends."""
+    ptrs = _block_ptrs(base, start, stride, BLOCK_ROWS, BLOCK_D)
+    return _load_masked(ptrs, start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, ROWS_IN_BOUNDS)
+
+
+@triton.jit
+def page_rows(TABLE, rows, mask, page_size, stride_page, stride_row):
+    """Offsets (int64) of key rows `rows` of one sequence in a paged cache: row n is slot
+    n % page_size of page TABLE[n // page_size] (TABLE: the sequence's row of the block
+    table), pages stride_page apart, slots stride_row apart. Masked rows read page 0."""
+    page = tl.load(TABLE + rows // page_size, mask=mask, other=0).to(tl.int64)
+    return page * stride_page + (rows % page_size).to(tl.int64) * stride_row
 
 
 @triton.jit
@@ -444,6 +463,23 @@ def _load_tile(tiles, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS:
     else:
         x = _load_block(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D,
                         ROWS_IN_BOUNDS)
+    return x
+
+
+@triton.jit
+def _load_kv(tiles, TABLE, start, stride, stride_page, page_size, n_rows, HEAD_DIM: tl.constexpr,
+             BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS_IN_BOUNDS: tl.constexpr,
+             USE_TMA: tl.constexpr, PAGED: tl.constexpr):
+    """_load_tile of a loop's keys or values; PAGED: tiles is the paged cache at this head, and
+    the rows come through the block table (page_rows) by pointer loads."""
+    if PAGED:
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        offsets = page_rows(TABLE, rows, rows < n_rows, page_size, stride_page, stride)
+        x = _load_masked(tiles + offsets[:, None] + tl.arange(0, BLOCK_D)[None, :], start,
+                         n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, ROWS_IN_BOUNDS)
+    else:
+        x = _load_tile(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D,
+                       ROWS_IN_BOUNDS, USE_TMA)
     return x
 
 
@@ -481,17 +517,18 @@ def _load_rows_tma(base, start, n_rows, BLOCK_ROWS: tl.constexpr):
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
-                   seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                   softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
+                   page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
+                   window_left, window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
+                   MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   PAGED: tl.constexpr):
     """One key block of the forward: scores, online softmax, acc += p v."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     # -- compute scores --
-    k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
-                   USE_TMA)
+    k = _load_kv(K, TABLE, start_n, stride_kn, stride_kp, page_size, seqlen_k, HEAD_DIM, BLOCK_N,
+                 BLOCK_D, not MASKED, USE_TMA, PAGED)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                     window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
@@ -505,21 +542,22 @@ def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n
     if HAS_DROPOUT:
         p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :], dropout_p)
     # -- update output accumulator --
-    v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
-                   USE_TMA)
+    v = _load_kv(V, TABLE, start_n, stride_vn, stride_vp, page_size, seqlen_k, HEAD_DIM, BLOCK_N,
+                 BLOCK_D, not MASKED, USE_TMA, PAGED)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, l_i, m_ij
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, hi, bh, seed_lo,
-                    seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                    softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr):
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
+                    page_size, start_m, lo, hi, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
+                    window_left, window_right, qk_scale, softcap, softmax_scale, slope,
+                    dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                    WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m. WARP_SPECIALIZE (Hopper, a kernel with this
     one loop): Triton gives the loop's TMA copies a warpgroup of their own and splits the
     query rows between two compute warpgroups (FlashAttention-3's producer/consumer layout)."""
@@ -527,33 +565,36 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, start_m, lo, h
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             acc, l_i, m_i = _attn_fwd_step(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
-                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
+                page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                USE_TMA, PAGED)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attn_fwd_step(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
-                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
+                page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                USE_TMA, PAGED)
     return acc, l_i, m_i
 
 
 @_autotune("fwd")
 @triton.heuristics({"FULL_TILES": _full_tiles})
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
+def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-              stride_lb, stride_lh, stride_ab, stride_ah,
+              stride_lb, stride_lh, stride_ab, stride_ah, stride_tb, page_size,
               nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok, window_left,
               window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FULL_TILES: tl.constexpr):
+              IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+              FULL_TILES: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -561,8 +602,13 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
     q_start, k_start, seqlen_q, seqlen_k = _sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k,
                                                      IS_VARLEN)
     Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
-    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
-    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    if PAGED:  # K, V: (num_pages, page_size, nheads_kv, headdim), rows through TABLE
+        K += off_hk * stride_kh
+        V += off_hk * stride_vh
+        TABLE += off_b * stride_tb
+    else:
+        K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+        V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     O += off_b * stride_ob + off_h * stride_oh + q_start * stride_on
     LSE += off_b * stride_lb + off_h * stride_lh + q_start
     slope = 0.0
@@ -584,19 +630,22 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K,
         first_hi = hi
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    args = (K, V, stride_kn, stride_vn, start_m)
+    args = (K, V, stride_kn, stride_vn, TABLE, stride_kb, stride_vb, page_size, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                    BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                                    BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE,
+                                    PAGED)
     if not WARP_SPECIALIZE:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False,
+                                        PAGED)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False,
+                                        PAGED)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1069,9 +1118,16 @@ def forward(q, k, v, opts):
         q, k, lse, opts, (k, v), (q, k, v))
     if batch * nheads * seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
+    table = opts.block_table  # paged k, v (num_pages, page_size, ...): strides (page, slot, head)
+    if table is not None:  # pointer loads only: a TMA tile may span pages
+        scalars.update(tma_ok=0, ws_ok=0)
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _attn_fwd[grid](q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"],
-                    *_strides(q), *_strides(k), *_strides(v), *_strides(o), **scalars)
+                    pointers["CU_K"] if table is None else table,
+                    *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                    stride_tb=0 if table is None else table.stride(0),
+                    page_size=1 if table is None else k.shape[1], PAGED=table is not None,
+                    **scalars)
     return o, lse
 
 

@@ -17,7 +17,7 @@ import torch
 
 from . import blockwise
 from ._common import (Options, check_bools, check_real, check_shapes, empty_outputs,
-                      resolve_softmax_scale)
+                      paged_rows, resolve_softmax_scale)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -168,9 +168,7 @@ def _gather_pages(k, v, block_table, cu_seqlens_k, total_k):
     seq = torch.repeat_interleave(torch.arange(batch, device=device), cu_seqlens_k.diff(),
                                   output_size=total_k)  # (total_k,) sequence of each key
     pos = torch.arange(total_k, device=device) - cu_seqlens_k[:-1].long()[seq]
-    page = block_table[seq, pos // page_size].long()
-    slot = pos % page_size
-    return k[page, slot], v[page, slot]
+    return paged_rows(k, block_table, seq, pos), paged_rows(v, block_table, seq, pos)
 
 
 def _resolve_backend(backend, q):
@@ -203,13 +201,13 @@ def _implementation(backend):
 
 
 def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap, dropout_p,
-             seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+             seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
     if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
     return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, dropout_p, 0 if seed is None else int(seed), cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
 
 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
@@ -223,16 +221,18 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        seed: Optional[torch.Tensor] = None,
                        cu_seqlens_q: Optional[torch.Tensor] = None,
                        cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                       max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
-                    dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    block_table)
     return _implementation(backend).forward(q, k, v, opts)
 
 
 @_attention_forward.register_fake
 def _(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1, alibi_slopes=None,
       softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
-      max_seqlen_q=0, max_seqlen_k=0):
+      max_seqlen_q=0, max_seqlen_k=0, block_table=None):
     return empty_outputs(q, varlen=cu_seqlens_q is not None)
 
 
@@ -262,6 +262,8 @@ _VARIANT_ARGS = ("window_left", "window_right", "alibi_slopes", "softcap", "drop
 
 def _setup_context(ctx, inputs, output):
     q, k, v, ctx.causal, ctx.softmax_scale, ctx.backend, *variants = inputs
+    # zip drops block_table: a forward over paged keys is never differentiated (with a
+    # gradient, attention_varlen packs the keys in use first)
     ctx.variants = dict(zip(_VARIANT_ARGS, variants))
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
@@ -273,7 +275,7 @@ def _backward(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = _attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.softmax_scale,
                                      ctx.backend, **ctx.variants)
-    return (dq, dk, dv) + (None,) * (3 + len(_VARIANT_ARGS))
+    return (dq, dk, dv) + (None,) * (4 + len(_VARIANT_ARGS))
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -387,9 +389,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     block_table: (batch, max_pages) int32, or None. If given, k and v are paged caches
         (num_pages, page_size, nheads_kv, headdim), as in flash_attn_with_kvcache, and
         cu_seqlens_k gives each sequence's number of keys: key n of sequence b is
-        k[block_table[b, n // page_size], n % page_size]. Equal short queries without a
-        gradient (decoding, on the Triton backend) read the pages in place (the split-KV
-        kernel); otherwise the keys in use are gathered into a packed copy first (linear
+        k[block_table[b, n // page_size], n % page_size]. Without a gradient the kernels read
+        the pages in place (equal short queries on the Triton backend: the split-KV kernel of
+        decoding); with one, the keys in use are gathered into a packed copy first (linear
         memory, total_k keys; gradients flow back to the pages). Reads cu_seqlens_k and the
         entries in use back to check them; torch.compile runs such a call eagerly (a graph
         break: the copy's length is a value of cu_seqlens_k), and fullgraph=True refuses it.
@@ -423,12 +425,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             o = o.view(q.shape)  # (total_q, H, D)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return (o, lse) if return_lse else o
-    if paged:
+    if paged and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
+        block_table = None
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     return (o, lse) if return_lse else o
 
 

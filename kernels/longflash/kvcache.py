@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from ._common import LN2, LOG2E, Options, accumulator_dtype, check_bools, empty_outputs
+from ._common import (LN2, LOG2E, Options, accumulator_dtype, check_bools, empty_outputs,
+                      paged_rows)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -52,9 +53,7 @@ def _gather(cache, block_table, b, pos):
     paged one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages)."""
     if block_table is None:
         return cache[b, pos]
-    page_size = cache.shape[1]
-    page = block_table[b, pos // page_size].long()
-    return cache[page, pos % page_size]
+    return paged_rows(cache, block_table, b, pos)
 
 
 def _block_view(cache, start_n, split_stride, block_n):

@@ -15,9 +15,9 @@ softcap, ALiBi, GQA, dropout). Differences from flash_attn 2.7:
 - Dropout masks come from LongFlash's counter-based generator, seeded from torch's default
   generator: the same probability and scaling, not FlashAttention's bits.
 - Packed qkv / kv are split into views; their gradients are concatenated by autograd.
-- flash_attn_varlen_func's block_table (paged keys in the prefill) packs the keys in use into
-  a copy before the kernel, except for equal short queries (decoding), which read the pages in
-  place (`attention_varlen`).
+- flash_attn_varlen_func's block_table (paged keys in the prefill): the kernels read the
+  pages in place, as FlashAttention's do, unless a gradient is needed; then the keys in use are
+  packed into a copy first (`attention_varlen`).
 - CPU tensors and head dims 1 to 256 work (FlashAttention needs CUDA, head dims <= 256).
 `longflash.flash_attn.bert_padding` has flash_attn.bert_padding's helpers (unpad_input,
 pad_input, ...) for padded batches.
