@@ -145,8 +145,10 @@ def _check_pages(q, k, v, block_table, cu_seqlens_k, batch):
     check_block_table(block_table, batch, q.device)
     if torch.compiler.is_compiling():
         raise NotImplementedError("attention_varlen with block_table under torch.compile: the "
-                                  "keys in use are gathered into a copy whose length is a value "
-                                  "of cu_seqlens_k")
+                                  "lengths and pages in use are checked on the host (values of "
+                                  "cu_seqlens_k and block_table), and with a gradient the keys "
+                                  "are gathered into a copy whose length is a value of "
+                                  "cu_seqlens_k")
     num_pages, page_size = k.shape[:2]
     offsets = cu_seqlens_k.tolist()
     longest = max(b - a for a, b in zip(offsets, offsets[1:])) if batch else 0
@@ -293,10 +295,13 @@ SPLIT_KV_MAX_SEQLEN_Q = 16
 SPLIT_KV_MIN_SEQLEN_K = 1024
 
 
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
 def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
     return (backend == "triton" and dropout_p == 0 and 0 < seqlen_q <= SPLIT_KV_MAX_SEQLEN_Q
-            and seqlen_k >= SPLIT_KV_MIN_SEQLEN_K
-            and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
+            and seqlen_k >= SPLIT_KV_MIN_SEQLEN_K and not _needs_grad(*tensors))
 
 
 def _split_kv(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size, softcap,
@@ -394,7 +399,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         decoding); with one, the keys in use are gathered into a packed copy first (linear
         memory, total_k keys; gradients flow back to the pages). Reads cu_seqlens_k and the
         entries in use back to check them; torch.compile runs such a call eagerly (a graph
-        break: the copy's length is a value of cu_seqlens_k), and fullgraph=True refuses it.
+        break: those checks, and the copy's length, are values of the tensors), and
+        fullgraph=True refuses it.
     Returns o: (total_q, nheads, headdim) and, with return_lse, lse: (nheads, total_q).
     """
     paged = block_table is not None
@@ -425,7 +431,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             o = o.view(q.shape)  # (total_q, H, D)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return (o, lse) if return_lse else o
-    if paged and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    if paged and _needs_grad(q, k, v):  # the backward kernels take packed keys
         k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
         block_table = None
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
