@@ -123,13 +123,12 @@ def _signature(fn, pointers, constexprs):
     return sig
 
 
-# Strides that are not multiples of 16 elements in a launch: the ALiBi slopes'; in a decoding
-# step also the block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1) and the
-# rotary table's (rotary_dim / 2, any). The flash kernels' log-sum-exp head stride is the
+# Strides that are not multiples of 16 elements in a launch: the ALiBi slopes' and the block
+# table's (max_pages); in a decoding step also the per-query log-sum-exps' (seqlen_q = 1) and
+# the rotary table's (rotary_dim / 2, any). The flash kernels' log-sum-exp head stride is the
 # sequence length: a multiple of 16 in RQ1.
 UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb")
-DECODE_UNALIGNED_STRIDES = UNALIGNED_STRIDES + ("stride_tb", "stride_lh", "stride_qsh",
-                                                "stride_cos")
+DECODE_UNALIGNED_STRIDES = UNALIGNED_STRIDES + ("stride_lh", "stride_qsh", "stride_cos")
 
 
 def _divisibility(fn, pointers, unaligned=UNALIGNED_STRIDES):
