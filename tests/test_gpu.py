@@ -261,6 +261,15 @@ def test_variants_gpu(dtype, name, kw):
     check_variant((2, 2047, 2049, 8, 2, 128), dtype, kw, "triton", device="cuda")
 
 
+def test_learnable_sink_gpu():
+    """Attention sinks in bf16 through the Triton kernels: forward, and the backward with the
+    lse gradient the sink adds, against the float64 reference (tolerance rule), at
+    test_variants_gpu's window case (its autotuning keys: nothing new to tune)."""
+    from test_learnable_sink import check_attention
+    check_attention((2, 2047, 2049, 8, 2, 128), torch.bfloat16,
+                    dict(causal=True, window_size=(256, 0)), "triton", device="cuda")
+
+
 def test_varlen_gpu():
     from test_variants import packed
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([1000, 0, 3000, 17], [1200, 9, 2999, 17],

@@ -41,12 +41,13 @@ class Case:
     chunk_k: int = 5
     headdim: int = 24
     with_lse_grad: bool = False  # the loss also has sum(lse * dlse)
+    with_sink: bool = False      # attention sinks (learnable_sink), their gradient summed over ranks
 
     @property
     def id(self):
         return (f"{self.layout}-{'causal' if self.causal else 'full'}-H{self.nheads}/"
                 f"{self.nheads_kv}-Nq{self.chunk_q}/Nk{self.chunk_k}-{str(self.dtype)[6:]}"
-                + ("-dlse" if self.with_lse_grad else ""))
+                + ("-dlse" if self.with_lse_grad else "") + ("-sink" if self.with_sink else ""))
 
     def shape(self, world_size):
         """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
@@ -64,7 +65,16 @@ CASES += [
     Case(False, "zigzag", 4, 2, chunk_q=3, chunk_k=7),  # seqlen_q != seqlen_k
     Case(True, "zigzag", 4, 2, with_lse_grad=True),
     Case(False, "contiguous", 4, 2, chunk_q=7, chunk_k=3, with_lse_grad=True),
+    Case(True, "zigzag", 4, 2, with_lse_grad=True, with_sink=True),
 ]
+
+
+def sink_for(case):
+    """The same (nheads,) sinks on every rank, or None."""
+    if not case.with_sink:
+        return None
+    sink = torch.linspace(-1.0, 3.0, case.nheads, dtype=torch.float64)
+    return sink.to(case.dtype).requires_grad_()
 
 
 def full_inputs(case, world_size):
@@ -90,13 +100,18 @@ def _run_case(case, world_size):
     q, k, v, do, dlse = full_inputs(case, world_size)
     shard = functools.partial(shard_sequence, layout=case.layout)
     local = [shard(x.detach()).requires_grad_() for x in (q, k, v)]
+    sink = sink_for(case)
     o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
-                            backend="torch")
+                            backend="torch", learnable_sink=sink)
     dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
-    grads = loss_grads(o, lse, shard(do), dlse_local, local)
+    grads = loss_grads(o, lse, shard(do), dlse_local, local + ([sink] if case.with_sink else []))
     unshard = functools.partial(unshard_sequence, layout=case.layout)
-    return dict(o=unshard(o), lse=_seq_last(unshard(_seq_last(lse))),
-                **{name: unshard(g) for name, g in zip(("dq", "dk", "dv"), grads)})
+    out = dict(o=unshard(o), lse=_seq_last(unshard(_seq_last(lse))),
+               **{name: unshard(g) for name, g in zip(("dq", "dk", "dv"), grads)})
+    if case.with_sink:
+        dist.all_reduce(grads[3])  # each rank holds its rows' share
+        out["dsink"] = grads[3]
+    return out
 
 
 def _errors(rank):
@@ -152,12 +167,16 @@ def test_matches_reference(ring_runs, world_size, case):
     got = ring_runs(world_size)[0][case.id]
     q, k, v, do, dlse = full_inputs(case, world_size)
 
-    def reference(q, k, v, upcast):
-        o, lse = attention_ref(q, k, v, causal=case.causal, upcast=upcast)
-        return (o, lse, *loss_grads(o, lse, do.to(q.dtype), dlse, (q, k, v)))
-    lowp = reference(q, k, v, upcast=False)
-    ref = reference(*[x.detach().double().requires_grad_() for x in (q, k, v)], upcast=True)
-    for i, name in enumerate(("o", "lse", "dq", "dk", "dv")):
+    sink = sink_for(case)
+    inputs = (q, k, v) + ((sink,) if case.with_sink else ())
+
+    def reference(*inputs, upcast):
+        o, lse = attention_ref(*inputs[:3], causal=case.causal, upcast=upcast,
+                               learnable_sink=inputs[3] if case.with_sink else None)
+        return (o, lse, *loss_grads(o, lse, do.to(q.dtype), dlse, inputs))
+    lowp = reference(*inputs, upcast=False)
+    ref = reference(*[x.detach().double().requires_grad_() for x in inputs], upcast=True)
+    for i, name in enumerate(("o", "lse", "dq", "dk", "dv", "dsink")[:len(inputs) + 2]):
         assert got[name].dtype == (torch.float32 if name == "lse" else case.dtype)
         check_close(name, got[name], lowp[i], ref[i])
 

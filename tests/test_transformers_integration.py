@@ -49,22 +49,38 @@ CONFIGS = {
     # a window shorter than the sequence: the mask is read as a causal sliding window
     "mistral-window4": lambda: transformers.MistralConfig(num_key_value_heads=1, sliding_window=4,
                                                           **SMALL),
+    # attention sinks (s_aux) in a sliding-window layer and a full one, and mixture-of-experts
+    # layers (their "eager" implementation: the default grouped_mm takes no float64)
+    "gpt-oss-sinks": lambda: transformers.GptOssConfig(
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        **dict(SMALL, intermediate_size=64)),
 }
+# Models without an sdpa implementation: eager in float64 is their reference (gpt-oss's eager
+# adds the sink column to every row, so no row's softmax is all -inf; see the module docstring)
+REFERENCE_IMPL = {"gpt-oss-sinks": "eager"}
 
 
-def make_models(arch, dtypes=(torch.float64, torch.float32, torch.float32),
-                impls=("sdpa", "eager", NAME)):
-    """The same random weights under each (dtype, attn_implementation). Each model gets its
-    own config object: a model writes its attention implementation into its config."""
+def make_models(arch, dtypes=(torch.float64, torch.float32, torch.float32), impls=None):
+    """The same random weights under each (dtype, attn_implementation); impls default: the
+    reference (sdpa), eager, LongFlash. Each model gets its own config object: a model writes
+    its attention implementation into its config. Attention sinks are drawn on the scale of
+    the scores (their default initialization is near 0)."""
+    impls = impls or (REFERENCE_IMPL.get(arch, "sdpa"), "eager", NAME)
     torch.manual_seed(0)
     models = []
     for dtype, impl in zip(dtypes, impls):
-        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](),
-                                                              attn_implementation=impl,
-                                                              dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            CONFIGS[arch](), attn_implementation=impl, dtype=dtype,
+            **({"experts_implementation": "eager"} if "gpt-oss" in arch else {}))
         assert model.config._attn_implementation == impl
         if models:
             model.load_state_dict(models[0].state_dict())
+        else:
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                        module.sinks.normal_(0.0, 2.0)
         models.append(model.eval())
     return models
 
@@ -97,7 +113,8 @@ def logits_and_grads(model, input_ids, mask, position_ids, weight, valid):
 
 
 CASES = [(arch, padding) for arch in CONFIGS for padding in ("none", "left", "right")
-         if (arch, padding) != ("mistral-window4", "right")]  # raises: see below
+         if (arch, padding) not in (("mistral-window4", "right"), ("gpt-oss-sinks", "right"))]
+# (right padding with a sliding window raises: see below)
 
 
 @pytest.mark.parametrize("arch, padding", CASES, ids=[f"{a}-{p}" for a, p in CASES])
@@ -112,6 +129,7 @@ def test_matches_eager(arch, padding):
     out, out_grads = logits_and_grads(longflash32, input_ids, mask, position_ids, weight, valid)
     check_close(f"{arch}-{padding} logits", out, low, ref)
     assert out_grads.keys() == ref_grads.keys() and len(ref_grads) > 10
+    assert all(name in ref_grads for name in longflash32.state_dict() if name.endswith("sinks"))
     for name in ref_grads:
         check_close(f"d {name}", out_grads[name], low_grads[name], ref_grads[name])
 
@@ -125,10 +143,11 @@ def test_triton_backend_left_padding():
         lf_hf.register(backend="torch")
 
 
-def test_generate_left_padding_with_cache():
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt-oss-sinks"])
+def test_generate_left_padding_with_cache(arch):
     """Greedy decoding with a KV cache: prefill on a left-padded batch, then one query per
     step (query offset from the cache); tokens and step logits equal eager's (float32)."""
-    eager, longflash = make_models("llama-gqa", (torch.float32,) * 2, ("eager", NAME))
+    eager, longflash = make_models(arch, (torch.float32,) * 2, ("eager", NAME))
     input_ids, mask, _ = make_batch("left", seqlen=9)
     runs = [m.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=5,
                        do_sample=False, pad_token_id=0, output_logits=True,

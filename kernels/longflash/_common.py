@@ -104,6 +104,39 @@ def empty_outputs(q, varlen=False):
     return o, lse.fill_(float("nan")) if POISON_OUTPUTS else lse
 
 
+# ----------------------------------------------------------------------------- sinks
+
+def check_learnable_sink(learnable_sink, nheads, device):
+    """learnable_sink: None, or a floating-point (nheads,) tensor on q's device."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor) or not learnable_sink.is_floating_point():
+        raise TypeError(f"learnable_sink must be a floating-point tensor of shape (nheads,) or "
+                        f"None, got {getattr(learnable_sink, 'dtype', type(learnable_sink))}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got "
+                         f"{tuple(learnable_sink.shape)}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink is on {learnable_sink.device}, q on {device}: they "
+                         f"must match")
+
+
+def with_learnable_sink(o, lse, learnable_sink):
+    """Attention whose softmax has one more logit per head, learnable_sink[h], that attends to
+    no value (gpt-oss's attention sinks), from attention without it: the softmax's normalizer
+    becomes lse' = log(exp(lse) + exp(sink)), so every probability, and o, is scaled by
+    exp(lse - lse') = sigmoid(lse - sink). Exact, differentiable in o, lse and the sink (the
+    kernels' backward takes the gradient of lse), and costs one elementwise pass over o.
+    o: (..., seqlen_q, nheads, headdim), lse: (..., nheads, seqlen_q) -> (o', lse'), same shapes.
+    A row that sees no key keeps o = 0 and gets lse' = sink; a sink of -inf is no sink."""
+    sink = learnable_sink.to(lse.dtype)[:, None]  # (H, 1)
+    # clamped: an empty row (lse -inf) with a -inf sink has share 0, not NaN
+    keys_share = torch.sigmoid(lse - sink.clamp(min=torch.finfo(lse.dtype).min))  # (..., H, Nq)
+    # o (its dtype) times float32: autograd keeps o itself, not a float32 copy
+    o = (o * keys_share.transpose(-1, -2)[..., None]).to(o.dtype)
+    return o, torch.logaddexp(lse, sink)
+
+
 # ----------------------------------------------------------------------------- visibility
 
 def visible(i, j, seqlen_q, seqlen_k, window_left, window_right):

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from . import blockwise
-from ._common import (Options, check_bools, check_real, check_shapes, empty_outputs,
-                      paged_rows, resolve_softmax_scale)
+from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
+                      empty_outputs, paged_rows, resolve_softmax_scale, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,7 +43,7 @@ def _check_tensor(name, x):
 
 def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None,
-                  deterministic=False, batch=None):
+                  deterministic=False, batch=None, learnable_sink=None):
     """Validate arguments; return (softmax_scale, backend) resolved to concrete values.
     q, k, v are 4-D here (packed sequences arrive with a leading batch of 1); batch is the
     number of sequences for ALiBi slopes (default q.shape[0])."""
@@ -87,6 +87,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, "
                         f"got {type(generator).__name__}")
+    check_learnable_sink(learnable_sink, nheads, q.device)
     return float(softmax_scale), _resolve_backend(backend, q)
 
 
@@ -327,7 +328,7 @@ def _seed_tensor(dropout_p, seed, generator):
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
               window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
-              generator=None, deterministic=False):
+              generator=None, deterministic=False, learnable_sink=None):
     """Exact softmax attention, computed block by block without the N x N matrix.
 
     Arguments:
@@ -358,31 +359,45 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             seed gives the same mask on every backend.
         deterministic: accepted for FlashAttention compatibility. Every backward pass here is
             deterministic (no atomics), so gradients are bit-identical across runs either way.
+        learnable_sink: (nheads,) floating-point tensor, or None: attention sinks (gpt-oss;
+            FlashAttention's `learnable_sink`): each row's softmax gets one more logit,
+            learnable_sink[h], compared with the final scores (after scale, softcap, ALiBi)
+            and attending to no value, so the probabilities of the keys sum to less than 1.
+            Gradients flow to it. Applied to the output and lse of attention without it
+            (`_common.with_learnable_sink`): one more elementwise pass over o.
     Returns:
         o: (batch, seqlen_q, nheads, headdim), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
-            natural log, of the scores before dropout
+            natural log, of the scores before dropout (the sink's logit included)
     dtypes: float16, bfloat16, float32; float64 on the PyTorch path. headdim 1..256.
     Empty inputs: seqlen_q = 0 or batch = 0 gives empty outputs; seqlen_k = 0 means no row sees
         a key (o = 0, lse = -inf).
     """
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
                                            alibi_slopes, softcap, dropout_p, seed, generator,
-                                           deterministic)
+                                           deterministic, learnable_sink=learnable_sink)
     if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1])
-        return (o, lse) if return_lse else o
-    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
-                                alibi_slopes, float(softcap), float(dropout_p),
-                                _seed_tensor(dropout_p, seed, generator))
+    else:
+        o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
+                                    alibi_slopes, float(softcap), float(dropout_p),
+                                    _seed_tensor(dropout_p, seed, generator))
+    return _outputs(o, lse, learnable_sink, return_lse)
+
+
+def _outputs(o, lse, learnable_sink, return_lse):
+    """What a public function returns: o (and lse), with the attention sinks if any."""
+    if learnable_sink is not None:
+        o, lse = with_learnable_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
                      window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
-                     seed=None, generator=None, deterministic=False, block_table=None):
+                     seed=None, generator=None, deterministic=False, block_table=None,
+                     learnable_sink=None):
     """`attention` on a packed batch of variable-length sequences, with no padding computed.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim)
@@ -390,7 +405,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         non-decreasing, ending at total_q / total_k (sequence b is q[cu_seqlens_q[b]:
         cu_seqlens_q[b + 1]]). max_seqlen_q, max_seqlen_k: the longest sequence lengths.
     Every keyword works as in `attention`, per sequence (causal and windows aligned to each
-    sequence's own end, alibi_slopes (batch, nheads) indexed by sequence).
+    sequence's own end, alibi_slopes (batch, nheads) indexed by sequence; learnable_sink
+    (nheads,) the same for every sequence).
     block_table: (batch, max_pages) int32, or None. If given, k and v are paged caches
         (num_pages, page_size, nheads_kv, headdim), as in flash_attn_with_kvcache, and
         cu_seqlens_k gives each sequence's number of keys: key n of sequence b is
@@ -413,7 +429,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     softmax_scale, backend = _check_inputs(
         q[None], keys, values, causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
-        batch=batch)
+        batch=batch, learnable_sink=learnable_sink)
     if _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q, k, v) \
             and not torch.compiler.is_compiling():
         lengths_q = cu_seqlens_q.diff()
@@ -430,7 +446,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                window_size, softcap, alibi_slopes, backend, max_seqlen_k)
             o = o.view(q.shape)  # (total_q, H, D)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
-            return (o, lse) if return_lse else o
+            return _outputs(o, lse, learnable_sink, return_lse)
     if paged and _needs_grad(q, k, v):  # the backward kernels take packed keys
         k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
         block_table = None
@@ -438,7 +454,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    return (o, lse) if return_lse else o
+    return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,

@@ -431,7 +431,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_lse=False, backend="auto", *, num_splits=0,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                           cache_batch_idx=None, cache_leftpad=None):
+                           cache_batch_idx=None, cache_leftpad=None, learnable_sink=None):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
     (FlashAttention-2's flash_attn_with_kvcache).
 
@@ -485,6 +485,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             cache_seqlens, the append, causal alignment (to the last key) and rotary
             positions (the rows) are as without it. Its values are read once to check them
             (with a tensor cache_seqlens, in the same copy).
+        learnable_sink: (nheads,) floating-point tensor, or None: attention sinks, as in
+            `longflash.attention` (one more logit per head in each row's softmax, attending
+            to no value; lse includes it).
     Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
@@ -496,7 +499,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     changes between calls becomes symbolic after the first change, so a compiled decoding
     loop compiles twice, not once per token.
     """
-    from .interface import _check_inputs  # interface routes decoding here: import late
+    from .interface import _check_inputs, _outputs  # interface routes decoding here: late
 
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
@@ -513,7 +516,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     # on an empty stand-in for the keys.
     keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
     softmax_scale, backend = _check_inputs(q, keys, keys, causal, softmax_scale, backend,
-                                           window_size, alibi_slopes, softcap)
+                                           window_size, alibi_slopes, softcap,
+                                           learnable_sink=learnable_sink)
     q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
                   q_in_order)
@@ -536,7 +540,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
                       cache_leftpad)
-    return (o, lse) if return_lse else o
+    return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,

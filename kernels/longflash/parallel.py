@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ._common import accumulator_dtype
-from .interface import _check_inputs  # importing interface registers torch.ops.longflash.*
+from .interface import _check_inputs, _outputs  # importing it registers torch.ops.longflash.*
 
 LAYOUTS = ("zigzag", "contiguous")
 # Sent across ranks as their index, to compare dtypes (unlisted ones compare as "other").
@@ -268,7 +268,7 @@ def _check_same_on_all_ranks(ring, device, **meta):
 # ----------------------------------------------------------------------------- public API
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
-                   return_lse=False, backend="auto"):
+                   return_lse=False, backend="auto", *, learnable_sink=None):
     """Exact attention over a sequence sharded across the ranks of a process group.
 
     Call it on every rank of group with this rank's shards (see `shard_sequence`):
@@ -284,6 +284,9 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     Returns o: (batch, seqlen_q / P, nheads, headdim), this rank's shard of the output, and if
         return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
     Differentiable in q, k, v (and through lse); the backward runs the ring again.
+    learnable_sink: (nheads,) attention sinks, as in `longflash.attention`, the same on every
+        rank, applied to the merged output and lse; its gradient on each rank is that rank's
+        rows' share (sum it over the group, as for any parameter replicated across shards).
 
     Raises, before any communication: the errors of `longflash.attention`; ValueError for an
     unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
@@ -292,7 +295,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     with one all_gather of a few numbers).
     """
     ring = _ring(group, layout)
-    softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend)
+    softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend,
+                                           learnable_sink=learnable_sink)
     _check_seqlen("q", q, ring)
     _check_seqlen("k", k, ring)
     if causal and q.shape[1] != k.shape[1]:
@@ -303,7 +307,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
                              softmax_scale=(softmax_scale,), layout=(LAYOUTS.index(layout),),
                              backend=(("triton", "torch").index(backend),))
     o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring)
-    return (o, lse) if return_lse else o
+    return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def shard_sequence(x, layout="zigzag", group=None):

@@ -39,7 +39,7 @@ def error_bound(err_lowp, ref_absmax, dtype):
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, batch_offset=0,
-                  upcast=True):
+                  upcast=True, learnable_sink=None):
     """Materializing attention. Returns (o, lse).
 
     o: (batch, seqlen_q, nheads, headdim) in q's dtype
@@ -49,6 +49,8 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
     upcast: compute in float32 (float64 stays float64). With upcast=False the whole
         computation runs in the input dtype, which is the "same computation in low
         precision" that the tolerance rule of the tests compares against.
+    learnable_sink: (nheads,) or None: one more column of scores, learnable_sink[h] in every
+        row, in the softmax and lse, then dropped (it attends to no value), as gpt-oss does.
     """
     dtype = q.dtype
     if upcast:
@@ -71,9 +73,14 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
     if causal or left >= 0 or right >= 0:
         mask = visible(i, j, seqlen_q, seqlen_k, left, 0 if causal else right)
         scores = scores.masked_fill(~mask, float("-inf"))
+    if learnable_sink is not None:  # (B, H, Nq, Nk + 1)
+        sink = learnable_sink.to(scores.dtype)[None, :, None, None]
+        scores = torch.cat([scores, sink.expand(batch, nheads, seqlen_q, 1)], dim=-1)
     lse = torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
     # Rows that see no key: softmax of all -inf is NaN; define it as 0 instead.
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if learnable_sink is not None:
+        p = p[..., :seqlen_k]
     if dropout_p > 0:
         bh = torch.arange(batch_offset * nheads, (batch_offset + batch) * nheads,
                           device=q.device).view(batch, nheads, 1, 1)

@@ -51,8 +51,9 @@ implementation computes:
   `module.is_causal`, sliding window from the `sliding_window` argument, as transformers'
   FlashAttention-2 path does.
 
-NotImplementedError, also: attention sinks (`s_aux`, `module.sinks`), `position_bias`
-(T5-style relative bias). `output_attentions=True` returns no weights (None), as sdpa.
+Attention sinks (gpt-oss: the `s_aux` argument, or `module.sinks`) run as LongFlash's
+`learnable_sink`, forward and backward. NotImplementedError, also: `position_bias` (T5-style
+relative bias). `output_attentions=True` returns no weights (None), as sdpa.
 
 Tested with transformers 5.23 (mask functions called with q_length / q_offset); the
 older call with cache_position (transformers 5.0) is handled too.
@@ -267,14 +268,16 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
     headdim), nheads % nheads_kv == 0. attention_mask: a `PaddingMask`, a 4D mask or None
     (see the module docstring). scaling: default 1 / sqrt(headdim). dropout: the
     probability the model passes (0 outside training). softcap: tanh soft-capping of the
-    scores (Gemma 2), None for none.
+    scores (Gemma 2), None for none. s_aux (or, without it, `module.sinks`): attention sinks
+    (gpt-oss), (nheads,), passed as `learnable_sink`.
     Returns (attn_output (batch, seqlen_q, nheads, headdim), None).
     """
-    for name in ("s_aux", "sinks", "position_bias"):
+    for name in ("sinks", "position_bias"):
         if kwargs.get(name) is not None:
-            raise _unsupported(f"the argument {name} (attention sinks or an attention bias)")
-    if getattr(module, "sinks", None) is not None:
-        raise _unsupported("attention sinks (module.sinks)")
+            raise _unsupported(f"the argument {name} (attention sinks in another form, or an "
+                               f"attention bias)")
+    sink = kwargs.get("s_aux")
+    sink = getattr(module, "sinks", None) if sink is None else sink
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -289,7 +292,7 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
                            f"implementation's mask)")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
     o = _run(q, k, v, *plan, softmax_scale=scaling, dropout_p=float(dropout),
-             softcap=float(softcap or 0.0), backend=_backend)
+             softcap=float(softcap or 0.0), backend=_backend, learnable_sink=sink)
     return o, None
 
 
