@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import longflash
-from longflash import attention_ref, attention_varlen_ref, blockwise
+from longflash import attention_ref, attention_varlen_ref
 from conftest import INTERPRET, check_close
 from test_correctness import make_inputs
-from test_variants import kwargs_for, packed, ref_kwargs, use_tma
+from test_variants import kwargs_for, packed, ref_kwargs, tiles_id, use_tiles
 
 BACKEND_TILES = [("torch", (16, 32)), ("torch", None)] + \
     ([("triton", None), ("triton", "tma"), ("triton", "ws")] if INTERPRET else [])
@@ -52,16 +52,11 @@ def check(fn, ref_fn, q, k, v, sink, do, dlse):
 
 
 @pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
-                         ids=[f"{b}-{t}" if t in ("tma", "ws") else f"{b}-{t[0]}x{t[1]}" if t
-                              else b for b, t in BACKEND_TILES])
+                         ids=[tiles_id(*bt) for bt in BACKEND_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_attention_with_sink(backend, tiles, dtype, shape, kw, monkeypatch):
-    if tiles in ("tma", "ws"):
-        use_tma(monkeypatch, ws=tiles == "ws")
-    elif tiles:
-        monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
-        monkeypatch.setattr(blockwise, "BLOCK_N", tiles[1])
+    use_tiles(monkeypatch, tiles)
     check_attention(shape, dtype, kw, backend)
 
 

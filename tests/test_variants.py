@@ -65,18 +65,27 @@ def ref_kwargs(kw):
     return {k: v for k, v in kw.items() if k not in ("generator", "deterministic")}
 
 
-@pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
-                         ids=[f"{b}-{t}" if t in ("tma", "ws") else f"{b}-{t[0]}x{t[1]}" if t
-                              else b
-                              for b, t in BACKEND_TILES])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_variant_against_reference(backend, tiles, dtype, shape, kw, monkeypatch):
+def tiles_id(backend, tiles):
+    return f"{backend}-{tiles}" if tiles in ("tma", "ws") else \
+        f"{backend}-{tiles[0]}x{tiles[1]}" if tiles else backend
+
+
+def use_tiles(monkeypatch, tiles):
+    """A BACKEND_TILES entry's tiles: the blockwise path's (BLOCK_M, BLOCK_N), or the Triton
+    kernels' "tma" / "ws" code paths (None: the defaults)."""
     if tiles in ("tma", "ws"):
         use_tma(monkeypatch, ws=tiles == "ws")
     elif tiles:
         monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
         monkeypatch.setattr(blockwise, "BLOCK_N", tiles[1])
+
+
+@pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
+                         ids=[tiles_id(*bt) for bt in BACKEND_TILES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_variant_against_reference(backend, tiles, dtype, shape, kw, monkeypatch):
+    use_tiles(monkeypatch, tiles)
     check_variant(shape, dtype, kw, backend)
 
 
