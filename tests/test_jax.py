@@ -83,6 +83,32 @@ def test_matches_reference(case):
         check_close(f"{case_id(case)} {name}", to_torch(a), to_torch(b), to_torch(r))
 
 
+@pytest.mark.parametrize("case", CASES[1:3], ids=[case_id(c) for c in CASES[1:3]])
+def test_learnable_sink(case):
+    """Attention sinks: o, lse and the gradients of q, k, v and the sink against the reference
+    that appends the sink as a column of scores."""
+    causal = case[-1]
+    q, k, v, do, dlse = make_inputs(case)
+    sink = jnp.asarray(np.linspace(-1.0, 4.0, case[3]))
+
+    def values_and_grads_sink(fn, q, k, v, sink):
+        (o, lse), vjp = jax.vjp(fn, q, k, v, sink)
+        return (o, lse, *vjp((do.astype(o.dtype), dlse.astype(lse.dtype))))
+    ref = lambda q, k, v, s: lj.attention_ref(q, k, v, causal=causal,  # noqa: E731
+                                              learnable_sink=s)
+    blockwise = lambda q, k, v, s: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
+                                                block_m=32, block_n=16, backend="jax",
+                                                learnable_sink=s)
+    lowp = [x.astype(jnp.float32) for x in (q, k, v, sink)]
+    ref64 = values_and_grads_sink(ref, q, k, v, sink)
+    ref32 = values_and_grads_sink(ref, *lowp)
+    out = values_and_grads_sink(blockwise, *lowp)
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv", "dsink"), out, ref32, ref64):
+        check_close(f"{case_id(case)} {name}", to_torch(a), to_torch(b), to_torch(r))
+    with pytest.raises(ValueError, match="learnable_sink"):
+        lj.attention(q, k, v, learnable_sink=sink[:1])
+
+
 def test_float64_is_exact():
     """In float64 the blockwise path agrees with the reference to rounding (1e-12)."""
     case = (1, 33, 47, 4, 2, 40, True)

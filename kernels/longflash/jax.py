@@ -516,7 +516,7 @@ _attention_jit = jax.jit(_attention, static_argnums=3)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
-              block_n=BLOCK_N, backend="auto"):
+              block_n=BLOCK_N, backend="auto", learnable_sink=None):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -536,6 +536,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             O(batch * nheads * block_m * block_n).
         backend: "auto" (the Triton kernels through jax_triton for GPU arrays when it is
             installed, UNTESTED; the blockwise JAX path otherwise), "triton" or "jax".
+        learnable_sink: (nheads,) floating-point array, or None: attention sinks, as in
+            `longflash.attention` (one more logit per head in every row's softmax, attending
+            to no value; lse includes it; differentiable).
     Returns:
         o: (batch, seqlen_q, nheads, headdim), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -547,14 +550,38 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     """
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
                                  backend)
+    _check_sink(learnable_sink, q.shape[2])
     o, lse = _attention_jit(q, k, v, cfg)
+    if learnable_sink is not None:
+        o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None):
+def _check_sink(learnable_sink, nheads):
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, (jax.Array, np.ndarray)) or \
+            not jnp.issubdtype(learnable_sink.dtype, jnp.floating):
+        raise TypeError(f"learnable_sink must be a floating-point array of shape (nheads,) or "
+                        f"None, got {getattr(learnable_sink, 'dtype', type(learnable_sink))}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got "
+                         f"{tuple(learnable_sink.shape)}")
+
+
+def _with_sink(o, lse, learnable_sink):
+    """_common.with_learnable_sink in JAX: o * sigmoid(lse - sink), logaddexp(lse, sink)."""
+    sink = jnp.asarray(learnable_sink).astype(lse.dtype)[:, None]  # (H, 1)
+    share = jax.nn.sigmoid(lse - jnp.maximum(sink, jnp.finfo(lse.dtype).min))  # (B, H, Nq)
+    o = (o * jnp.swapaxes(share, -1, -2)[..., None]).astype(o.dtype)
+    return o, jnp.logaddexp(lse, sink)
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None):
     """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
-    the tests (run in float64) and the naive baseline."""
+    the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
+    column of scores appended to every row, then dropped."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
@@ -565,6 +592,10 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None):
         i = jnp.arange(seqlen_q)[:, None]
         j = jnp.arange(seqlen_k)[None, :]
         scores = jnp.where(visible(i, j, seqlen_q, seqlen_k, -1, 0), scores, -jnp.inf)
+    if learnable_sink is not None:  # (B, H, Nq, Nk + 1)
+        sink = jnp.broadcast_to(learnable_sink.astype(scores.dtype)[None, :, None, None],
+                                (batch, nheads, seqlen_q, 1))
+        scores = jnp.concatenate([scores, sink], axis=-1)
     # softmax with the row max subtracted; a row that sees no key gets p = 0, lse = -inf
     # (written so that no NaN arises, in values or in gradients)
     m = lax.stop_gradient(scores.max(-1, keepdims=True))
@@ -573,5 +604,6 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None):
     l_safe = jnp.where(l == 0, 1.0, l)
     p = e / l_safe
     lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+    p = p[..., :seqlen_k]
     o = jnp.einsum("bhij,bjhd->bihd", p, v, precision=_HIGHEST)
     return o.astype(q.dtype), lse
