@@ -71,6 +71,29 @@ def test_attention_module_matches_reference(embed_dim, num_heads, num_heads_kv, 
     check_model(module, x, lambda out: (out * weight.to(out.dtype)).sum(), attn_impl)
 
 
+def random_sinks(model):
+    """Attention sinks on the scale of the scores (they start at 0)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MultiheadSelfAttention) and m.sinks is not None:
+                m.sinks.normal_(0.0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("embed_dim, num_heads, num_heads_kv, causal, rotary, seqlen",
+                         ATTN_CASES[:3])
+def test_attention_module_with_sinks(embed_dim, num_heads, num_heads_kv, causal, rotary, seqlen):
+    """sinks=True: the output and every gradient, the sinks' included, against the module
+    with materialized attention (its own sink column)."""
+    torch.manual_seed(0)
+    module = random_sinks(MultiheadSelfAttention(embed_dim, num_heads, num_heads_kv,
+                                                 causal=causal, rotary=rotary, sinks=True))
+    assert module.sinks.shape == (num_heads,)
+    x = torch.randn(2, seqlen, embed_dim)
+    weight = torch.randn(2, seqlen, embed_dim)
+    check_model(module, x, lambda out: (out * weight.to(out.dtype)).sum(), "longflash")
+
+
 def test_causal_module_ignores_the_future():
     torch.manual_seed(0)
     module = MultiheadSelfAttention(32, 4, 2, causal=True, rotary=True)
@@ -100,6 +123,7 @@ def test_rotary_scores_depend_on_relative_position_only():
     (dict(embed_dim=32, num_heads=4, attn_impl="flash"), "attn_impl"),
     (dict(embed_dim=32, num_heads=4, dropout=1.0), "dropout"),
     (dict(embed_dim=12, num_heads=4, rotary=True), "rotary"),
+    (dict(embed_dim=32, num_heads=4, sinks=True, attn_impl="sdpa"), "sinks"),
 ])
 def test_module_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -166,10 +190,12 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gpt_with_kv_cache_gives_the_full_forward_logits(backend):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_gpt_with_kv_cache_gives_the_full_forward_logits(backend, sinks):
     """A prompt into a fresh KV cache, then one token at a time, gives the logits of one
-    forward pass over the whole sequence (rotary positions, GQA, causal alignment)."""
-    model = tiny_gpt().eval()
+    forward pass over the whole sequence (rotary positions, GQA, causal alignment, and
+    attention sinks in both)."""
+    model = random_sinks(tiny_gpt(attn_sinks=sinks)).eval()
     for m in model.modules():
         if isinstance(m, MultiheadSelfAttention):
             m.backend = backend

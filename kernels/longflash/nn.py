@@ -60,16 +60,18 @@ def apply_rotary(x, cos, sin, interleaved=False):
 
 
 def attention_function(attn_impl, backend="auto"):
-    """The attention of `attn_impl`, as f(q, k, v, causal, dropout_p) on (batch, seqlen, nheads,
-    headdim) tensors; k, v may have fewer heads (GQA)."""
+    """The attention of `attn_impl`, as f(q, k, v, causal, dropout_p, learnable_sink=None) on
+    (batch, seqlen, nheads, headdim) tensors; k, v may have fewer heads (GQA). "sdpa" takes no
+    learnable_sink."""
     if attn_impl == "longflash":
-        return lambda q, k, v, causal, dropout_p: attention(q, k, v, causal=causal,
-                                                            dropout_p=dropout_p, backend=backend)
+        return lambda q, k, v, causal, dropout_p, learnable_sink=None: attention(
+            q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
+            learnable_sink=learnable_sink)
     if attn_impl == "standard":
-        def standard(q, k, v, causal, dropout_p):
+        def standard(q, k, v, causal, dropout_p, learnable_sink=None):
             seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
             return attention_ref(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed,
-                                 upcast=False)[0]
+                                 upcast=False, learnable_sink=learnable_sink)[0]
         return standard
     if attn_impl == "sdpa":
         def sdpa(q, k, v, causal, dropout_p):
@@ -116,6 +118,9 @@ class MultiheadSelfAttention(nn.Module):
         bias: biases in the projections (default False).
         rotary: rotary position embeddings on q and k (default False); rotary_base: 10000.
         dropout: attention dropout probability, applied in training mode only.
+        sinks: a learned attention sink per query head (`self.sinks`, (num_heads,), zeros at
+            first), as in gpt-oss: one more logit in every row's softmax, attending to no value
+            (`learnable_sink` of longflash.attention). Not with attn_impl="sdpa".
         attn_impl: "longflash" (default), "sdpa" or "standard" (see the module docstring).
         backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash".
     forward(x, kv_cache=None): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim).
@@ -126,7 +131,7 @@ class MultiheadSelfAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, causal=True, bias=False,
                  rotary=False, rotary_base=10000.0, dropout=0.0, attn_impl="longflash",
-                 backend="auto", device=None, dtype=None):
+                 backend="auto", device=None, dtype=None, sinks=False):
         super().__init__()
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
         if num_heads < 1 or embed_dim % num_heads:
@@ -138,6 +143,9 @@ class MultiheadSelfAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.attn = attention_function(attn_impl, backend)  # raises on a bad attn_impl
+        if sinks and attn_impl == "sdpa":
+            raise ValueError("sinks=True needs attn_impl 'longflash' or 'standard': PyTorch's "
+                             "scaled_dot_product_attention has no attention sinks")
         self.embed_dim, self.num_heads, self.num_heads_kv = embed_dim, num_heads, num_heads_kv
         self.headdim = embed_dim // num_heads
         if rotary and self.headdim % 2:
@@ -148,6 +156,7 @@ class MultiheadSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_heads_kv) * self.headdim,
                                   bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
 
     def forward(self, x, kv_cache=None):
         batch, seqlen, _ = x.shape
@@ -160,7 +169,8 @@ class MultiheadSelfAttention(nn.Module):
         if self.rotary:
             cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0)
+        sink = {} if self.sinks is None else dict(learnable_sink=self.sinks)
+        o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0, **sink)
         return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
 
     def _attend_cached(self, q, k, v, kv_cache):
@@ -173,14 +183,16 @@ class MultiheadSelfAttention(nn.Module):
             cos, sin = kv_cache.rotary_tables(self.rotary_base)
             rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
         o = attention_with_kvcache(q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen,
-                                   causal=self.causal, backend=self.backend, **rotary)
+                                   causal=self.causal, backend=self.backend,
+                                   learnable_sink=self.sinks, **rotary)
         kv_cache.seqlen += q.shape[1]
         return o
 
     def extra_repr(self):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_heads_kv={self.num_heads_kv}, causal={self.causal}, "
-                f"rotary={self.rotary}, attn_impl={self.attn_impl!r}")
+                f"rotary={self.rotary}, sinks={self.sinks is not None}, "
+                f"attn_impl={self.attn_impl!r}")
 
 
 __all__ = ["MultiheadSelfAttention", "KVCache", "attention_function", "apply_rotary",

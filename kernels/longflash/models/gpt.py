@@ -36,6 +36,7 @@ class GPTConfig:
     bias: bool = False             # biases in Linear and LayerNorm
     attn_impl: str = "longflash"   # "longflash" | "sdpa" | "standard"
     checkpoint: bool = False       # activation checkpointing per block
+    attn_sinks: bool = False       # a learned attention sink per head (gpt-oss)
 
 
 class MLP(nn.Module):
@@ -55,7 +56,8 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = MultiheadSelfAttention(config.n_embd, config.n_head, config.n_head_kv,
                                            causal=True, bias=config.bias, rotary=True,
-                                           dropout=config.dropout, attn_impl=config.attn_impl)
+                                           dropout=config.dropout, attn_impl=config.attn_impl,
+                                           sinks=config.attn_sinks)
         self.dropout = nn.Dropout(config.dropout)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
