@@ -42,12 +42,14 @@ class Case:
     headdim: int = 24
     with_lse_grad: bool = False  # the loss also has sum(lse * dlse)
     with_sink: bool = False      # attention sinks (learnable_sink), their gradient summed over ranks
+    headdim_v: int = 0           # v's head dim where it differs from q's and k's (MLA)
 
     @property
     def id(self):
         return (f"{self.layout}-{'causal' if self.causal else 'full'}-H{self.nheads}/"
                 f"{self.nheads_kv}-Nq{self.chunk_q}/Nk{self.chunk_k}-{str(self.dtype)[6:]}"
-                + ("-dlse" if self.with_lse_grad else "") + ("-sink" if self.with_sink else ""))
+                + ("-dlse" if self.with_lse_grad else "") + ("-sink" if self.with_sink else "")
+                + (f"-Dv{self.headdim_v}" if self.headdim_v else ""))
 
     def shape(self, world_size):
         """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
@@ -66,6 +68,7 @@ CASES += [
     Case(True, "zigzag", 4, 2, with_lse_grad=True),
     Case(False, "contiguous", 4, 2, chunk_q=7, chunk_k=3, with_lse_grad=True),
     Case(True, "zigzag", 4, 2, with_lse_grad=True, with_sink=True),
+    Case(True, "zigzag", 4, 2, with_lse_grad=True, headdim_v=16),
 ]
 
 
@@ -81,6 +84,10 @@ def full_inputs(case, world_size):
     """q, k, v, do (leaves, as in test_correctness) and dlse (batch, nheads, seqlen_q)."""
     q, k, v, do = make_inputs(case.shape(world_size), case.dtype, seed=world_size)
     gen = torch.Generator().manual_seed(world_size + 100)
+    if case.headdim_v:
+        v, do = (torch.randn(x.shape[:3] + (case.headdim_v,), generator=gen,
+                             dtype=torch.float64).to(case.dtype) for x in (v, do))
+        v.requires_grad_()
     dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], generator=gen, dtype=torch.float64)
     return q, k, v, do, dlse if case.with_lse_grad else None
 

@@ -55,6 +55,11 @@ CONFIGS = {
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         **dict(SMALL, intermediate_size=64)),
+    # multi-head latent attention: keys of head dim 24 (16 + 8 rotary), values of 16, passed
+    # to the attention function as they are (dense MLPs only: first_k_dense_replace)
+    "deepseek-v3-mla": lambda: transformers.DeepseekV3Config(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, **SMALL),
 }
 # Models without an sdpa implementation: eager in float64 is their reference (gpt-oss's eager
 # adds the sink column to every row, so no row's softmax is all -inf; see the module docstring)
@@ -143,7 +148,7 @@ def test_triton_backend_left_padding():
         lf_hf.register(backend="torch")
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "gpt-oss-sinks"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt-oss-sinks", "deepseek-v3-mla"])
 def test_generate_left_padding_with_cache(arch):
     """Greedy decoding with a KV cache: prefill on a left-padded batch, then one query per
     step (query offset from the cache); tokens and step logits equal eager's (float32)."""

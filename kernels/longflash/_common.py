@@ -21,19 +21,21 @@ MAX_HEADDIM = 256
 # -- validation shared by the PyTorch and JAX front ends (shapes as tuples, plain Python) --
 
 def check_shapes(q_shape, k_shape, v_shape):
-    """q: (batch, seqlen_q, nheads, headdim), k and v: (batch, seqlen_k, nheads_kv, headdim)
-    with nheads % nheads_kv == 0. Returns (nheads, nheads_kv, headdim); raises naming the
+    """q: (batch, seqlen_q, nheads, headdim), k: (batch, seqlen_k, nheads_kv, headdim) and
+    v: (batch, seqlen_k, nheads_kv, headdim_v) with nheads % nheads_kv == 0; headdim_v may
+    differ from headdim (MLA). Returns (nheads, nheads_kv, headdim); raises naming the
     argument otherwise."""
-    if tuple(k_shape) != tuple(v_shape):
-        raise ValueError(f"k and v must have the same shape (batch, seqlen_k, nheads_kv, headdim),"
-                         f" got {tuple(k_shape)} and {tuple(v_shape)}")
+    if tuple(k_shape[:3]) != tuple(v_shape[:3]):
+        raise ValueError(f"k and v must agree in (batch, seqlen_k, nheads_kv), got shapes "
+                         f"{tuple(k_shape)} and {tuple(v_shape)}")
     batch, _, nheads, headdim = q_shape
     if k_shape[0] != batch:
         raise ValueError(f"q and k must have the same batch size, got {batch} and {k_shape[0]}")
     if k_shape[3] != headdim:
         raise ValueError(f"q and k must have the same headdim, got {headdim} and {k_shape[3]}")
-    if not 1 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    for name, d in (("headdim", headdim), ("headdim of v", v_shape[3])):
+        if not 1 <= d <= MAX_HEADDIM:
+            raise ValueError(f"{name} must be between 1 and {MAX_HEADDIM}, got {d}")
     nheads_kv = k_shape[2]
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
@@ -102,6 +104,31 @@ def empty_outputs(q, varlen=False):
     shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = q.new_empty(shape, dtype=accumulator_dtype(q.dtype))
     return o, lse.fill_(float("nan")) if POISON_OUTPUTS else lse
+
+
+# ----------------------------------------------------------------------------- value head dim
+
+def pad_headdim(q, k, v):
+    """Attention whose values have another head dim than the queries and keys (MLA:
+    DeepSeek-V2/V3 attend with headdim 192 and headdim_v 128), from attention with one head
+    dim, which is what the kernels compute: the narrower side is zero-padded to the wider.
+    Zero columns of v give zero columns of o, sliced off by `unpad_headdim`; zero columns of
+    q and k add exact zeros to every score. Exact and differentiable (the pads' gradients are
+    dropped); it costs the padded copy and the padded columns' FLOPs (192 / 128: 20% more
+    than a kernel with two head dims). The softmax scale must be resolved before, from q's
+    own headdim. Returns (q, k, v, headdim_v); unchanged tensors when the head dims agree."""
+    headdim, headdim_v = q.shape[-1], v.shape[-1]
+    if headdim_v < headdim:
+        v = torch.nn.functional.pad(v, (0, headdim - headdim_v))
+    elif headdim_v > headdim:
+        q, k = (torch.nn.functional.pad(x, (0, headdim_v - headdim)) for x in (q, k))
+    return q, k, v, headdim_v
+
+
+def unpad_headdim(o, headdim_v):
+    """o's first headdim_v columns, contiguous (so that o.view(batch, seqlen, -1) works as on
+    any output): the output of attention padded by `pad_headdim`."""
+    return o if o.shape[-1] == headdim_v else o[..., :headdim_v].contiguous()
 
 
 # ----------------------------------------------------------------------------- sinks

@@ -17,7 +17,8 @@ import torch
 
 from . import blockwise
 from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
-                      empty_outputs, paged_rows, resolve_softmax_scale, with_learnable_sink)
+                      empty_outputs, pad_headdim, paged_rows, resolve_softmax_scale,
+                      unpad_headdim, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -140,9 +141,14 @@ def _check_pages(q, k, v, block_table, cu_seqlens_k, batch):
     (batch, max_pages) int32 for the lengths of cu_seqlens_k (checked already); returns the
     number of keys, cu_seqlens_k[-1]. Reads cu_seqlens_k and the entries in use back."""
     from .kvcache import check_block_table, check_pages_in_use  # kvcache imports this module
-    if tuple(k.shape) != tuple(v.shape):
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
+    if k.shape[3] != v.shape[3]:
+        raise NotImplementedError(f"a paged cache (block_table) whose values have another head "
+                                  f"dim ({v.shape[3]}) than its keys ({k.shape[3]}) is not "
+                                  f"supported; pass packed k and v (the head dims may differ "
+                                  f"there)")
     check_block_table(block_table, batch, q.device)
     if torch.compiler.is_compiling():
         raise NotImplementedError("attention_varlen with block_table under torch.compile: the "
@@ -334,7 +340,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     Arguments:
         q: (batch, seqlen_q, nheads, headdim)
         k, v: (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA:
-            query head h uses key/value head h // (nheads // nheads_kv))
+            query head h uses key/value head h // (nheads // nheads_kv)). v's headdim may
+            differ from q's and k's (MLA: DeepSeek-V3's 192 and 128): the narrower side is
+            zero-padded to the wider before the kernels and o sliced after
+            (`_common.pad_headdim`: exact; a padded copy and the padded FLOPs).
         causal: bottom-right aligned, as in FlashAttention 2.1+: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0
@@ -366,7 +375,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             Gradients flow to it. Applied to the output and lse of attention without it
             (`_common.with_learnable_sink`): one more elementwise pass over o.
     Returns:
-        o: (batch, seqlen_q, nheads, headdim), dtype of q
+        o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
             natural log, of the scores before dropout (the sink's logit included)
     dtypes: float16, bfloat16, float32; float64 on the PyTorch path. headdim 1..256.
@@ -376,6 +385,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic, learnable_sink=learnable_sink)
+    q, k, v, headdim_v = pad_headdim(q, k, v)
     if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1])
@@ -383,11 +393,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
         o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                     alibi_slopes, float(softcap), float(dropout_p),
                                     _seed_tensor(dropout_p, seed, generator))
-    return _outputs(o, lse, learnable_sink, return_lse)
+    return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
 
 
-def _outputs(o, lse, learnable_sink, return_lse):
-    """What a public function returns: o (and lse), with the attention sinks if any."""
+def _outputs(o, lse, learnable_sink, return_lse, headdim_v=None):
+    """What a public function returns: o (its first headdim_v columns if given:
+    `pad_headdim`) and lse, with the attention sinks if any."""
+    if headdim_v is not None:
+        o = unpad_headdim(o, headdim_v)
     if learnable_sink is not None:
         o, lse = with_learnable_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
@@ -400,7 +413,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      learnable_sink=None):
     """`attention` on a packed batch of variable-length sequences, with no padding computed.
 
-    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim)
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim) (v's headdim may
+        differ, as in `attention`, except with block_table)
     cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets of each sequence, starting at 0,
         non-decreasing, ending at total_q / total_k (sequence b is q[cu_seqlens_q[b]:
         cu_seqlens_q[b + 1]]). max_seqlen_q, max_seqlen_k: the longest sequence lengths.
@@ -417,7 +431,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         entries in use back to check them; torch.compile runs such a call eagerly (a graph
         break: those checks, and the copy's length, are values of the tensors), and
         fullgraph=True refuses it.
-    Returns o: (total_q, nheads, headdim) and, with return_lse, lse: (nheads, total_q).
+    Returns o: (total_q, nheads, headdim of v) and, with return_lse, lse: (nheads, total_q).
     """
     paged = block_table is not None
     batch = _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -430,6 +444,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q[None], keys, values, causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
         batch=batch, learnable_sink=learnable_sink)
+    q, k, v, headdim_v = pad_headdim(q, k, v)
     if _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q, k, v) \
             and not torch.compiler.is_compiling():
         lengths_q = cu_seqlens_q.diff()
@@ -446,7 +461,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                window_size, softcap, alibi_slopes, backend, max_seqlen_k)
             o = o.view(q.shape)  # (total_q, H, D)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
-            return _outputs(o, lse, learnable_sink, return_lse)
+            return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
     if paged and _needs_grad(q, k, v):  # the backward kernels take packed keys
         k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
         block_table = None
@@ -454,22 +469,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    return _outputs(o, lse, learnable_sink, return_lse)
+    return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention, with PyTorch's semantics.
 
-    query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_kv, seqlen_k, headdim)
+    query: (batch, nheads, seqlen_q, headdim); key: (batch, nheads_kv, seqlen_k, headdim);
+        value: (batch, nheads_kv, seqlen_k, headdim_v)
     is_causal: top-left aligned, as in PyTorch: query i sees key j iff j <= i. (Note the
         difference from `attention(causal=True)`, which is bottom-right aligned.)
     scale: default 1 / sqrt(headdim). enable_gqa: allow nheads_kv < nheads.
-    Returns (batch, nheads, seqlen_q, headdim).
+    Returns (batch, nheads, seqlen_q, headdim_v).
     dropout_p: as in `attention` (a counter-based mask; seed drawn from torch's generator).
-    Not supported (NotImplementedError): attn_mask, 3-D inputs, and value
-    head dims that differ from the query's; use torch.nn.functional.scaled_dot_product_attention
-    or FlexAttention for those.
+    Not supported (NotImplementedError): attn_mask and 3-D inputs; use
+    torch.nn.functional.scaled_dot_product_attention or FlexAttention for those.
     """
     if attn_mask is not None:
         raise NotImplementedError("attn_mask is not supported by longflash; use is_causal=True for"
@@ -480,10 +495,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise NotImplementedError(f"{name} must be 4-D (batch, nheads, seqlen, headdim), got "
                                       f"shape {tuple(x.shape)}; use torch.nn.functional."
                                       f"scaled_dot_product_attention for other ranks")
-    if isinstance(value, torch.Tensor) and isinstance(query, torch.Tensor) \
-            and value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError("value headdim must equal query headdim; use torch.nn.functional"
-                                  ".scaled_dot_product_attention")
     if isinstance(key, torch.Tensor) and isinstance(query, torch.Tensor) \
             and key.dim() == 4 and key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass "

@@ -522,7 +522,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     Arguments:
         q: (batch, seqlen_q, nheads, headdim)
         k, v: (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA:
-            query head h uses key/value head h // (nheads // nheads_kv))
+            query head h uses key/value head h // (nheads // nheads_kv)); v's headdim may
+            differ (MLA), zero-padded as in `longflash.attention` (_common.pad_headdim)
         causal: bottom-right aligned, as longflash.attention and FlashAttention 2.1+: query i
             sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0
@@ -540,10 +541,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             `longflash.attention` (one more logit per head in every row's softmax, attending
             to no value; lse includes it; differentiable).
     Returns:
-        o: (batch, seqlen_q, nheads, headdim), dtype of q
+        o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
             natural log
-    dtypes: float16, bfloat16, float32, float64 (jax_enable_x64). headdim 1..256.
+    dtypes: float16, bfloat16, float32, float64 (jax_enable_x64). headdims 1..256.
     Bad input raises ValueError / TypeError naming the argument, before any work.
     Works under jax.jit, jax.vmap, jax.grad and jax.vjp (the blockwise path; the Triton
     path has no batching rule).
@@ -551,7 +552,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
                                  backend)
     _check_sink(learnable_sink, q.shape[2])
+    headdim, headdim_v = q.shape[3], v.shape[3]
+    widths = [(0, 0)] * 3 + [(0, abs(headdim - headdim_v))]  # the narrower side's zero columns
+    if headdim_v < headdim:
+        v = jnp.pad(v, widths)
+    elif headdim_v > headdim:
+        q, k = jnp.pad(q, widths), jnp.pad(k, widths)
     o, lse = _attention_jit(q, k, v, cfg)
+    o = o[..., :headdim_v]
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o

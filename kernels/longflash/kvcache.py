@@ -254,9 +254,13 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (or neither)")
     batch, seqlen_q, nheads, headdim = q.shape
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
         raise ValueError(f"k_cache and v_cache must have the same shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != v_cache.shape[3]:
+        raise NotImplementedError(f"a v_cache with another head dim ({v_cache.shape[3]}) than "
+                                  f"k_cache ({k_cache.shape[3]}) is not supported with a KV "
+                                  f"cache; longflash.attention takes different value head dims")
     _, slots, nheads_kv, cache_headdim = k_cache.shape
     if cache_headdim != headdim:
         raise ValueError(f"k_cache headdim {cache_headdim} differs from q's {headdim}")

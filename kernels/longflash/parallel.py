@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._common import accumulator_dtype
+from ._common import accumulator_dtype, pad_headdim
 from .interface import _check_inputs, _outputs  # importing it registers torch.ops.longflash.*
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -273,7 +273,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
 
     Call it on every rank of group with this rank's shards (see `shard_sequence`):
         q: (batch, seqlen_q / P, nheads, headdim)
-        k, v: (batch, seqlen_k / P, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA)
+        k, v: (batch, seqlen_k / P, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA);
+            v's headdim may differ, as in `longflash.attention`
     causal: over the global sequence, as in `longflash.attention`; needs seqlen_q == seqlen_k.
     softmax_scale: default 1 / sqrt(headdim).
     group: the process group (default: the default group); P = its size.
@@ -281,7 +282,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         or "contiguous"; must match the layout of shard_sequence / unshard_sequence. The
         global seqlen must be divisible by 2P (zigzag) or P (contiguous).
     return_lse, backend: as in `longflash.attention` (backend runs each block).
-    Returns o: (batch, seqlen_q / P, nheads, headdim), this rank's shard of the output, and if
+    Returns o: (batch, seqlen_q / P, nheads, headdim of v), this rank's shard of the output, and if
         return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
     Differentiable in q, k, v (and through lse); the backward runs the ring again.
     learnable_sink: (nheads,) attention sinks, as in `longflash.attention`, the same on every
@@ -302,12 +303,13 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     if causal and q.shape[1] != k.shape[1]:
         raise NotImplementedError(f"ring_attention with causal=True needs seqlen_q == seqlen_k "
                                   f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
-    _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape,
+    _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
                              dtype=_dtype_code(q.dtype), causal=(causal,),
                              softmax_scale=(softmax_scale,), layout=(LAYOUTS.index(layout),),
                              backend=(("triton", "torch").index(backend),))
+    q, k, v, headdim_v = pad_headdim(q, k, v)
     o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring)
-    return _outputs(o, lse, learnable_sink, return_lse)
+    return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
 
 
 def shard_sequence(x, layout="zigzag", group=None):

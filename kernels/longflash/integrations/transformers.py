@@ -12,8 +12,10 @@ kernel to fetch from the hub, and fails.
 - an attention function (`AttentionInterface`). Every model that dispatches its attention
   through the registry (Llama, Qwen2, Mistral, GPT-2, ...) calls it per layer with
       query: (batch, nheads, seqlen_q, headdim)
-      key, value: (batch, nheads_kv, seqlen_k, headdim)
-  and the layer's mask, and gets back (attn_output (batch, seqlen_q, nheads, headdim), None),
+      key, value: (batch, nheads_kv, seqlen_k, headdim), value's headdim may differ (MLA:
+          DeepSeek-V3's 192 and 128)
+  and the layer's mask, and gets back (attn_output (batch, seqlen_q, nheads, headdim of
+  value), None),
   computed by `longflash.attention` or, for padded batches, `longflash.attention_varlen`.
   GQA runs without repeating key and value. `scaling`, `dropout` (training only, as the
   model passes it) and `softcap` are honoured.
@@ -232,12 +234,12 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
 # ----------------------------------------------------------------------------- attention
 
 def _run(q, k, v, causal, window_left, valid_q, valid_k, **kwargs):
-    """q: (B, Nq, H, D), k, v: (B, Nk, Hkv, D) views -> o: (B, Nq, H, D)."""
+    """q: (B, Nq, H, D), k: (B, Nk, Hkv, D), v: (B, Nk, Hkv, Dv) views -> o: (B, Nq, H, Dv)."""
     window = (window_left, -1)
     if valid_q is None and valid_k is None:
         return attention(q, k, v, causal=causal, window_size=window, **kwargs)
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k = k.shape[1]
+    seqlen_k, headdim_v = k.shape[1], v.shape[3]
     if valid_q is None:
         valid_q = torch.ones(batch, seqlen_q, dtype=torch.bool, device=q.device)
     if valid_k is None:
@@ -251,12 +253,12 @@ def _run(q, k, v, causal, window_left, valid_q, valid_k, **kwargs):
     o = attention_varlen(
         q.reshape(batch * seqlen_q, nheads, headdim).index_select(0, rows_q),  # (total_q, H, D)
         k.reshape(batch * seqlen_k, -1, headdim).index_select(0, rows_k),      # (total_k, Hkv, D)
-        v.reshape(batch * seqlen_k, -1, headdim).index_select(0, rows_k),
+        v.reshape(batch * seqlen_k, -1, headdim_v).index_select(0, rows_k),
         cu_seqlens_q, cu_seqlens_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
         window_size=window, **kwargs)
     # padded query rows: 0
-    return o.new_zeros(batch * seqlen_q, nheads, headdim).index_copy(0, rows_q, o).view(
-        batch, seqlen_q, nheads, headdim)
+    return o.new_zeros(batch * seqlen_q, nheads, headdim_v).index_copy(0, rows_q, o).view(
+        batch, seqlen_q, nheads, headdim_v)
 
 
 def longflash_attention_forward(module, query, key, value, attention_mask, scaling=None,
@@ -265,12 +267,12 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
     """The "LongFlash" entry of transformers' AttentionInterface.
 
     query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_kv, seqlen_k,
-    headdim), nheads % nheads_kv == 0. attention_mask: a `PaddingMask`, a 4D mask or None
+    headdim), nheads % nheads_kv == 0; value's headdim may differ. attention_mask: a `PaddingMask`, a 4D mask or None
     (see the module docstring). scaling: default 1 / sqrt(headdim). dropout: the
     probability the model passes (0 outside training). softcap: tanh soft-capping of the
     scores (Gemma 2), None for none. s_aux (or, without it, `module.sinks`): attention sinks
     (gpt-oss), (nheads,), passed as `learnable_sink`.
-    Returns (attn_output (batch, seqlen_q, nheads, headdim), None).
+    Returns (attn_output (batch, seqlen_q, nheads, headdim of value), None).
     """
     for name in ("sinks", "position_bias"):
         if kwargs.get(name) is not None:

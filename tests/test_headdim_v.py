@@ -1,0 +1,154 @@
+"""Values with another head dim than the queries and keys (MLA: DeepSeek-V2/V3 attend with
+headdim 192 and headdim_v 128). Every entry point against the float64 reference, which
+computes it directly (its einsums take any head dims): output, lse and the gradients of q, k
+and v by the tolerance rule, with v narrower and wider than q, the default softmax scale
+(from q's headdim, not the padded one) and the options; then the errors where it is not
+supported.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import longflash
+from longflash import attention_ref, attention_varlen_ref
+from conftest import INTERPRET, check_close
+from test_variants import kwargs_for, ref_kwargs
+
+BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+
+# (id, shape (B, Nq, Nk, H, Hkv, D, Dv), keyword arguments)
+CASES = [
+    ("narrow-v-causal", (2, 29, 37, 4, 2, 48, 32), dict(causal=True)),   # MLA's shape of ratio
+    ("wide-v-full", (1, 33, 45, 4, 1, 24, 40), dict()),                  # q and k padded
+    ("odd-all", (2, 47, 53, 4, 2, 59, 40), dict(causal=True, window_size=(12, -1), alibi=(2, 4),
+                                               softcap=1.0, dropout_p=0.2, seed=7)),
+]
+
+
+def make_inputs(shape, dtype, seed=0, packed=False):
+    """q, k, v (leaves) and do; packed: (total, H, D) with B * N rows."""
+    b, nq, nk, h, hkv, d, dv = shape
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, dv), (b, nq, h, dv)]
+    if packed:
+        shapes = [(s[0] * s[1],) + s[2:] for s in shapes]
+    q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
+    return [x.requires_grad_() for x in (q, k, v)] + [do]
+
+
+def run(fn, q, k, v, do, dlse):
+    o, lse = fn(q, k, v)
+    loss = (o * do).sum() + (lse.nan_to_num(neginf=0.0) * dlse.to(lse.dtype)).sum()
+    return (o, lse) + torch.autograd.grad(loss, (q, k, v))
+
+
+def check(fn, ref_fn, q, k, v, do, dlse):
+    got = run(fn, q, k, v, do, dlse)
+    assert got[0].shape == do.shape and got[0].is_contiguous()
+    lowp = run(lambda *x: ref_fn(*x, upcast=False), q, k, v, do, dlse)
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = run(ref_fn, *x64, do.double(), dlse.double())
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        assert a.shape == r.shape, name
+        check_close(name, a, b, r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_attention(backend, dtype, shape, kw):
+    kw = kwargs_for(kw)
+    q, k, v, do = make_inputs(shape, dtype)
+    dlse = torch.randn(shape[0], shape[3], shape[1], generator=torch.Generator().manual_seed(3))
+    check(lambda q, k, v: longflash.attention(q, k, v, return_lse=True, backend=backend, **kw),
+          lambda q, k, v, **r: attention_ref(q, k, v, **ref_kwargs(kw), **r), q, k, v, do, dlse)
+
+
+def test_bfloat16_torch_path():
+    test_attention("torch", torch.bfloat16, *CASES[-1][1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("headdim_v", [16, 40])
+def test_varlen(backend, headdim_v):
+    """Packed sequences of different lengths, one empty, causal and windowed."""
+    lengths_q, lengths_k = [17, 0, 30], [23, 5, 31]
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lengths_q), cu(lengths_k)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lengths_q), 4, 24, generator=gen).requires_grad_()
+    k = torch.randn(sum(lengths_k), 2, 24, generator=gen).requires_grad_()
+    v = torch.randn(sum(lengths_k), 2, headdim_v, generator=gen).requires_grad_()
+    do = torch.randn(sum(lengths_q), 4, headdim_v, generator=gen)
+    dlse = torch.randn(4, sum(lengths_q), generator=gen)
+    kw = dict(causal=True, window_size=(9, -1))
+    check(lambda q, k, v: longflash.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q),
+                                                     max(lengths_k), return_lse=True,
+                                                     backend=backend, **kw),
+          lambda q, k, v, **r: attention_varlen_ref(q, k, v, cu_q, cu_k, **kw, **r),
+          q, k, v, do, dlse)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_kv_route_and_sink(backend, monkeypatch):
+    """attention()'s split-KV route (short queries over long keys, taken here from 64 keys),
+    with attention sinks applied to the sliced output."""
+    import longflash.interface as interface
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 64)
+    q, k, v, do = make_inputs((2, 2, 90, 8, 2, 32, 16), torch.float16)
+    sink = torch.linspace(-1.0, 4.0, 8).requires_grad_()
+    with torch.no_grad():
+        o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend=backend,
+                                     learnable_sink=sink)
+        o_lowp, lse_lowp = attention_ref(q, k, v, causal=True, upcast=False, learnable_sink=sink)
+        o_ref, lse_ref = attention_ref(q.double(), k.double(), v.double(), causal=True,
+                                       learnable_sink=sink.double())
+    check_close("o", o, o_lowp, o_ref)
+    check_close("lse", lse, lse_lowp, lse_ref)
+
+
+@pytest.mark.parametrize("is_causal, seqlen_q, seqlen_k",
+                         [(False, 13, 21), (True, 21, 21), (True, 13, 21), (True, 21, 13)])
+def test_sdpa_drop_in(is_causal, seqlen_q, seqlen_k):
+    """longflash.scaled_dot_product_attention against PyTorch's, in float64, GQA, value head
+    dim 40 for query head dim 24 (PyTorch's top-left causal, every seqlen order)."""
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(2, 6, seqlen_q, 24, generator=gen, dtype=torch.float64)
+    key = torch.randn(2, 3, seqlen_k, 24, generator=gen, dtype=torch.float64)
+    value = torch.randn(2, 3, seqlen_k, 40, generator=gen, dtype=torch.float64)
+    got = longflash.scaled_dot_product_attention(query, key, value, is_causal=is_causal,
+                                                 enable_gqa=True)
+    want = F.scaled_dot_product_attention(query, key, value, is_causal=is_causal,
+                                          enable_gqa=True)
+    assert got.shape == want.shape == (2, 6, seqlen_q, 40)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_compile_fullgraph():
+    """The padding and the slice are traced with the custom op, without graph breaks."""
+    torch._dynamo.reset()
+    q, k, v, do = make_inputs((1, 17, 17, 2, 2, 24, 16), torch.float32)
+    fn = torch.compile(lambda q, k, v: longflash.attention(q, k, v, causal=True,
+                                                           backend="torch"), fullgraph=True)
+    o = fn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    o_ref = longflash.attention(q, k, v, causal=True, backend="torch")
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close((dq, dk, dv), torch.autograd.grad(o_ref, (q, k, v), do))
+
+
+def test_errors_name_the_argument():
+    q, k, v, _ = make_inputs((1, 4, 6, 2, 2, 8, 16), torch.float32)
+    with pytest.raises(ValueError, match="headdim of v must be between 1 and 256"):
+        longflash.attention(q, k, torch.zeros(1, 6, 2, 300))
+    with pytest.raises(ValueError, match="k and v must agree in"):
+        longflash.attention(q, k, v[:, :5])
+    with pytest.raises(NotImplementedError, match="v_cache with another head dim"):
+        longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 16),
+                                         cache_seqlens=4)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="paged cache .* another head dim"):
+        longflash.attention_varlen(q[0], torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 16), cu,
+                                   cu, 4, 4, block_table=table)
