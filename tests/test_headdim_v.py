@@ -26,14 +26,13 @@ CASES = [
 ]
 
 
-def make_inputs(shape, dtype, seed=0, packed=False):
-    """q, k, v (leaves) and do; packed: (total, H, D) with B * N rows."""
+def make_inputs(shape, dtype, seed=0, device="cpu"):
+    """q, k, v (leaves) and do."""
     b, nq, nk, h, hkv, d, dv = shape
     gen = torch.Generator().manual_seed(seed)
     shapes = [(b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, dv), (b, nq, h, dv)]
-    if packed:
-        shapes = [(s[0] * s[1],) + s[2:] for s in shapes]
-    q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
+    q, k, v, do = (torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype)
+                   for s in shapes)
     return [x.requires_grad_() for x in (q, k, v)] + [do]
 
 
@@ -58,15 +57,20 @@ def check(fn, ref_fn, q, k, v, do, dlse):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_attention(backend, dtype, shape, kw):
-    kw = kwargs_for(kw)
-    q, k, v, do = make_inputs(shape, dtype)
-    dlse = torch.randn(shape[0], shape[3], shape[1], generator=torch.Generator().manual_seed(3))
+    check_attention(shape, dtype, kw, backend)
+
+
+def check_attention(shape, dtype, kw, backend, device="cpu"):
+    kw = kwargs_for(kw, device)
+    q, k, v, do = make_inputs(shape, dtype, device=device)
+    dlse = torch.randn(shape[0], shape[3], shape[1],
+                       generator=torch.Generator().manual_seed(3)).to(device)
     check(lambda q, k, v: longflash.attention(q, k, v, return_lse=True, backend=backend, **kw),
           lambda q, k, v, **r: attention_ref(q, k, v, **ref_kwargs(kw), **r), q, k, v, do, dlse)
 
 
 def test_bfloat16_torch_path():
-    test_attention("torch", torch.bfloat16, *CASES[-1][1:])
+    check_attention(*CASES[-1][1:2], torch.bfloat16, CASES[-1][2], "torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
