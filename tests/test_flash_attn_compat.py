@@ -77,6 +77,15 @@ def test_flash_attn_func_is_attention(args, kw):
     assert torch.equal(fa.flash_attn_func(q, k, v, *args), want_out)
 
 
+def test_value_headdim_may_differ():
+    """Unlike FlashAttention-2, v's head dim may differ (MLA), as in longflash.attention."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _randn(gen, 1, 17, 4, 24), _randn(gen, 1, 17, 2, 24), _randn(gen, 1, 17, 2, 16)
+    out = fa.flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (1, 17, 4, 16)
+    assert torch.equal(out, longflash.attention(q, k, v, causal=True))
+
+
 def test_packed_forms_and_their_gradients():
     """kvpacked and qkvpacked give the unpacked call's output, and the packed tensor's gradient
     is the unpacked gradients stacked."""
