@@ -69,8 +69,13 @@ def to_torch(x):
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_matches_reference(case):
-    causal = case[-1]
-    q, k, v, do, dlse = make_inputs(case)
+    out = check_blockwise(case_id(case), *make_inputs(case), causal=case[-1])
+    assert out[0].dtype == jnp.float32 and out[1].shape == (case[0], case[3], case[1])
+
+
+def check_blockwise(label, q, k, v, do, dlse, causal):
+    """The blockwise path in float32 against the reference in float64, by the tolerance rule
+    (o, lse, dq, dk, dv); returns the blockwise path's."""
     ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=causal)  # noqa: E731
     blockwise = lambda q, k, v: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
                                              block_m=32, block_n=16, backend="jax")
@@ -78,9 +83,10 @@ def test_matches_reference(case):
     ref64 = values_and_grads(ref, q, k, v, do, dlse)
     ref32 = values_and_grads(ref, *lowp, do, dlse)
     out = values_and_grads(blockwise, *lowp, do, dlse)
-    assert out[0].dtype == jnp.float32 and out[1].shape == (case[0], case[3], case[1])
     for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref32, ref64):
-        check_close(f"{case_id(case)} {name}", to_torch(a), to_torch(b), to_torch(r))
+        assert a.shape == r.shape, name
+        check_close(f"{label} {name}", to_torch(a), to_torch(b), to_torch(r))
+    return out
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=[case_id(c) for c in CASES[1:3]])
@@ -118,17 +124,8 @@ def test_value_headdim_differs(headdim_v):
     rng = np.random.default_rng(3)
     v, do = (jnp.asarray(rng.standard_normal(s + (headdim_v,)), jnp.float64)
              for s in ((1, 47, 2), (1, 33, 4)))
-    ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=True)  # noqa: E731
-    blockwise = lambda q, k, v: lj.attention(q, k, v, causal=True, return_lse=True,  # noqa: E731
-                                             block_m=32, block_n=16, backend="jax")
-    lowp = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref64 = values_and_grads(ref, q, k, v, do, dlse)
-    ref32 = values_and_grads(ref, *lowp, do, dlse)
-    out = values_and_grads(blockwise, *lowp, do, dlse)
+    out = check_blockwise(f"Dv{headdim_v}", q, k, v, do, dlse, causal=True)
     assert out[0].shape == (1, 33, 4, headdim_v)
-    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref32, ref64):
-        assert a.shape == r.shape, name
-        check_close(f"Dv{headdim_v} {name}", to_torch(a), to_torch(b), to_torch(r))
 
 
 def test_float64_is_exact():
