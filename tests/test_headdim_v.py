@@ -148,11 +148,11 @@ def test_errors_name_the_argument():
         longflash.attention(q, k, torch.zeros(1, 6, 2, 300))
     with pytest.raises(ValueError, match="k and v must agree in"):
         longflash.attention(q, k, v[:, :5])
-    with pytest.raises(NotImplementedError, match="v_cache with another head dim"):
+    with pytest.raises(NotImplementedError, match="v_cache has another head dim"):
         longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 16),
                                          cache_seqlens=4)
     table = torch.zeros(1, 2, dtype=torch.int32)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="paged cache .* another head dim"):
+    with pytest.raises(NotImplementedError, match="v has another head dim .* paged one"):
         longflash.attention_varlen(q[0], torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 16), cu,
                                    cu, 4, 4, block_table=table)

@@ -140,15 +140,9 @@ def _check_pages(q, k, v, block_table, cu_seqlens_k, batch):
     """A paged k, v (num_pages, page_size, nheads_kv, headdim) read through block_table
     (batch, max_pages) int32 for the lengths of cu_seqlens_k (checked already); returns the
     number of keys, cu_seqlens_k[-1]. Reads cu_seqlens_k and the entries in use back."""
-    from .kvcache import check_block_table, check_pages_in_use  # kvcache imports this module
-    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
-    if k.shape[3] != v.shape[3]:
-        raise NotImplementedError(f"a paged cache (block_table) whose values have another head "
-                                  f"dim ({v.shape[3]}) than its keys ({k.shape[3]}) is not "
-                                  f"supported; pass packed k and v (the head dims may differ "
-                                  f"there)")
+    # imported here: kvcache imports this module
+    from .kvcache import check_block_table, check_cache_pair, check_pages_in_use
+    check_cache_pair(k, v, "k", "v")
     check_block_table(block_table, batch, q.device)
     if torch.compiler.is_compiling():
         raise NotImplementedError("attention_varlen with block_table under torch.compile: the "

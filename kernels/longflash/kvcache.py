@@ -254,13 +254,7 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (or neither)")
     batch, seqlen_q, nheads, headdim = q.shape
-    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
-        raise ValueError(f"k_cache and v_cache must have the same shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != v_cache.shape[3]:
-        raise NotImplementedError(f"a v_cache with another head dim ({v_cache.shape[3]}) than "
-                                  f"k_cache ({k_cache.shape[3]}) is not supported with a KV "
-                                  f"cache; longflash.attention takes different value head dims")
+    check_cache_pair(k_cache, v_cache, "k_cache", "v_cache")
     _, slots, nheads_kv, cache_headdim = k_cache.shape
     if cache_headdim != headdim:
         raise ValueError(f"k_cache headdim {cache_headdim} differs from q's {headdim}")
@@ -325,6 +319,19 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         check_pages_in_use(block_table, seqlens + seqlen_new, slots, k_cache.shape[0],
                            table_name, "k_cache")
     return seqlens, seqlen_new, hi
+
+
+def check_cache_pair(k_cache, v_cache, k_name, v_name):
+    """A KV cache, contiguous or paged: k_cache and v_cache of one shape (no value head dim of
+    its own here, unlike packed keys and values)."""
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
+        raise ValueError(f"{k_name} and {v_name} must have the same shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != v_cache.shape[3]:
+        raise NotImplementedError(f"{v_name} has another head dim ({v_cache.shape[3]}) than "
+                                  f"{k_name} ({k_cache.shape[3]}): not supported in a KV cache "
+                                  f"or a paged one; longflash.attention and attention_varlen "
+                                  f"without block_table take different value head dims")
 
 
 def check_block_table(block_table, batch, device):
