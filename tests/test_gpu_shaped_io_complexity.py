@@ -7,9 +7,6 @@ figures/ or paper/generated/."""
 import math
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -29,20 +26,11 @@ def _notebook(tmp_path, **write_kwargs):
     runs), the notebook over it; returns (results, figures, generated, its output)."""
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
-    res, fig, gen = (tmp_path / d for d in ("results", "figures", "generated"))
+    res = tmp_path / "results"
     fixture.write(res, **write_kwargs)
-    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)  # the committed CPU macros
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
-               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(fig),
-               LONGFLASH_GENERATED=str(gen))
-    env.pop("LONGFLASH_DEVICES", None)
-    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
-                          "--out-dir", str(tmp_path / "nb"),
-                          os.path.join("notebooks", "io_complexity.ipynb")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "for device class h100" in out.stdout and "skipped" not in out.stdout, out.stdout
-    return res, fig, gen, out.stdout
+    gen, fig, out = gpu_shaped.run_notebooks(tmp_path, ["io_complexity"], timeout=600)
+    assert "for device class h100" in out and "skipped" not in out, out
+    return res, fig, gen, out
 
 
 def test_fixture_rows_are_the_ncu_steps():

@@ -6,8 +6,6 @@ tmp_path; the repository's results/, figures/ and paper/generated/ are never tou
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -32,21 +30,13 @@ def _notebook(tmp_path, with_cpu=True, **fixture):
     the notebook for every device class found there; (stdout, folders)."""
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
-    res, fig, gen, nb = (tmp_path / d for d in ("results", "figures", "generated", "nb"))
+    res = tmp_path / "results"
     if with_cpu:
         shutil.copytree(os.path.join(ROOT, "results", RQ), res / RQ)
-    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
     csv = lct_gpu.write(res, **fixture)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
-               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(fig),
-               LONGFLASH_GENERATED=str(gen))
-    env.pop("LONGFLASH_DEVICES", None)
-    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
-                          "--out-dir", str(nb), os.path.join("notebooks", f"{RQ}.ipynb")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    assert "skipped" not in out.stdout, out.stdout
-    return out.stdout, pd.read_csv(csv), fig, gen
+    gen, fig, out = gpu_shaped.run_notebooks(tmp_path, [RQ])
+    assert "skipped" not in out, out
+    return out, pd.read_csv(csv), fig, gen
 
 
 def _probe_maximum(df, model, provider):

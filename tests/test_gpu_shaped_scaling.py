@@ -5,8 +5,6 @@ notebook for device class h100 writes the macros of the paper's "On a GPU" parag
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -26,20 +24,12 @@ def _run_notebook(tmp_path, **write_kw):
     notebook for every class; the h100 macros ({} if the notebook declined) and its output."""
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
-    res, gen = tmp_path / "results", tmp_path / "generated"
+    res = tmp_path / "results"
     shutil.copytree(os.path.join(ROOT, "results", "scaling"), res / "scaling")
-    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
     fixture.write(res, **write_kw)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
-               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(tmp_path / "figures"),
-               LONGFLASH_GENERATED=str(gen))
-    env.pop("LONGFLASH_DEVICES", None)
-    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
-                          "--out-dir", str(tmp_path / "nb"), "notebooks/scaling.ipynb"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    gen, _, out = gpu_shaped.run_notebooks(tmp_path, ["scaling"], timeout=600)
     h100 = gen / "scaling_h100.tex"
-    return (_macros(h100) if h100.exists() else {}), out.stdout
+    return (_macros(h100) if h100.exists() else {}), out
 
 
 def _gpu(macros):

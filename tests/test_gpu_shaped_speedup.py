@@ -31,20 +31,11 @@ def _notebook(tmp_path, edit=None, **fixture):
     of paper/generated and figures/. Returns (rows, generated folder, run_notebooks' output)."""
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
-    res, gen, fig = tmp_path / "results", tmp_path / "generated", tmp_path / "figures"
-    csv = gpu_speedup.write(res, **fixture)
+    csv = gpu_speedup.write(tmp_path / "results", **fixture)
     if edit:
         edit(pd.read_csv(csv)).to_csv(csv, index=False)
-    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
-    shutil.copytree(os.path.join(ROOT, "figures"), fig)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
-               LONGFLASH_RESULTS=str(res), LONGFLASH_FIGURES=str(fig), LONGFLASH_GENERATED=str(gen))
-    env.pop("LONGFLASH_DEVICES", None)
-    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
-                          "--out-dir", str(tmp_path / "nb"), "notebooks/speedup.ipynb"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return pd.read_csv(csv), gen, out.stdout
+    gen, _, out = gpu_shaped.run_notebooks(tmp_path, ["speedup"], copy_figures=True)
+    return pd.read_csv(csv), gen, out
 
 
 def _readme(tmp_path, gen):

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU = "NVIDIA H100 80GB HBM3"
@@ -52,6 +53,28 @@ def write_all(results_dir, rqs=RQS):
     """Every RQ's GPU-shaped results into results_dir (a scratch copy, never results/)."""
     for rq in rqs:
         importlib.import_module(f".{rq}", __name__).write(results_dir)
+
+
+def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900):
+    """notebooks/run_notebooks.py on `notebooks` (names, e.g. "speedup") over the results the
+    caller wrote into tmp_path/results, for every device class found there, writing into
+    scratch folders: tmp_path/generated (a copy of paper/generated: the committed CPU macros)
+    and tmp_path/figures (a copy of figures/ with copy_figures, else new). Returns (generated,
+    figures, the run's stdout); fails the test with its output if the run fails."""
+    gen, fig = tmp_path / "generated", tmp_path / "figures"
+    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
+    if copy_figures:
+        shutil.copytree(os.path.join(ROOT, "figures"), fig)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
+               LONGFLASH_RESULTS=str(tmp_path / "results"), LONGFLASH_FIGURES=str(fig),
+               LONGFLASH_GENERATED=str(gen))
+    env.pop("LONGFLASH_DEVICES", None)
+    out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
+                          "--out-dir", str(tmp_path / "nb"),
+                          *(os.path.join("notebooks", f"{n}.ipynb") for n in notebooks)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return gen, fig, out.stdout
 
 
 def macros(path):
