@@ -165,7 +165,7 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
                        BLOCK_TABLE="*i32", SEQLENS="*i32", COS="*fp32", SIN="*fp32")
         return decode_triton._append_rotary, tensors, dict(
             UNIFORM_SEQLEN=flags != "paged", PAGED=flags == "paged", ROTARY=flags == "rotary",
-            INTERLEAVED=False, Q_IN_ORDER=True, HEAD_DIM=headdim)
+            INTERLEAVED=False, Q_IN_ORDER=True, HEAD_DIM=headdim, HEAD_DIM_V=headdim)
     if kernel in ("decode", "decode_merge"):
         block_d = max(16, triton.next_power_of_2(headdim))
         tensors = dict(Q=p, K_CACHE=p, V_CACHE=p, O=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
@@ -178,7 +178,8 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
         return decode_triton._fwd_splitkv, tensors, dict(
             UNIFORM_SEQLEN=flags not in ("paged", "leftpad"), PAGED=flags == "paged",
             SPLIT=True, HAS_LEFTPAD=flags == "leftpad", HAS_SOFTCAP=flags == "softcap",
-            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, INPUT_PRECISION="tf32")
+            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, HEAD_DIM_V=headdim,
+            INPUT_PRECISION="tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, TABLE="*i32", **stats)
     meta = flash_triton.constexprs(headdim, dtype_is_fp32=False,

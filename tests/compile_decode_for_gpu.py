@@ -30,8 +30,8 @@ def compile_all(capability, dtype, features, headdim):
                     LEFTPAD_K="*i32", ALIBI="*fp32", O=p, LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32")
     meta = dict(UNIFORM_SEQLEN=features not in ("paged", "all"),
                 PAGED=features in ("paged", "all"), SPLIT=on, HAS_LEFTPAD=on, HAS_SOFTCAP=on, HAS_ALIBI=on,
-                HEAD_DIM=headdim, INPUT_PRECISION="ieee" if dtype == "float32" else "tf32",
-                **cfg.kwargs)
+                HEAD_DIM=headdim, HEAD_DIM_V=headdim,
+                INPUT_PRECISION="ieee" if dtype == "float32" else "tf32", **cfg.kwargs)
     compile_kernel(decode_triton._fwd_splitkv, pointers, meta, target)
     rotary = features in ("paged", "all")
     compile_kernel(decode_triton._append_rotary,
@@ -39,7 +39,8 @@ def compile_all(capability, dtype, features, headdim):
                         BLOCK_TABLE="*i32", SEQLENS="*i64", COS="*fp32", SIN="*fp32"),
                    dict(UNIFORM_SEQLEN=meta["UNIFORM_SEQLEN"], PAGED=meta["PAGED"],
                         ROTARY=rotary, INTERLEAVED=features == "paged", Q_IN_ORDER=on,
-                        HEAD_DIM=headdim, BLOCK_D=cfg.kwargs["BLOCK_D"]), target, num_warps=1)
+                        HEAD_DIM=headdim, BLOCK_D=cfg.kwargs["BLOCK_D"], HEAD_DIM_V=headdim,
+                        BLOCK_DV=cfg.kwargs["BLOCK_DV"]), target, num_warps=1)
     merge = dict(HEAD_DIM=headdim, BLOCK_D=cfg.kwargs["BLOCK_D"],
                  **decode_triton.merge_config(decode_triton.MAX_SPLITS).kwargs)
     compile_kernel(decode_triton._merge_splits,

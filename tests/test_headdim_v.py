@@ -142,17 +142,116 @@ def test_compile_fullgraph():
     torch.testing.assert_close((dq, dk, dv), torch.autograd.grad(o_ref, (q, k, v), do))
 
 
+def _caches(batch, capacity, nheads_kv, headdim, headdim_v, page_size, gen):
+    """k_cache, v_cache (fp16) and a block table: contiguous caches and None, or with
+    page_size, paged caches whose pages are shuffled, and the table. logical() reads either
+    back as (batch, capacity, nheads_kv, head dim)."""
+    k, v = (torch.randn(batch, capacity, nheads_kv, d, generator=gen).half()
+            for d in (headdim, headdim_v))
+    if not page_size:
+        return k, v, None
+    n_pages = batch * capacity // page_size
+    perm = torch.randperm(n_pages, generator=gen)
+    pages = [torch.empty(n_pages, page_size, *x.shape[2:], dtype=x.dtype) for x in (k, v)]
+    for x, paged in zip((k, v), pages):
+        paged[perm] = x.reshape(n_pages, page_size, *x.shape[2:])
+    return (*pages, perm.view(batch, -1).to(torch.int32))
+
+
+def logical(cache, table):
+    if table is None:
+        return cache
+    return cache[table.long()].reshape(table.shape[0], -1, *cache.shape[2:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [0, 8], ids=["contiguous", "paged8"])
+def test_kvcache(backend, page_size):
+    """attention_with_kvcache over values of head dim 16 for keys of 40 (the decoding kernels
+    take both as they are: no padding): new keys and values appended in place, per-sequence
+    lengths, GQA, causal, three splits and their merge; against the reference over the keys in
+    use of each sequence."""
+    gen = torch.Generator().manual_seed(7)
+    batch, nheads, nheads_kv, new, lengths = 2, 8, 2, 2, [30, 45]
+    q = torch.randn(batch, new, nheads, 40, generator=gen).half()
+    k_new = torch.randn(batch, new, nheads_kv, 40, generator=gen).half()
+    v_new = torch.randn(batch, new, nheads_kv, 16, generator=gen).half()
+    k_cache, v_cache, table = _caches(batch, 48, nheads_kv, 40, 16, page_size, gen)
+    o, lse = longflash.attention_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+        block_table=table, causal=True, return_lse=True, backend=backend, num_splits=3)
+    assert o.shape == (batch, new, nheads, 16)
+    keys, values = logical(k_cache, table), logical(v_cache, table)
+    for b, n in enumerate(lengths):
+        assert torch.equal(keys[b, n:n + new], k_new[b]) and torch.equal(values[b, n:n + new],
+                                                                          v_new[b])
+        one = slice(b, b + 1)
+        args = (q[one], keys[one, :n + new], values[one, :n + new])
+        lowp = attention_ref(*args, causal=True, upcast=False)
+        ref = attention_ref(*(x.double() for x in args), causal=True)
+        for name, got, low, r in zip(("o", "lse"), (o[one], lse[one]), lowp, ref):
+            check_close(name, got, low, r)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernels run under TRITON_INTERPRET=1")
+def test_kvcache_rotary_triton_is_torch():
+    """The append kernel's rotary embedding with values of another head dim: the Triton
+    backend's step (append, split, merge) equals the PyTorch path's (tested against the
+    reference in test_kvcache)."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 1, 4, 32, generator=gen).half()
+    k_new = torch.randn(2, 1, 2, 32, generator=gen).half()
+    v_new = torch.randn(2, 1, 2, 24, generator=gen).half()
+    caches = _caches(2, 40, 2, 32, 24, 0, gen)[:2]
+    angles = torch.arange(40.0)[:, None] / 10000 ** (torch.arange(8.0) / 8)  # rotary dim 16
+    outs = []
+    for backend in ("torch", "triton"):
+        k_cache, v_cache = (c.clone() for c in caches)
+        o = longflash.attention_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=33, causal=True, backend=backend,
+            rotary_cos=angles.cos(), rotary_sin=angles.sin(), num_splits=2)
+        outs.append((o, k_cache, v_cache))
+    for name, a, b in zip(("o", "k_cache", "v_cache"), *outs):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_split_kv_route(backend, monkeypatch):
+    """attention_varlen's split-KV route (equal short queries over packed keys, no gradient)
+    with values of another head dim."""
+    import longflash.interface as interface
+    monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 64)
+    gen = torch.Generator().manual_seed(9)
+    lengths_k = [70, 90]
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    cu_k = torch.tensor([0, 70, 160], dtype=torch.int32)
+    q = torch.randn(4, 4, 32, generator=gen).half()
+    k = torch.randn(160, 2, 32, generator=gen).half()
+    v = torch.randn(160, 2, 48, generator=gen).half()
+    with torch.no_grad():
+        o, lse = longflash.attention_varlen(q, k, v, cu_q, cu_k, 2, max(lengths_k), causal=True,
+                                            return_lse=True, backend=backend)
+    lowp = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+    ref = attention_varlen_ref(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True)
+    assert o.shape == (4, 4, 48)
+    for name, got, low, r in zip(("o", "lse"), (o, lse), lowp, ref):
+        check_close(name, got, low, r)
+
+
 def test_errors_name_the_argument():
     q, k, v, _ = make_inputs((1, 4, 6, 2, 2, 8, 16), torch.float32)
     with pytest.raises(ValueError, match="headdim of v must be between 1 and 256"):
         longflash.attention(q, k, torch.zeros(1, 6, 2, 300))
     with pytest.raises(ValueError, match="k and v must agree in"):
         longflash.attention(q, k, v[:, :5])
-    with pytest.raises(NotImplementedError, match="v_cache has another head dim"):
-        longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 16),
+    with pytest.raises(ValueError, match="headdim of v must be between 1 and 256"):
+        longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 300),
                                          cache_seqlens=4)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 16\) \(the caches' head dims\)"):
+        longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 16),
+                                         k[:, :1], torch.zeros(1, 1, 2, 8), cache_seqlens=4)
     table = torch.zeros(1, 2, dtype=torch.int32)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="v has another head dim .* paged one"):
+    with pytest.raises(NotImplementedError, match="v has another head dim .* paged cache here"):
         longflash.attention_varlen(q[0], torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 16), cu,
                                    cu, 4, 4, block_table=table)

@@ -96,11 +96,13 @@ def empty_like(x, dtype=None):
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
-def empty_outputs(q, varlen=False):
-    """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences.
-    Shared by every implementation and by the fake (meta) implementation of the custom
-    op, so that shapes and strides always agree."""
-    o = empty_like(q)
+def empty_outputs(q, varlen=False, headdim_v=None):
+    """o like q (with headdim_v columns if given: values of another head dim); lse (batch,
+    nheads, seqlen_q), or (nheads, total_q) for packed sequences. Shared by every
+    implementation and by the fake (meta) implementation of the custom op, so that shapes and
+    strides always agree."""
+    o = empty_like(q) if headdim_v in (None, q.shape[-1]) else empty_like(
+        q.new_empty((*q.shape[:-1], headdim_v)))
     shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = q.new_empty(shape, dtype=accumulator_dtype(q.dtype))
     return o, lse.fill_(float("nan")) if POISON_OUTPUTS else lse

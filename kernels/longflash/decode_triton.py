@@ -108,7 +108,8 @@ def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLEN
                    page_size, rotary_dim,
                    UNIFORM_SEQLEN: tl.constexpr, PAGED: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, Q_IN_ORDER: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
     """One program per (row, sequence): rows t * nheads_kv + h write new key/value t of KV
     head h into the cache at position seqlen + t (the key rotated first if ROTARY); with
     ROTARY, the rows after them turn query i of head h into Q_ROT, at position seqlen + i
@@ -138,10 +139,12 @@ def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLEN
             k = tl.load(k_row + offs_d, mask=d_mask)
         tl.store(K_CACHE + page * stride_kcb + slot * stride_kcn + off_h * stride_kch + offs_d,
                  k.to(K_CACHE.dtype.element_ty), mask=d_mask)
-        v = tl.load(V_NEW + off_b * stride_vb + t * stride_vn + off_h * stride_vh + offs_d,
-                    mask=d_mask)
-        tl.store(V_CACHE + page * stride_vcb + slot * stride_vcn + off_h * stride_vch + offs_d,
-                 v, mask=d_mask)
+        offs_dv = tl.arange(0, BLOCK_DV)  # values: a head dim of their own (MLA)
+        dv_mask = offs_dv < HEAD_DIM_V
+        v = tl.load(V_NEW + off_b * stride_vb + t * stride_vn + off_h * stride_vh + offs_dv,
+                    mask=dv_mask)
+        tl.store(V_CACHE + page * stride_vcb + slot * stride_vcn + off_h * stride_vch + offs_dv,
+                 v, mask=dv_mask)
     elif ROTARY:
         row -= seqlen_new * nheads_kv
         i, off_h = row // nheads, row % nheads
@@ -168,7 +171,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                  UNIFORM_SEQLEN: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr,
                  HAS_LEFTPAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
@@ -187,6 +191,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     off_h = off_hk * group_size + offs_m % group_size
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)  # values and outputs: HEAD_DIM_V columns (MLA: fewer)
+    dv_mask = offs_dv < HEAD_DIM_V
     q_ptrs = Q + off_b * stride_qb + (i.to(tl.int64) * stride_qn + off_h * stride_qh)[:, None] \
         + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
@@ -208,15 +214,14 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < split_hi
-        kv_mask = n_mask[:, None] & d_mask[None, :]
         # -- compute scores --
         k = tl.load(_kv_ptrs(K_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
                              page_size, stride_kb, stride_kn, stride_kh, stride_tb, PAGED),
-                    mask=kv_mask, other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
             s = _tanh(qk * (softmax_scale / softcap)) * (softcap * 1.4426950408889634)
@@ -239,9 +244,9 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- update output accumulator --
-        v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
+        v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_dv, n_mask,
                              page_size, stride_vb, stride_vn, stride_vh, stride_tb, PAGED),
-                    mask=kv_mask, other=0.0)
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
@@ -250,16 +255,16 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
-    out_mask = m_mask[:, None] & d_mask[None, :]
-    if SPLIT:  # partials (num_splits, batch, nheads, seqlen_q, headdim), float32
+    out_mask = m_mask[:, None] & dv_mask[None, :]
+    if SPLIT:  # partials (num_splits, batch, nheads, seqlen_q, headdim_v), float32
         base = split.to(tl.int64) * stride_ps + off_b * stride_pb
         rows_p = off_h * stride_ph + i.to(tl.int64) * stride_pn
-        tl.store(O_PARTIAL + base + rows_p[:, None] + offs_d[None, :], acc, mask=out_mask)
+        tl.store(O_PARTIAL + base + rows_p[:, None] + offs_dv[None, :], acc, mask=out_mask)
         tl.store(LSE_PARTIAL + split.to(tl.int64) * stride_qs + off_b * stride_qsb
                  + off_h * stride_qsh + i, lse, mask=m_mask)
     else:
         rows_o = i.to(tl.int64) * stride_on + off_h * stride_oh
-        tl.store(O + off_b * stride_ob + rows_o[:, None] + offs_d[None, :],
+        tl.store(O + off_b * stride_ob + rows_o[:, None] + offs_dv[None, :],
                  acc.to(O.dtype.element_ty), mask=out_mask)
         tl.store(LSE + off_b * stride_lb + off_h * stride_lh + i, lse, mask=m_mask)
 
@@ -321,21 +326,28 @@ def _cdiv(a, b):  # triton.cdiv's host-side call costs microseconds: this is on 
     return -(-a // b)
 
 
+def _block_d(headdim):
+    return max(16, triton.next_power_of_2(headdim))
+
+
 @functools.lru_cache(maxsize=None)  # read-only Configs, looked up on every decoding step
-def launch_config(seqlen_q, group, headdim):
+def launch_config(seqlen_q, group, headdim, headdim_v=None):
     """The split kernel's tile sizes and launch options: BLOCK_M (packed rows: at least 16,
-    the smallest tl.dot), BLOCK_N, BLOCK_D. One place for forward() and experiments.codegen."""
+    the smallest tl.dot), BLOCK_N, BLOCK_D, BLOCK_DV (values' head dim, default headdim's).
+    One place for forward() and experiments.codegen."""
     block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
-    block_d = max(16, triton.next_power_of_2(headdim))
-    block_n = 16 if _INTERPRET else (128 if block_d <= 64 else 64)
-    return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d), num_warps=4,
-                         num_stages=1 if _INTERPRET else 3)
+    block_d, block_dv = _block_d(headdim), _block_d(headdim_v or headdim)
+    block_n = 16 if _INTERPRET else (128 if max(block_d, block_dv) <= 64 else 64)
+    return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                              BLOCK_DV=block_dv), num_warps=4, num_stages=1 if _INTERPRET else 3)
 
 
 @functools.lru_cache(maxsize=None)
-def append_config(headdim):
-    """The append kernel's launch: a program writes one row of headdim, with one warp."""
-    return triton.Config(dict(BLOCK_D=max(16, triton.next_power_of_2(headdim))), num_warps=1)
+def append_config(headdim, headdim_v=None):
+    """The append kernel's launch: a program writes one row of headdim (and of headdim_v,
+    default headdim, for the value), with one warp."""
+    return triton.Config(dict(BLOCK_D=_block_d(headdim), BLOCK_DV=_block_d(headdim_v or headdim)),
+                         num_warps=1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,6 +371,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
     rotated into a new tensor if rotary_cos is given. Arguments checked by the caller."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     batch, seqlen_new, nheads_kv, headdim = k.shape
+    headdim_v = v.shape[-1]
     rotary = rotary_cos is not None
     nheads = q.shape[2]
     rows = seqlen_new * nheads_kv + (q.shape[1] * nheads if rotary else 0)
@@ -370,7 +383,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
         cos, sin = cos.contiguous(), sin.contiguous()
     uniform = not isinstance(seqlens, torch.Tensor)
     paged = block_table is not None
-    cfg = append_config(headdim)
+    cfg = append_config(headdim, headdim_v)
     _append_rotary[(rows, batch)](
         q, q_rot, k, v, k_cache, v_cache, block_table if paged else k,
         k if uniform else seqlens, cos, sin,
@@ -380,13 +393,14 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
         seqlens if uniform else 0, k_cache.shape[1] if paged else 0,
         2 * cos.shape[1] if rotary else 0,
         UNIFORM_SEQLEN=uniform, PAGED=paged, ROTARY=rotary, INTERLEAVED=rotary_interleaved,
-        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim, **cfg.kwargs, num_warps=cfg.num_warps)
+        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v, **cfg.kwargs,
+        num_warps=cfg.num_warps)
     return q_rot
 
 
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None,
             leftpad_k=None):
-    """o like q and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append,
+    """o like q (v_cache's head dim) and lse (batch, nheads, seqlen_q), float32; seqlens_k (batch,) after the append,
     or an int when every sequence has that many keys (a kernel argument: no tensor to fill, no
     fill kernel in a decoding step). max_seqlen_k: max(seqlens_k) as an int, for the split
     heuristic (num_splits 0) without a device-to-host read; None: read from seqlens_k (a
@@ -396,13 +410,13 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, seqlen_q, nheads, headdim = q.shape
-    nheads_kv = k_cache.shape[2]
+    nheads_kv, headdim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_kv
-    o, lse = empty_outputs(q)
+    o, lse = empty_outputs(q, headdim_v=headdim_v)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
     check_cache_layout(k_cache, v_cache)
-    cfg = launch_config(seqlen_q, group, headdim)
+    cfg = launch_config(seqlen_q, group, headdim, headdim_v)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = _cdiv(seqlen_q * group, block_m)
     uniform = not isinstance(seqlens_k, torch.Tensor)  # an int
@@ -418,7 +432,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
                                           _num_sms(q.device))
     split = num_splits > 1
     if split:
-        o_partial = q.new_empty((num_splits, batch, nheads, seqlen_q, headdim),
+        o_partial = q.new_empty((num_splits, batch, nheads, seqlen_q, headdim_v),
                                 dtype=torch.float32)
         lse_partial = q.new_empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32)
     else:
@@ -441,13 +455,13 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         opts.window_right, opts.softmax_scale * LOG2E, opts.softmax_scale, opts.softcap,
         UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_LEFTPAD=leftpad_k is not None,
         HAS_SOFTCAP=opts.softcap > 0,
-        HAS_ALIBI=alibi is not None, HEAD_DIM=headdim,
+        HAS_ALIBI=alibi is not None, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         merge = merge_config(num_splits)
         _merge_splits[(batch * nheads, seqlen_q)](
             o_partial, lse_partial, o, lse, *o_partial.stride()[:4], *lse_partial.stride()[:3],
-            *o.stride()[:3], *lse.stride()[:2], nheads, num_splits, HEAD_DIM=headdim,
-            BLOCK_D=cfg.kwargs["BLOCK_D"], **merge.kwargs, num_warps=merge.num_warps)
+            *o.stride()[:3], *lse.stride()[:2], nheads, num_splits, HEAD_DIM=headdim_v,
+            BLOCK_D=cfg.kwargs["BLOCK_DV"], **merge.kwargs, num_warps=merge.num_warps)
     return o, lse

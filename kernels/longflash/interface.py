@@ -142,7 +142,7 @@ def _check_pages(q, k, v, block_table, cu_seqlens_k, batch):
     number of keys, cu_seqlens_k[-1]. Reads cu_seqlens_k and the entries in use back."""
     # imported here: kvcache imports this module
     from .kvcache import check_block_table, check_cache_pair, check_pages_in_use
-    check_cache_pair(k, v, "k", "v")
+    check_cache_pair(k, v, "k", "v", same_headdim=True)
     check_block_table(block_table, batch, q.device)
     if torch.compiler.is_compiling():
         raise NotImplementedError("attention_varlen with block_table under torch.compile: the "
@@ -379,14 +379,15 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic, learnable_sink=learnable_sink)
-    q, k, v, headdim_v = pad_headdim(q, k, v)
     if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
+        # the decoding kernels take v's head dim as it is: no padding
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1])
-    else:
-        o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
-                                    alibi_slopes, float(softcap), float(dropout_p),
-                                    _seed_tensor(dropout_p, seed, generator))
+        return _outputs(o, lse, learnable_sink, return_lse)
+    q, k, v, headdim_v = pad_headdim(q, k, v)
+    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
+                                alibi_slopes, float(softcap), float(dropout_p),
+                                _seed_tensor(dropout_p, seed, generator))
     return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
 
 
@@ -438,7 +439,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q[None], keys, values, causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
         batch=batch, learnable_sink=learnable_sink)
-    q, k, v, headdim_v = pad_headdim(q, k, v)
     if _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q, k, v) \
             and not torch.compiler.is_compiling():
         lengths_q = cu_seqlens_q.diff()
@@ -453,9 +453,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             o, lse = _split_kv(q.reshape(batch, max_seqlen_q, *q.shape[1:]), *pages[:2],
                                cu_seqlens_k.diff(), pages[2], causal, softmax_scale,
                                window_size, softcap, alibi_slopes, backend, max_seqlen_k)
-            o = o.view(q.shape)  # (total_q, H, D)
+            o = o.view(*q.shape[:2], v.shape[-1])  # (total_q, H, Dv)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
-            return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
+            return _outputs(o, lse, learnable_sink, return_lse)
+    q, k, v, headdim_v = pad_headdim(q, k, v)
     if paged and _needs_grad(q, k, v):  # the backward kernels take packed keys
         k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
         block_table = None

@@ -73,13 +73,15 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     number of keys of each sequence (after any append), or one int for every sequence;
     leftpad_k: (batch,) int or None, the first key of each sequence (keys before it are
     padding; positions are counted from the start of the cache). Returns o like q and lse
-    (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key)."""
+    (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key); o has
+    v_cache's head dim, which may differ from q's and k_cache's."""
     batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v = v_cache.shape[-1]
     if not isinstance(seqlens_k, torch.Tensor):  # one length for every sequence
         seqlens_k = torch.full((batch,), seqlens_k, dtype=torch.long, device=q.device)
     nheads_kv = k_cache.shape[2]
     group = nheads // nheads_kv
-    o, lse = empty_outputs(q)
+    o, lse = empty_outputs(q, headdim_v=headdim_v)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
     if block_table is None and batch > 1:
@@ -128,7 +130,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
 
     m_i = q_packed.new_full((batch, nheads_kv, num_splits, M), float("-inf"))
     l_i = torch.zeros_like(m_i)
-    acc = q_packed.new_zeros((batch, nheads_kv, num_splits, M, headdim))
+    acc = q_packed.new_zeros((batch, nheads_kv, num_splits, M, headdim_v))
     steps = int(blocks_per_split.max()) if batch else 0
     # A contiguous cache (batch 1 here, see above) is read through views, not copies: every
     # block inside every split, and with one split also the last, shorter block. Only the
@@ -191,9 +193,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     o_partial = acc / l_safe[..., None]
     lse_partial = torch.where(l_i == 0, float("-inf"), m_i + torch.log2(l_safe))
     o_merged, lse2 = merge(o_partial, lse_partial, dim=2)
-    # (B, Hkv, M, D) -> (B, seqlen_q, nheads, D)
-    o.copy_(o_merged.view(batch, nheads_kv, seqlen_q, group, headdim).permute(0, 2, 1, 3, 4)
-            .reshape(batch, seqlen_q, nheads, headdim))
+    # (B, Hkv, M, Dv) -> (B, seqlen_q, nheads, Dv)
+    o.copy_(o_merged.view(batch, nheads_kv, seqlen_q, group, headdim_v).permute(0, 2, 1, 3, 4)
+            .reshape(batch, seqlen_q, nheads, headdim_v))
     lse.copy_((lse2 * LN2).view(batch, nheads_kv, seqlen_q, group).transpose(2, 3)
               .reshape(batch, nheads, seqlen_q))
     return o, lse
@@ -256,6 +258,7 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     batch, seqlen_q, nheads, headdim = q.shape
     check_cache_pair(k_cache, v_cache, "k_cache", "v_cache")
     _, slots, nheads_kv, cache_headdim = k_cache.shape
+    headdim_v = v_cache.shape[3]
     if cache_headdim != headdim:
         raise ValueError(f"k_cache headdim {cache_headdim} differs from q's {headdim}")
     if nheads_kv == 0 or nheads % nheads_kv:
@@ -263,11 +266,11 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                          f"k_cache ({nheads_kv})")
     seqlen_new = 0
     if k is not None:
-        if tuple(k.shape) != tuple(v.shape) or k.shape[0] != batch or \
-                tuple(k.shape[2:]) != (nheads_kv, headdim):
-            raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_kv, headdim) = "
-                             f"({batch}, *, {nheads_kv}, {headdim}), got {tuple(k.shape)} and "
-                             f"{tuple(v.shape)}")
+        if tuple(k.shape[:3]) != tuple(v.shape[:3]) or k.shape[0] != batch or \
+                tuple(k.shape[2:]) != (nheads_kv, headdim) or v.shape[3] != headdim_v:
+            raise ValueError(f"k and v must have shapes (batch, seqlen_new, nheads_kv, headdim) = "
+                             f"({batch}, *, {nheads_kv}, {headdim}) and (..., {headdim_v}) (the "
+                             f"caches' head dims), got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
     if block_table is None:
         if k_cache.shape[0] != batch:
@@ -321,16 +324,17 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     return seqlens, seqlen_new, hi
 
 
-def check_cache_pair(k_cache, v_cache, k_name, v_name):
-    """A KV cache, contiguous or paged: k_cache and v_cache of one shape (no value head dim of
-    its own here, unlike packed keys and values)."""
+def check_cache_pair(k_cache, v_cache, k_name, v_name, same_headdim=False):
+    """A KV cache, contiguous or paged: k_cache and v_cache of one shape but for the values'
+    head dim, which may differ (MLA) unless same_headdim (a paged cache in attention_varlen,
+    whose prefill kernel takes one head dim)."""
     if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
-        raise ValueError(f"{k_name} and {v_name} must have the same shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != v_cache.shape[3]:
+        raise ValueError(f"{k_name} and {v_name} must have the same shape but for the head dim, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if same_headdim and k_cache.shape[3] != v_cache.shape[3]:
         raise NotImplementedError(f"{v_name} has another head dim ({v_cache.shape[3]}) than "
-                                  f"{k_name} ({k_cache.shape[3]}): not supported in a KV cache "
-                                  f"or a paged one; longflash.attention and attention_varlen "
+                                  f"{k_name} ({k_cache.shape[3]}): not supported in a paged "
+                                  f"cache here; attention_with_kvcache and attention_varlen "
                                   f"without block_table take different value head dims")
 
 
@@ -524,10 +528,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             "cache_batch_idx"
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                    block_table, table_name, cache_leftpad)
-    # The remaining checks (dtype, scale, window, softcap, ALiBi, backend) are attention's,
-    # on an empty stand-in for the keys.
-    keys = k_cache.new_empty((q.shape[0], 0, k_cache.shape[2], q.shape[3]))
-    softmax_scale, backend = _check_inputs(q, keys, keys, causal, softmax_scale, backend,
+    # The remaining checks (dtype, head dims, scale, window, softcap, ALiBi, backend) are
+    # attention's, on empty stand-ins for the keys and values.
+    keys, values = (c.new_empty((q.shape[0], 0, c.shape[2], c.shape[3]))
+                    for c in (k_cache, v_cache))
+    softmax_scale, backend = _check_inputs(q, keys, values, causal, softmax_scale, backend,
                                            window_size, alibi_slopes, softcap,
                                            learnable_sink=learnable_sink)
     q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
@@ -608,5 +613,5 @@ def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqle
 
 
 @_kvcache_forward.register_fake
-def _(seqlens_k, seqlen_k, max_seqlen_k, q, *args):
-    return empty_outputs(q)
+def _(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):
+    return empty_outputs(q, headdim_v=v_cache.shape[-1])
