@@ -315,6 +315,15 @@ def test_headdim_v_gpu():
                     "triton", device="cuda")
 
 
+def test_kvcache_headdim_v_gpu():
+    """MLA decoding: a bf16 paged cache (pages of 16) with keys of head dim 192 and values of
+    128, taken as they are by the split-KV and append kernels (no autotuning: fixed configs),
+    splits chosen by the heuristic, against the float64 reference of each sequence."""
+    from test_headdim_v import check_kvcache
+    check_kvcache("triton", 16, [1000, 4000], 4096, (192, 128), dtype=torch.bfloat16,
+                  device="cuda")
+
+
 # Last in the file: the tests above autotune, and so compile every candidate of these shapes.
 @pytest.mark.parametrize("index", range(4))  # the most candidates a kernel has (test_codegen)
 @pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[2]], ids=shape_id)

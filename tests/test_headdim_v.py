@@ -142,11 +142,12 @@ def test_compile_fullgraph():
     torch.testing.assert_close((dq, dk, dv), torch.autograd.grad(o_ref, (q, k, v), do))
 
 
-def _caches(batch, capacity, nheads_kv, headdim, headdim_v, page_size, gen):
-    """k_cache, v_cache (fp16) and a block table: contiguous caches and None, or with
-    page_size, paged caches whose pages are shuffled, and the table. logical() reads either
-    back as (batch, capacity, nheads_kv, head dim)."""
-    k, v = (torch.randn(batch, capacity, nheads_kv, d, generator=gen).half()
+def _caches(batch, capacity, nheads_kv, headdim, headdim_v, page_size, gen,
+            dtype=torch.float16):
+    """k_cache, v_cache and a block table: contiguous caches and None, or with page_size,
+    paged caches whose pages are shuffled, and the table. logical() reads either back as
+    (batch, capacity, nheads_kv, head dim)."""
+    k, v = (torch.randn(batch, capacity, nheads_kv, d, generator=gen).to(dtype)
             for d in (headdim, headdim_v))
     if not page_size:
         return k, v, None
@@ -171,16 +172,23 @@ def test_kvcache(backend, page_size):
     take both as they are: no padding): new keys and values appended in place, per-sequence
     lengths, GQA, causal, three splits and their merge; against the reference over the keys in
     use of each sequence."""
+    check_kvcache(backend, page_size, [30, 45], 48, (40, 16), num_splits=3)
+
+
+def check_kvcache(backend, page_size, lengths, capacity, headdims, num_splits=0,
+                  dtype=torch.float16, device="cpu"):
     gen = torch.Generator().manual_seed(7)
-    batch, nheads, nheads_kv, new, lengths = 2, 8, 2, 2, [30, 45]
-    q = torch.randn(batch, new, nheads, 40, generator=gen).half()
-    k_new = torch.randn(batch, new, nheads_kv, 40, generator=gen).half()
-    v_new = torch.randn(batch, new, nheads_kv, 16, generator=gen).half()
-    k_cache, v_cache, table = _caches(batch, 48, nheads_kv, 40, 16, page_size, gen)
+    batch, nheads, nheads_kv, new, (headdim, headdim_v) = len(lengths), 8, 2, 2, headdims
+    q, k_new = (torch.randn(batch, new, h, headdim, generator=gen).to(device, dtype)
+                for h in (nheads, nheads_kv))
+    v_new = torch.randn(batch, new, nheads_kv, headdim_v, generator=gen).to(device, dtype)
+    k_cache, v_cache, table = (None if x is None else x.to(device) for x in _caches(
+        batch, capacity, nheads_kv, headdim, headdim_v, page_size, gen, dtype))
     o, lse = longflash.attention_with_kvcache(
-        q, k_cache, v_cache, k_new, v_new, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
-        block_table=table, causal=True, return_lse=True, backend=backend, num_splits=3)
-    assert o.shape == (batch, new, nheads, 16)
+        q, k_cache, v_cache, k_new, v_new, block_table=table, causal=True, return_lse=True,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        backend=backend, num_splits=num_splits)
+    assert o.shape == (batch, new, nheads, headdim_v)
     keys, values = logical(k_cache, table), logical(v_cache, table)
     for b, n in enumerate(lengths):
         assert torch.equal(keys[b, n:n + new], k_new[b]) and torch.equal(values[b, n:n + new],

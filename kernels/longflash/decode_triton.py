@@ -13,6 +13,9 @@ GQA packing: the tile rows are (query i, head g of the group) pairs, r = i * gro
 the group of query heads that share a KV head reads each key block once, and a decoding
 step (seqlen_q = 1) with group 8 fills 8 of the tile's 16 rows instead of 1.
 
+Values may have a head dim of their own (HEAD_DIM_V, MLA): the v tiles, the accumulator and
+the outputs take it; q and k keep HEAD_DIM.
+
 Caches: contiguous (batch, capacity, nheads_kv, headdim), or paged (num_pages, page_size,
 nheads_kv, headdim) with block_table (batch, max_pages): the key at position n of sequence b
 is in page block_table[b, n // page_size], slot n % page_size (any page size; each row of

@@ -455,8 +455,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             speculative decoding.
         k_cache, v_cache: (batch, capacity, nheads_kv, headdim), or, with block_table, a paged
             cache (num_pages, page_size, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA:
-            the cache is never repeated).
-        k, v: (batch, seqlen_new, nheads_kv, headdim) or None. If given, written into the cache
+            the cache is never repeated). v_cache's head dim may differ from q's and
+            k_cache's (MLA decoding): the kernels take both as they are, nothing is padded.
+        k, v: (batch, seqlen_new, nheads_kv, headdim) or None (v with v_cache's head dim). If given, written into the cache
             in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before
             attending. cache_seqlens itself is not updated (the caller advances it).
         cache_seqlens: int or (batch,) int32/int64 tensor: each sequence's length before the
@@ -503,7 +504,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         learnable_sink: (nheads,) floating-point tensor, or None: attention sinks, as in
             `longflash.attention` (one more logit per head in each row's softmax, attending
             to no value; lse includes it).
-    Returns o: (batch, seqlen_q, nheads, headdim), and lse if return_lse. A sequence with no
+    Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A sequence with no
     key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd in q
     and the caches; a learnable_sink's gradient flows).
     Errors (ValueError / TypeError naming the argument) are raised before anything is

@@ -19,8 +19,9 @@ softcap, ALiBi, GQA, dropout). Differences from flash_attn 2.7:
   pages in place, as FlashAttention's do, unless a gradient is needed; then the keys in use are
   packed into a copy first (`attention_varlen`).
 - CPU tensors and head dims 1 to 256 work (FlashAttention needs CUDA, head dims <= 256), and
-  v's head dim may differ from q's and k's outside the KV-cache and paged functions
-  (FlashAttention-2 requires them equal), as in `longflash.attention`.
+  v's head dim may differ from q's and k's (FlashAttention-2 requires them equal), as in
+  `longflash.attention` and `attention_with_kvcache`, except for a paged cache in
+  flash_attn_varlen_func.
 `longflash.flash_attn.bert_padding` has flash_attn.bert_padding's helpers (unpad_input,
 pad_input, ...) for padded batches.
 """
