@@ -44,7 +44,7 @@ def compile_all(capability, dtype, features, headdim):
     block_d = max(16, triton.next_power_of_2(headdim))
     on = features == "all"
     meta = dict(HAS_SOFTCAP=on, HAS_ALIBI=on, HAS_DROPOUT=on, IS_VARLEN=on, HEAD_DIM=headdim,
-                BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=32,
+                BLOCK_D=block_d, HEAD_DIM_V=headdim, BLOCK_DV=block_d, BLOCK_M=64, BLOCK_N=32,
                 INPUT_PRECISION="ieee" if dtype == "float32" else "tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
     fwd = dict(Q=p, K=p, V=p, O=p, TABLE="*i32", **stats)

@@ -306,10 +306,10 @@ def test_paged_varlen_gpu():
 
 
 def test_headdim_v_gpu():
-    """MLA's head dims, 192 for q and k and 128 for v (v zero-padded to 192, o sliced), bf16,
-    causal, forward and backward through the Triton kernels at head dim 192, against the
-    float64 reference (tolerance rule). Its own autotuning key: after the other tests, so
-    that a short budget spends its compilation last."""
+    """MLA's head dims, 192 for q and k and 128 for v (HEAD_DIM, HEAD_DIM_V), bf16, causal,
+    forward and backward through the Triton kernels (the d256 bucket's candidates), against the
+    float64 reference (tolerance rule). Its own autotuning key: after the other tests, so that
+    a short budget spends its compilation last."""
     from test_headdim_v import check_attention
     check_attention((1, 1031, 1031, 4, 4, 192, 128), torch.bfloat16, dict(causal=True),
                     "triton", device="cuda")

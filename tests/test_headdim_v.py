@@ -1,8 +1,9 @@
 """Values with another head dim than the queries and keys (MLA: DeepSeek-V2/V3 attend with
-headdim 192 and headdim_v 128). Every entry point against the float64 reference, which
-computes it directly (its einsums take any head dims): output, lse and the gradients of q, k
-and v by the tolerance rule, with v narrower and wider than q, the default softmax scale
-(from q's headdim, not the padded one) and the options; then the errors where it is not
+headdim 192 and headdim_v 128), which every kernel takes as it is (HEAD_DIM, HEAD_DIM_V).
+Every entry point against the float64 reference, which computes it directly (its einsums take
+any head dims): output, lse and the gradients of q, k and v by the tolerance rule, with v
+narrower and wider than q, the default softmax scale (from q's headdim) and the options, on
+the Triton kernels' pointer, TMA and warp-specialized paths; then the errors where it is not
 supported.
 """
 
@@ -13,14 +14,18 @@ import torch.nn.functional as F
 import longflash
 from longflash import attention_ref, attention_varlen_ref
 from conftest import INTERPRET, check_close
-from test_variants import kwargs_for, ref_kwargs
+from test_variants import kwargs_for, ref_kwargs, tiles_id, use_tiles, use_tma
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+# The Triton kernels' pointer, TMA and warp-specialized code paths: each loads v, dO and stores
+# o, dV with the values' head dim (HEAD_DIM_V, BLOCK_DV), a tensor descriptor of its own.
+BACKEND_TILES = [("torch", None)] + ([("triton", None), ("triton", "tma"), ("triton", "ws")]
+                                     if INTERPRET else [])
 
 # (id, shape (B, Nq, Nk, H, Hkv, D, Dv), keyword arguments)
 CASES = [
     ("narrow-v-causal", (2, 29, 37, 4, 2, 48, 32), dict(causal=True)),   # MLA's shape of ratio
-    ("wide-v-full", (1, 33, 45, 4, 1, 24, 40), dict()),                  # q and k padded
+    ("wide-v-full", (1, 33, 45, 4, 1, 24, 40), dict()),                  # v wider than q, k
     ("odd-all", (2, 47, 53, 4, 2, 59, 40), dict(causal=True, window_size=(12, -1), alibi=(2, 4),
                                                softcap=1.0, dropout_p=0.2, seed=7)),
 ]
@@ -53,10 +58,15 @@ def check(fn, ref_fn, q, k, v, do, dlse):
         check_close(name, a, b, r)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, tiles", BACKEND_TILES,
+                         ids=[tiles_id(*bt) for bt in BACKEND_TILES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_attention(backend, dtype, shape, kw):
+def test_attention(backend, tiles, dtype, shape, kw, monkeypatch):
+    itemsize = torch.finfo(dtype).bits // 8
+    if tiles in ("tma", "ws") and any(d * itemsize % 16 for d in shape[5:]):
+        pytest.skip("a TMA copy needs rows of 16-byte multiples (the launcher's _tma_ok)")
+    use_tiles(monkeypatch, tiles)
     check_attention(shape, dtype, kw, backend)
 
 
@@ -73,10 +83,14 @@ def test_bfloat16_torch_path():
     check_attention(*CASES[-1][1:2], torch.bfloat16, CASES[-1][2], "torch")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + (["triton-tma"] if INTERPRET else []))
 @pytest.mark.parametrize("headdim_v", [16, 40])
-def test_varlen(backend, headdim_v):
-    """Packed sequences of different lengths, one empty, causal and windowed."""
+def test_varlen(backend, headdim_v, monkeypatch):
+    """Packed sequences of different lengths, one empty, causal and windowed (with TMA: a
+    descriptor per sequence, the values' of their own head dim)."""
+    if backend == "triton-tma":
+        use_tma(monkeypatch, ws=True, varlen=True)
+        backend = "triton"
     lengths_q, lengths_k = [17, 0, 30], [23, 5, 31]
     cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)  # noqa: E731
     cu_q, cu_k = cu(lengths_q), cu(lengths_k)
@@ -130,7 +144,7 @@ def test_sdpa_drop_in(is_causal, seqlen_q, seqlen_k):
 
 
 def test_compile_fullgraph():
-    """The padding and the slice are traced with the custom op, without graph breaks."""
+    """Captured whole (the fake implementation gives o v's head dim), without graph breaks."""
     torch._dynamo.reset()
     q, k, v, do = make_inputs((1, 17, 17, 2, 2, 24, 16), torch.float32)
     fn = torch.compile(lambda q, k, v: longflash.attention(q, k, v, causal=True,

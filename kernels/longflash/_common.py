@@ -108,31 +108,6 @@ def empty_outputs(q, varlen=False, headdim_v=None):
     return o, lse.fill_(float("nan")) if POISON_OUTPUTS else lse
 
 
-# ----------------------------------------------------------------------------- value head dim
-
-def pad_headdim(q, k, v):
-    """Attention whose values have another head dim than the queries and keys (MLA:
-    DeepSeek-V2/V3 attend with headdim 192 and headdim_v 128), from attention with one head
-    dim, which is what the kernels compute: the narrower side is zero-padded to the wider.
-    Zero columns of v give zero columns of o, sliced off by `unpad_headdim`; zero columns of
-    q and k add exact zeros to every score. Exact and differentiable (the pads' gradients are
-    dropped); it costs the padded copy and the padded columns' FLOPs (192 / 128: 20% more
-    than a kernel with two head dims). The softmax scale must be resolved before, from q's
-    own headdim. Returns (q, k, v, headdim_v); unchanged tensors when the head dims agree."""
-    headdim, headdim_v = q.shape[-1], v.shape[-1]
-    if headdim_v < headdim:
-        v = torch.nn.functional.pad(v, (0, headdim - headdim_v))
-    elif headdim_v > headdim:
-        q, k = (torch.nn.functional.pad(x, (0, headdim_v - headdim)) for x in (q, k))
-    return q, k, v, headdim_v
-
-
-def unpad_headdim(o, headdim_v):
-    """o's first headdim_v columns, contiguous (so that o.view(batch, seqlen, -1) works as on
-    any output): the output of attention padded by `pad_headdim`."""
-    return o if o.shape[-1] == headdim_v else o[..., :headdim_v].contiguous()
-
-
 # ----------------------------------------------------------------------------- sinks
 
 def check_learnable_sink(learnable_sink, nheads, device):

@@ -119,7 +119,7 @@ def _context(q, k, opts, batch_start, block_m, block_n):
 
 
 def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=None):
-    """Writes o (B, Nq, H, D) and lse (B, H, Nq) for one padded-free batch."""
+    """Writes o (B, Nq, H, Dv) and lse (B, H, Nq) for one padded-free batch."""
     seqlen_q, seqlen_k, nheads_kv = q.shape[1], k.shape[1], k.shape[2]
     dtype = accumulator_dtype(q.dtype)
     ctx = _context(q, k, opts, batch_start, block_m, block_n)
@@ -132,7 +132,7 @@ def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=N
         q_i = q5[..., start_m:start_m + block_m, :].to(dtype)
         m_i = q_i.new_full(q_i.shape[:-1], float("-inf"))
         l_i = q_i.new_zeros(q_i.shape[:-1])
-        acc = torch.zeros_like(q_i)
+        acc = q_i.new_zeros(q_i.shape[:-1] + v.shape[-1:])  # (B, Hkv, G, BM, Dv)
         lo, mid_lo, mid_hi, hi = key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, *window)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k5, v5, start_m, a, b, masked,
@@ -162,9 +162,9 @@ def _keys(x, b, cols, opts):
 
 @torch.no_grad()
 def forward(q, k, v, opts, block_m=None, block_n=None):
-    """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences,
-    natural log."""
-    o, lse = empty_outputs(q, opts.varlen)
+    """o like q (v's head dim); lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed
+    sequences, natural log."""
+    o, lse = empty_outputs(q, opts.varlen, v.shape[-1])
     if not opts.varlen:
         _forward_dense(q, k, v, opts, o, lse, 0, block_m, block_n)
         return o, lse
@@ -216,7 +216,7 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
         k_j = k5[..., start_n:start_n + block_n, :].to(dtype)
         v_j = v5[..., start_n:start_n + block_n, :].to(dtype)
         dk_j = k_j.new_zeros(k_j.shape[:2] + k_j.shape[3:])  # (B, Hkv, BN, D)
-        dv_j = torch.zeros_like(dk_j)
+        dv_j = v_j.new_zeros(v_j.shape[:2] + v_j.shape[3:])  # (B, Hkv, BN, Dv)
         lo, mid_lo, mid_hi, hi = query_range(start_n, block_m, block_n, seqlen_q, seqlen_k,
                                              *window)
         for start_m in range(lo, hi, block_m):

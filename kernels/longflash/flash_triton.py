@@ -22,7 +22,9 @@ query block). Neither uses atomics, so gradients are deterministic.
 block ranges (`_common.key_range`, `_common.query_range`); read it first.
 
 Layout: (batch, seqlen, nheads, headdim), any strides with a contiguous last
-dim. Head dims 1..256, padded inside the kernel to a power of two >= 16.
+dim. Head dims 1..256, padded inside the kernel to a power of two >= 16. The values
+may have a head dim of their own (HEAD_DIM_V / BLOCK_DV: v, o, dO, dV and the
+accumulators over them; MLA's 192 / 128); the config table takes the larger.
 Address arithmetic: program ids and block starts are cast to int64 before
 multiplying by strides, so tensors over 2^31 elements are addressed safely.
 
@@ -155,17 +157,21 @@ def _table_key(kernel, major, headdim):
 
 def configs_for(kernel, major, headdim):
     """The triton.Configs the launcher may choose for `kernel` ("fwd", "preprocess", "dkdv",
-    "dq") on a GPU of this major compute capability (9 for H100) and head dim."""
+    "dq") on a GPU of this major compute capability (9 for H100) and head dim (the larger of
+    the keys' and the values')."""
     if kernel == "preprocess":
         return [triton.Config({"BLOCK_M": PREPROCESS_BLOCK_M}, num_warps=4, num_stages=1)]
     return [_config(c) for c in CONFIGS[_table_key(kernel, major, headdim)]]
 
 
 def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
-               dropout=False):
-    """The compile-time arguments the launcher passes (without the tile sizes)."""
+               dropout=False, headdim_v=None):
+    """The compile-time arguments the launcher passes (without the tile sizes). headdim_v:
+    the values' head dim (MLA: another than the queries' and keys'), default headdim."""
+    headdim_v = headdim_v or headdim
     return dict(HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_VARLEN=varlen,
                 HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+                HEAD_DIM_V=headdim_v, BLOCK_DV=max(16, triton.next_power_of_2(headdim_v)),
                 INPUT_PRECISION="ieee" if dtype_is_fp32 else "tf32")
 
 
@@ -182,9 +188,8 @@ def _prune(kernel):
         that they may run (ws_ok)."""
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
-        wanted = CONFIGS[_table_key(kernel, capability, kwargs.get(
-            "HEAD_DIM", named_args.get("HEAD_DIM")))]
         arg = lambda name: kwargs.get(name, named_args.get(name, 0))  # noqa: E731
+        wanted = CONFIGS[_table_key(kernel, capability, max(arg("HEAD_DIM"), arg("HEAD_DIM_V")))]
         pointers = [c for c in configs if not c.kwargs["USE_TMA"]]
         usable = [c for c in configs if (not c.kwargs["USE_TMA"] or arg("tma_ok"))
                   and (not c.kwargs.get("WARP_SPECIALIZE") or arg("ws_ok"))]
@@ -220,7 +225,8 @@ def _autotune(kernel):
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
     return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
-                           key=["HEAD_DIM", "seqlen_bucket", "window_left", "window_right",
+                           key=["HEAD_DIM", "HEAD_DIM_V", "seqlen_bucket", "window_left",
+                                "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
                                 "ws_ok"] + (["PAGED"] if kernel == "fwd" else []),
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
@@ -522,8 +528,8 @@ def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_k
                    window_left, window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
                    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                   PAGED: tl.constexpr):
+                   HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr):
     """One key block of the forward: scores, online softmax, acc += p v."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     # -- compute scores --
@@ -542,8 +548,8 @@ def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_k
     if HAS_DROPOUT:
         p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :], dropout_p)
     # -- update output accumulator --
-    v = _load_kv(V, TABLE, start_n, stride_vn, stride_vp, page_size, seqlen_k, HEAD_DIM, BLOCK_N,
-                 BLOCK_D, not MASKED, USE_TMA, PAGED)
+    v = _load_kv(V, TABLE, start_n, stride_vn, stride_vp, page_size, seqlen_k, HEAD_DIM_V,
+                 BLOCK_N, BLOCK_DV, not MASKED, USE_TMA, PAGED)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, l_i, m_ij
@@ -555,9 +561,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
                     window_left, window_right, qk_scale, softcap, softmax_scale, slope,
                     dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m. WARP_SPECIALIZE (Hopper, a kernel with this
     one loop): Triton gives the loop's TMA copies a warpgroup of their own and splits the
     query rows between two compute warpgroups (FlashAttention-3's producer/consumer layout)."""
@@ -568,16 +574,16 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
                 acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
                 page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                USE_TMA, PAGED)
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
                 page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
                 window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                USE_TMA, PAGED)
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
     return acc, l_i, m_i
 
 
@@ -592,7 +598,8 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
               IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
               FULL_TILES: tl.constexpr):
     start_m = _query_block_start(BLOCK_M)
@@ -618,7 +625,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     q = _load_held(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # -- keys: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
     # specialized, all of [lo, hi) in one loop (Triton's Hopper pass takes one loop), masked
@@ -629,29 +636,29 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     if WARP_SPECIALIZE:
         first_hi = hi
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, TABLE, stride_kb, stride_vb, page_size, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                    BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE,
-                                    PAGED)
+                                    HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+                                    USE_TMA, WARP_SPECIALIZE, PAGED)
     if not WARP_SPECIALIZE:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False,
-                                        PAGED)
+                                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+                                        USE_TMA, False, PAGED)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                        BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, False,
-                                        PAGED)
+                                        HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+                                        USE_TMA, False, PAGED)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
-    _store_block(O, acc, start_m, stride_on, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
+    _store_block(O, acc, start_m, stride_on, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     tl.store(LSE + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -697,8 +704,9 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
                         qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                         HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                        USE_TMA: tl.constexpr, GROUPED: tl.constexpr):
+                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                        GROUPED: tl.constexpr):
     """One query block (of query head g) of dK/dV: p^T recomputed from the saved lse,
     dV += p^T dO, dK += dS^T q."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -716,7 +724,7 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
                      HAS_SOFTCAP, HAS_ALIBI, GROUPED)
     pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
     # -- dV += p_dropped^T dO --
-    do = _load_head_tile(DO, start_m, g, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+    do = _load_head_tile(DO, start_m, g, stride_don, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
                          not MASKED, USE_TMA, GROUPED)
     dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     if HAS_DROPOUT:
@@ -740,6 +748,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Query blocks [lo, hi) of one query head for key block start_n."""
@@ -749,8 +758,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                                      offs_n, start_m, 0, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
                                      window_left, window_right, qk_scale, softcap, softmax_scale,
                                      slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
-                                     HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION,
-                                     USE_TMA, False)
+                                     HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                     BLOCK_M, INPUT_PRECISION, USE_TMA, False)
     return dk, dv
 
 
@@ -760,7 +769,8 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
                       seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                       softmax_scale, dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                       HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr):
     """Query blocks [lo, hi) of every query head g of the group (Q, DO, LSE, Delta, ALIBI and bh
     at the group's first head) for key block start_n, warp-specialized (Hopper): one loop over
@@ -772,9 +782,9 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
     Q = tl.make_tensor_descriptor(Q, shape=[seqlen_q, group_size, HEAD_DIM],
                                   strides=[stride_qn, stride_qh, 1],
                                   block_shape=[BLOCK_M, 1, BLOCK_D])
-    DO = tl.make_tensor_descriptor(DO, shape=[seqlen_q, group_size, HEAD_DIM],
+    DO = tl.make_tensor_descriptor(DO, shape=[seqlen_q, group_size, HEAD_DIM_V],
                                    strides=[stride_don, stride_doh, 1],
-                                   block_shape=[BLOCK_M, 1, BLOCK_D])
+                                   block_shape=[BLOCK_M, 1, BLOCK_DV])
     offs_n = start_n + tl.arange(0, BLOCK_N)
     blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
     for i in tl.range(0, group_size * blocks, warp_specialize=True):
@@ -787,8 +797,8 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
                                      lo + (i - g * blocks) * BLOCK_M, g, bh + g, seed_lo, seed_hi,
                                      seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                                      softcap, softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP,
-                                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                     INPUT_PRECISION, True, True)
+                                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                                     BLOCK_DV, BLOCK_M, INPUT_PRECISION, True, True)
     return dk, dv
 
 
@@ -805,6 +815,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    seed_lo, seed_hi,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                    FULL_TILES: tl.constexpr):
@@ -817,7 +828,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
     V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
     # specialized, all of [lo, hi), of every query head of the group, in one loop, masked
@@ -825,7 +836,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     lo, mid_lo, mid_hi, hi = _query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                           BLOCK_M, BLOCK_N)
     k = _load_held(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
-    v = _load_held(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
+    v = _load_held(V, start_n, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
+                   WARP_SPECIALIZE)
     if WARP_SPECIALIZE:
         off_h = off_hk * group_size  # the group's first query head
         dk, dv = _attn_bwd_dkdv_ws(
@@ -837,7 +849,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
             stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, off_b * nheads + off_h,
             seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
             softmax_scale, dropout_p, not FULL_TILES, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, INPUT_PRECISION)
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION)
     else:
         # GQA: the query heads of this key head take turns; no atomics, so dK, dV are
         # deterministic.
@@ -846,7 +858,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
             Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
                          stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
             DO_h = _tiles(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
-                          seqlen_q, stride_don, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+                          seqlen_q, stride_don, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
             LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
             Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
             slope = 0.0
@@ -857,17 +869,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                     window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True,
                                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                                          HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
+                                          INPUT_PRECISION, USE_TMA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
                                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                                          HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
+                                          INPUT_PRECISION, USE_TMA)
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True,
                                           HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                                          HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
+                                          INPUT_PRECISION, USE_TMA)
     _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                  dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
-                 start_n, stride_dvn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+                 start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
 
 
 @triton.jit
@@ -876,13 +891,13 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
                       softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                      USE_TMA: tl.constexpr):
+                      HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """One key block of dQ: p recomputed from the saved lse, dQ += dS k."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
                    USE_TMA)
-    v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
+    v = _load_tile(V, start_n, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV, not MASKED,
                    USE_TMA)
     # -- recompute p from the saved lse --
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
@@ -908,6 +923,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                        softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                        WARP_SPECIALIZE: tl.constexpr):
@@ -919,14 +935,14 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
                 seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                 softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq = _attn_bwd_dq_step(
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
                 seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                 softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA)
     return dq
 
 
@@ -942,6 +958,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  seed_hi,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                  FULL_TILES: tl.constexpr):
@@ -956,7 +973,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qn
     DO += off_b * stride_dob + off_h * stride_doh + q_start * stride_don
     q = _load_held(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
-    do = _load_held(DO, start_m, stride_don, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+    do = _load_held(DO, start_m, stride_don, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
                     WARP_SPECIALIZE)
     stats = off_b * stride_lb + off_h * stride_lh + q_start
     if WARP_SPECIALIZE:
@@ -979,20 +996,23 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     if WARP_SPECIALIZE:
         first_hi = hi
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
             softcap, softmax_scale, slope, dropout_p)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, not FULL_TILES,
-                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
-                            BLOCK_N, INPUT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+                            HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                            BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
+                            WARP_SPECIALIZE)
     if not WARP_SPECIALIZE:
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
-                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
+                                False)
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True,
-                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, BLOCK_M,
-                                BLOCK_N, INPUT_PRECISION, USE_TMA, False)
+                                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
+                                False)
     _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
@@ -1078,7 +1098,7 @@ def _ws_ok(*tiled):
     return int("warp_specialize" in inspect.signature(tl.range).parameters)
 
 
-def _launch_args(q, k, lse, opts, tiled, ws_tiled):
+def _launch_args(q, k, v, lse, opts, tiled, ws_tiled):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
     `tiled` (what a loop copies) fit, warp-specialized ones where `ws_tiled` (every tile) do."""
     if opts.varlen:
@@ -1105,17 +1125,18 @@ def _launch_args(q, k, lse, opts, tiled, ws_tiled):
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
         **constexprs(headdim, q.dtype == torch.float32, opts.varlen, opts.softcap > 0,
-                     alibi is not None, opts.dropout_p > 0),
+                     alibi is not None, opts.dropout_p > 0, v.shape[-1]),
     )
     return batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars
 
 
 def forward(q, k, v, opts):
-    """o like q; lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed sequences."""
+    """o like q (v's head dim); lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed
+    sequences."""
     q, k, v = _last_dim_contiguous(q, k, v)
-    o, lse = empty_outputs(q, opts.varlen)
+    o, lse = empty_outputs(q, opts.varlen, v.shape[-1])
     batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(
-        q, k, lse, opts, (k, v), (q, k, v))
+        q, k, v, lse, opts, (k, v), (q, k, v))
     if batch * nheads * seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
     table = opts.block_table  # paged k, v (num_pages, page_size, ...): strides (page, slot, head)
@@ -1143,15 +1164,16 @@ def backward(do, q, k, v, o, lse, dlse, opts):
         stats = lse.new_empty(2, *lse.shape[:-1], triton.cdiv(seqlen_q, 4) * 4)[..., :seqlen_q]
         lse, delta = stats[0].copy_(lse), stats[1]
     batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars = _launch_args(
-        q, k, lse, opts, (q, k, v, do), (q, k, v, do))
+        q, k, v, lse, opts, (q, k, v, do), (q, k, v, do))
     if dq.numel() == 0 or dk.numel() == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
+    # -- preprocess: delta = rowsum(do * o) over the values' head dim; a gradient of lse
+    # enters as -dlse --
     block_m = 32 if _INTERPRET else PREPROCESS_BLOCK_M
     _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
         o, do, delta, pointers["CU_Q"], *_strides(o), *_strides(do), scalars["stride_lb"],
         scalars["stride_lh"], nheads, seqlen_q, IS_VARLEN=opts.varlen,
-        HEAD_DIM=scalars["HEAD_DIM"], BLOCK_D=scalars["BLOCK_D"], BLOCK_M=block_m)
+        HEAD_DIM=scalars["HEAD_DIM_V"], BLOCK_D=scalars["BLOCK_DV"], BLOCK_M=block_m)
     if dlse is not None:
         delta -= dlse
     tensors = (q, k, v, do, lse, delta)

@@ -17,8 +17,7 @@ import torch
 
 from . import blockwise
 from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
-                      empty_outputs, pad_headdim, paged_rows, resolve_softmax_scale,
-                      unpad_headdim, with_learnable_sink)
+                      empty_outputs, paged_rows, resolve_softmax_scale, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -236,7 +235,7 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 def _(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1, alibi_slopes=None,
       softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
       max_seqlen_q=0, max_seqlen_k=0, block_table=None):
-    return empty_outputs(q, varlen=cu_seqlens_q is not None)
+    return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
 @torch.library.custom_op("longflash::attention_backward", mutates_args=())
@@ -335,9 +334,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
         q: (batch, seqlen_q, nheads, headdim)
         k, v: (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA:
             query head h uses key/value head h // (nheads // nheads_kv)). v's headdim may
-            differ from q's and k's (MLA: DeepSeek-V3's 192 and 128): the narrower side is
-            zero-padded to the wider before the kernels and o sliced after
-            (`_common.pad_headdim`: exact; a padded copy and the padded FLOPs).
+            differ from q's and k's (MLA: DeepSeek-V3's 192 and 128); every kernel takes
+            both (HEAD_DIM, HEAD_DIM_V).
         causal: bottom-right aligned, as in FlashAttention 2.1+: query i sees key j iff
             j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0
@@ -380,22 +378,17 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic, learnable_sink=learnable_sink)
     if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
-        # the decoding kernels take v's head dim as it is: no padding
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1])
-        return _outputs(o, lse, learnable_sink, return_lse)
-    q, k, v, headdim_v = pad_headdim(q, k, v)
-    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
-                                alibi_slopes, float(softcap), float(dropout_p),
-                                _seed_tensor(dropout_p, seed, generator))
-    return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
+    else:
+        o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
+                                    alibi_slopes, float(softcap), float(dropout_p),
+                                    _seed_tensor(dropout_p, seed, generator))
+    return _outputs(o, lse, learnable_sink, return_lse)
 
 
-def _outputs(o, lse, learnable_sink, return_lse, headdim_v=None):
-    """What a public function returns: o (its first headdim_v columns if given:
-    `pad_headdim`) and lse, with the attention sinks if any."""
-    if headdim_v is not None:
-        o = unpad_headdim(o, headdim_v)
+def _outputs(o, lse, learnable_sink, return_lse):
+    """What a public function returns: o (and lse), with the attention sinks if any."""
     if learnable_sink is not None:
         o, lse = with_learnable_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
@@ -456,7 +449,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             o = o.view(*q.shape[:2], v.shape[-1])  # (total_q, H, Dv)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return _outputs(o, lse, learnable_sink, return_lse)
-    q, k, v, headdim_v = pad_headdim(q, k, v)
     if paged and _needs_grad(q, k, v):  # the backward kernels take packed keys
         k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
         block_table = None
@@ -464,7 +456,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
+    return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,

@@ -407,6 +407,7 @@ def _triton_launch(q, k, cfg):
         dropout_p=0.0, seed_lo=0, seed_hi=0,
         HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, IS_VARLEN=False,
         HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
+        HEAD_DIM_V=headdim, BLOCK_DV=max(16, triton.next_power_of_2(headdim)),  # v padded
         INPUT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
         # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims; pointer
         # loads, so no warp specialization either (a TMA descriptor made on the device needs
@@ -523,7 +524,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
         q: (batch, seqlen_q, nheads, headdim)
         k, v: (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA:
             query head h uses key/value head h // (nheads // nheads_kv)); v's headdim may
-            differ (MLA), zero-padded as in `longflash.attention` (_common.pad_headdim)
+            differ (MLA): here the narrower side is zero-padded to the wider (zero columns of
+            v give zero columns of o, sliced off; zero columns of q and k add exact zeros to
+            the scores), where longflash.attention's kernels take both head dims
         causal: bottom-right aligned, as longflash.attention and FlashAttention 2.1+: query i
             sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._common import accumulator_dtype, pad_headdim
+from ._common import accumulator_dtype
 from .interface import _check_inputs, _outputs  # importing it registers torch.ops.longflash.*
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -140,7 +140,7 @@ def _step_plan(ring, src, causal, seqlen):
 def _merge_(o, lse, o_blk, lse_blk):
     """In place: (o, lse) <- attention over the keys behind (o, lse) and behind (o_blk, lse_blk).
 
-    o: (B, N, H, D) and lse: (B, H, N) in the accumulator dtype (float32, or float64);
+    o: (B, N, H, Dv) and lse: (B, H, N) in the accumulator dtype (float32, or float64);
     o_blk in the input dtype. o = (e^lse o + e^lse_blk o_blk) / e^lse_new.
     """
     lse_new = torch.logaddexp(lse, lse_blk)
@@ -155,7 +155,7 @@ def _merge_(o, lse, o_blk, lse_blk):
 def _ring_forward(q, k, v, causal, softmax_scale, backend, ring):
     batch, seqlen_q, nheads, _ = q.shape
     acc = accumulator_dtype(q.dtype)
-    o = torch.zeros(q.shape, dtype=acc, device=q.device)
+    o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
     lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
     for step in range(ring.world_size):
@@ -180,7 +180,7 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
     k, v = k.contiguous(), v.contiguous()
     # dk, dv of the shard in hand travel around the ring with it, in float32: each rank adds
     # its block's term, so a low-precision sum would round once per rank.
-    dkv_next = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]
+    dkv_next = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v)]
     dkv_requests = []
     for step in range(ring.world_size):
         last = step == ring.world_size - 1
@@ -307,9 +307,8 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
                              dtype=_dtype_code(q.dtype), causal=(causal,),
                              softmax_scale=(softmax_scale,), layout=(LAYOUTS.index(layout),),
                              backend=(("triton", "torch").index(backend),))
-    q, k, v, headdim_v = pad_headdim(q, k, v)
     o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring)
-    return _outputs(o, lse, learnable_sink, return_lse, headdim_v)
+    return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def shard_sequence(x, layout="zigzag", group=None):
