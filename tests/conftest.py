@@ -50,3 +50,25 @@ def check_close(name, out, out_lowp, ref):
     bound = error_bound(err_lowp, ref.abs().max().item(), dtype)
     print(f"{name}: max err {err:.3e}, PyTorch low-precision err {err_lowp:.3e}, bound {bound:.1e}")
     assert err <= bound, f"{name}: {err:.3e} > {bound:.1e} (2 * {err_lowp:.3e} + floor)"
+
+
+def _outputs_and_grads(fn, inputs, do, dlse):
+    """fn(*inputs) -> (o, lse); returns o, lse and the gradients of sum(o * do) +
+    sum(lse * dlse) (rows with a finite lse) with respect to every input."""
+    o, lse = fn(*inputs)
+    loss = (o * do).sum() + (lse.nan_to_num(neginf=0.0) * dlse.to(lse.dtype)).sum()
+    return (o, lse) + torch.autograd.grad(loss, inputs)
+
+
+def check_with_grads(fn, ref_fn, inputs, names, do, dlse):
+    """fn's o, lse and input gradients against ref_fn's in float64 by the tolerance rule, with
+    ref_fn(..., upcast=False) as the low-precision computation; names: the inputs' ("q", ...).
+    Returns fn's (o, lse, gradients...)."""
+    got = _outputs_and_grads(fn, inputs, do, dlse)
+    lowp = _outputs_and_grads(lambda *x: ref_fn(*x, upcast=False), inputs, do, dlse)
+    x64 = [x.detach().double().requires_grad_() for x in inputs]
+    ref = _outputs_and_grads(ref_fn, x64, do.double(), dlse.double())
+    for name, a, b, r in zip(("o", "lse", *(f"d{n}" for n in names)), got, lowp, ref):
+        assert a.shape == r.shape, name
+        check_close(name, a, b, r)
+    return got

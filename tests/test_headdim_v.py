@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import longflash
 from longflash import attention_ref, attention_varlen_ref
-from conftest import INTERPRET, check_close
+from conftest import INTERPRET, check_close, check_with_grads
 from test_variants import kwargs_for, ref_kwargs, tiles_id, use_tiles, use_tma
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
@@ -41,21 +41,9 @@ def make_inputs(shape, dtype, seed=0, device="cpu"):
     return [x.requires_grad_() for x in (q, k, v)] + [do]
 
 
-def run(fn, q, k, v, do, dlse):
-    o, lse = fn(q, k, v)
-    loss = (o * do).sum() + (lse.nan_to_num(neginf=0.0) * dlse.to(lse.dtype)).sum()
-    return (o, lse) + torch.autograd.grad(loss, (q, k, v))
-
-
 def check(fn, ref_fn, q, k, v, do, dlse):
-    got = run(fn, q, k, v, do, dlse)
-    assert got[0].shape == do.shape and got[0].is_contiguous()
-    lowp = run(lambda *x: ref_fn(*x, upcast=False), q, k, v, do, dlse)
-    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = run(ref_fn, *x64, do.double(), dlse.double())
-    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
-        assert a.shape == r.shape, name
-        check_close(name, a, b, r)
+    o = check_with_grads(fn, ref_fn, (q, k, v), ("q", "k", "v"), do, dlse)[0]
+    assert o.shape == do.shape and o.is_contiguous()
 
 
 @pytest.mark.parametrize("backend, tiles", BACKEND_TILES,

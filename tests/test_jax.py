@@ -244,14 +244,16 @@ def _interpreted_triton_call(*args, kernel, out_type, grid, num_warps=None, num_
 
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the kernels under TRITON_INTERPRET=1 (no GPU)")
-def test_triton_path_arguments(monkeypatch):
-    """The GPU path's launches (names, strides, lse and delta layouts, GQA grid) give the
-    blockwise path's results when the kernels run in Triton's interpreter. jax_triton
-    itself and GPU compilation remain untested."""
+@pytest.mark.parametrize("headdim_v", [40, 24])
+def test_triton_path_arguments(headdim_v, monkeypatch):
+    """The GPU path's launches (names, strides, lse and delta layouts, GQA grid, the values'
+    head dim) give the blockwise path's results when the kernels run in Triton's interpreter.
+    jax_triton itself and GPU compilation remain untested."""
     monkeypatch.setitem(sys.modules, "jax_triton",
                         types.SimpleNamespace(triton_call=_interpreted_triton_call))
     case = (2, 17, 33, 4, 2, 40, True)
     q, k, v, do, dlse = (x.astype(jnp.float32) for x in make_inputs(case, seed=2))
+    v, do = v[..., :headdim_v], do[..., :headdim_v]
     cfg = lj._Config(True, 40 ** -0.5, 32, 16, "triton")
     o, lse = lj._triton_forward(q, k, v, cfg)
     grads = lj._triton_backward(do, dlse, q, k, v, o, lse, cfg)

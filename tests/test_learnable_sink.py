@@ -9,7 +9,7 @@ import torch
 
 import longflash
 from longflash import attention_ref, attention_varlen_ref
-from conftest import INTERPRET, check_close
+from conftest import INTERPRET, check_close, check_with_grads
 from test_correctness import make_inputs
 from test_variants import kwargs_for, packed, ref_kwargs, tiles_id, use_tiles
 
@@ -35,21 +35,9 @@ def make_sink(nheads, dtype, device="cpu"):
     return sink.to(device=device, dtype=dtype).requires_grad_()
 
 
-def run(fn, q, k, v, sink, do, dlse):
-    """Output, lse, and the gradients of sum(o * do) + sum(lse * dlse) (rows with a finite
-    lse) with respect to q, k, v and the sink."""
-    o, lse = fn(q, k, v, sink)
-    loss = (o * do).sum() + (lse.nan_to_num(neginf=0.0) * dlse.to(lse.dtype)).sum()
-    return (o, lse) + torch.autograd.grad(loss, (q, k, v, sink))
-
-
 def check(fn, ref_fn, q, k, v, sink, do, dlse):
-    got = run(fn, q, k, v, sink, do, dlse)
-    lowp = run(lambda *x: ref_fn(*x, upcast=False), q, k, v, sink, do, dlse)
-    x64 = [x.detach().double().requires_grad_() for x in (q, k, v, sink)]
-    ref = run(ref_fn, *x64, do.double(), dlse.double())
-    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv", "dsink"), got, lowp, ref):
-        check_close(name, a, b, r)
+    """o, lse and the gradients of q, k, v and the sink against the float64 reference."""
+    check_with_grads(fn, ref_fn, (q, k, v, sink), ("q", "k", "v", "sink"), do, dlse)
 
 
 @pytest.mark.parametrize("backend, tiles", BACKEND_TILES,

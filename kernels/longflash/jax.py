@@ -268,7 +268,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx):
 
 
 def _forward_dense(q, k, v, cfg):
-    """o (B, Nq, H, D) in q's dtype and lse (B, H, Nq) in the accumulator dtype."""
+    """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv = k.shape[2]
     ctx = _context(q, k, cfg)
@@ -282,7 +282,7 @@ def _forward_dense(q, k, v, cfg):
         start_m, q_i, (lo, mid_lo, mid_hi, hi) = args
         m_i = jnp.full(q_i.shape[:-1], -jnp.inf, ctx.dtype)
         l_i = jnp.zeros(q_i.shape[:-1], ctx.dtype)
-        acc = jnp.zeros(q_i.shape, ctx.dtype)
+        acc = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], ctx.dtype)  # (B, Hkv, G, BM, Dv)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k4, v4, start_m, a, b, masked,
                                             ctx)
@@ -389,15 +389,14 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg):
 
 # ----------------------------------------------------------------------------- Triton path
 
-def _triton_launch(q, k, cfg):
+def _triton_launch(q, k, v, cfg):
     """Strides-free scalars shared by the three kernels, as flash_triton._launch_args."""
-    import triton
-
     from . import flash_triton
 
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     window_left, window_right = cfg.window
+    wide = max(headdim, v.shape[3])
     return dict(
         stride_lb=nheads * seqlen_q, stride_lh=seqlen_q, stride_ab=0, stride_ah=0,
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
@@ -405,14 +404,11 @@ def _triton_launch(q, k, cfg):
         window_left=window_left, window_right=window_right,
         qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale, softcap=0.0,
         dropout_p=0.0, seed_lo=0, seed_hi=0,
-        HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, IS_VARLEN=False,
-        HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)),
-        HEAD_DIM_V=headdim, BLOCK_DV=max(16, triton.next_power_of_2(headdim)),  # v padded
-        INPUT_PRECISION="ieee" if q.dtype == jnp.float32 else "tf32",
+        **flash_triton.constexprs(headdim, q.dtype == jnp.float32, headdim_v=v.shape[3]),
         # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims; pointer
         # loads, so no warp specialization either (a TMA descriptor made on the device needs
         # Triton's allocator, which jax-triton's launch does not set up)
-        BLOCK_M=64 if headdim <= 128 else 32, BLOCK_N=64 if headdim <= 128 else 32, USE_TMA=False,
+        BLOCK_M=64 if wide <= 128 else 32, BLOCK_N=64 if wide <= 128 else 32, USE_TMA=False,
         WARP_SPECIALIZE=False, FULL_TILES=False, num_warps=4, num_stages=2)
 
 
@@ -436,14 +432,15 @@ def _triton_forward(q, k, v, cfg):
     from . import flash_triton
 
     batch, seqlen_q, nheads, _ = q.shape
-    launch = _triton_launch(q, k, cfg)
+    launch = _triton_launch(q, k, v, cfg)
+    o_shape = jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), q.dtype)
     o, lse = jax_triton.triton_call(
         kernel=flash_triton.jit_function(flash_triton._attn_fwd),
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=(o_shape,
                   jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32)),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
         Q=q, K=k, V=v, **_triton_unused(), **_triton_strides("q", q), **_triton_strides("k", k),
-        **_triton_strides("v", v), **_triton_strides("o", q), **launch,
+        **_triton_strides("v", v), **_triton_strides("o", o_shape), **launch,
         TABLE=_triton_unused()["CU_K"], stride_tb=0, page_size=1, PAGED=False)  # keys not paged
     return o, lse
 
@@ -456,16 +453,17 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
 
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    launch = _triton_launch(q, k, cfg)
-    # -- preprocess: delta = rowsum(do * o); a gradient of lse enters as -dlse --
+    launch = _triton_launch(q, k, v, cfg)
+    # -- preprocess: delta = rowsum(do * o), over the values' head dim; a gradient of lse
+    # enters as -dlse --
     delta = jax_triton.triton_call(
         kernel=flash_triton._attn_bwd_preprocess,
         out_type=jax.ShapeDtypeStruct(lse.shape, jnp.float32),
         grid=(triton.cdiv(seqlen_q, 128), batch * nheads),
         O=o, DO=do, CU_Q=_triton_unused()["CU_Q"], **_triton_strides("o", o),
         **_triton_strides("do", do), stride_lb=launch["stride_lb"], stride_lh=launch["stride_lh"],
-        nheads=nheads, seqlen_q=seqlen_q, IS_VARLEN=False, HEAD_DIM=headdim,
-        BLOCK_D=launch["BLOCK_D"], BLOCK_M=128, num_warps=4, num_stages=1)
+        nheads=nheads, seqlen_q=seqlen_q, IS_VARLEN=False, HEAD_DIM=launch["HEAD_DIM_V"],
+        BLOCK_D=launch["BLOCK_DV"], BLOCK_M=128, num_warps=4, num_stages=1)
     delta = delta - dlse.astype(jnp.float32)
     tensors = dict(Q=q, K=k, V=v, DO=do, LSE=lse, Delta=delta, **_triton_unused())
     strides = {**_triton_strides("q", q), **_triton_strides("k", k), **_triton_strides("v", v),
@@ -488,7 +486,7 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
 def _forward(q, k, v, cfg):
     if 0 in q.shape[:2] or 0 in k.shape[:2]:  # empty: o = 0, lse = -inf (no key seen)
         batch, seqlen_q, nheads, _ = q.shape
-        return (jnp.zeros(q.shape, q.dtype),
+        return (jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype),
                 jnp.full((batch, nheads, seqlen_q), -jnp.inf, _accumulator_dtype(q.dtype)))
     return (_triton_forward if cfg.backend == "triton" else _forward_dense)(q, k, v, cfg)
 
@@ -524,9 +522,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
         q: (batch, seqlen_q, nheads, headdim)
         k, v: (batch, seqlen_k, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA / MQA:
             query head h uses key/value head h // (nheads // nheads_kv)); v's headdim may
-            differ (MLA): here the narrower side is zero-padded to the wider (zero columns of
-            v give zero columns of o, sliced off; zero columns of q and k add exact zeros to
-            the scores), where longflash.attention's kernels take both head dims
+            differ (MLA), as in longflash.attention
         causal: bottom-right aligned, as longflash.attention and FlashAttention 2.1+: query i
             sees key j iff j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0
@@ -555,14 +551,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
                                  backend)
     _check_sink(learnable_sink, q.shape[2])
-    headdim, headdim_v = q.shape[3], v.shape[3]
-    widths = [(0, 0)] * 3 + [(0, abs(headdim - headdim_v))]  # the narrower side's zero columns
-    if headdim_v < headdim:
-        v = jnp.pad(v, widths)
-    elif headdim_v > headdim:
-        q, k = jnp.pad(q, widths), jnp.pad(k, widths)
     o, lse = _attention_jit(q, k, v, cfg)
-    o = o[..., :headdim_v]
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o

@@ -457,9 +457,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             cache (num_pages, page_size, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA:
             the cache is never repeated). v_cache's head dim may differ from q's and
             k_cache's (MLA decoding): the kernels take both as they are, nothing is padded.
-        k, v: (batch, seqlen_new, nheads_kv, headdim) or None (v with v_cache's head dim). If given, written into the cache
-            in place at positions cache_seqlens[b] ... cache_seqlens[b] + seqlen_new - 1 before
-            attending. cache_seqlens itself is not updated (the caller advances it).
+        k, v: (batch, seqlen_new, nheads_kv, headdim) or None (v with v_cache's head dim). If
+            given, written into the cache in place at positions cache_seqlens[b] ...
+            cache_seqlens[b] + seqlen_new - 1 before attending. cache_seqlens itself is not
+            updated (the caller advances it).
         cache_seqlens: int or (batch,) int32/int64 tensor: each sequence's length before the
             append; default: the whole capacity (minus seqlen_new). An int (or the default)
             is checked on the host and costs no device-to-host synchronization with a
@@ -504,8 +505,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         learnable_sink: (nheads,) floating-point tensor, or None: attention sinks, as in
             `longflash.attention` (one more logit per head in each row's softmax, attending
             to no value; lse includes it).
-    Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A sequence with no
-    key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd in q
+    Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
+    sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd in q
     and the caches; a learnable_sink's gradient flows).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
     written, so the cache is unchanged.
