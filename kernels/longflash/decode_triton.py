@@ -405,9 +405,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
             leftpad_k=None):
     """o like q (v_cache's head dim) and lse (batch, nheads, seqlen_q), float32; seqlens_k
     (batch,) after the append, or an int when every sequence has that many keys (a kernel
-    argument: no tensor to fill, no fill kernel in a decoding step). max_seqlen_k: max(seqlens_k) as an int, for the split
-    heuristic (num_splits 0) without a device-to-host read; None: read from seqlens_k (a
-    synchronization; under torch.compile, kvcache passes the cache's capacity instead).
+    argument: no tensor to fill, no fill kernel in a decoding step). max_seqlen_k:
+    max(seqlens_k) as an int, for the split heuristic (num_splits 0) without a device-to-host
+    read; None: read from seqlens_k (a synchronization; under torch.compile, kvcache passes
+    the cache's capacity instead).
     leftpad_k: (batch,) integer tensor or None: sequence b's keys are [leftpad_k[b],
     seqlens_k[b]), positions counted from the start of the cache."""
     if q.stride(-1) != 1:

@@ -506,8 +506,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             `longflash.attention` (one more logit per head in each row's softmax, attending
             to no value; lse includes it).
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
-    sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only (no autograd in q
-    and the caches; a learnable_sink's gradient flows).
+    sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only
+    (no autograd in q and the caches; a learnable_sink's gradient flows).
     Errors (ValueError / TypeError naming the argument) are raised before anything is
     written, so the cache is unchanged.
     Eager, the Triton backend appends (and rotates) in one kernel of its own
