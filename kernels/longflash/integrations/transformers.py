@@ -269,9 +269,9 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
     query: (batch, nheads, seqlen_q, headdim); key, value: (batch, nheads_kv, seqlen_k,
     headdim), nheads % nheads_kv == 0; value's headdim may differ. attention_mask: a
     `PaddingMask`, a 4D mask or None (see the module docstring). scaling: default
-    1 / sqrt(headdim). dropout: the probability the model passes (0 outside training). softcap: tanh soft-capping of the
-    scores (Gemma 2), None for none. s_aux (or, without it, `module.sinks`): attention sinks
-    (gpt-oss), (nheads,), passed as `learnable_sink`.
+    1 / sqrt(headdim). dropout: the probability the model passes (0 outside training).
+    softcap: tanh soft-capping of the scores (Gemma 2), None for none. s_aux (or, without it,
+    `module.sinks`): attention sinks (gpt-oss), (nheads,), passed as `learnable_sink`.
     Returns (attn_output (batch, seqlen_q, nheads, headdim of value), None).
     """
     for name in ("sinks", "position_bias"):
