@@ -26,7 +26,8 @@ each forced in turn on a small odd shape against the float64 reference, one subp
 with its own timeout; a kind that fails or hangs is switched off for the rest of the stage
 (LONGFLASH_TMA=0, LONGFLASH_WS=0 in the steps' environment), so that one broken candidate costs
 a minute, not the stage's autotuning (rows preflight_tma, preflight_ws: the worst relative
-error, or the failure in the note).
+error, or the failure in the note). The warp-specialized candidates are opt-in
+(LONGFLASH_WS=1; NaN on an H100 with Triton 3.6): their check turns them on for itself only.
   1  env        device, versions, SM count, L2, memory, nvidia-smi, ncu, git commit (a JSON)
      speedup    RQ1 (experiments.speedup --full --parts batch): head dims 128 then 64,
                 1K..16K tokens, causal and not, fwd/bwd/fwd_bwd, LongFlash against SDPA flash /
@@ -336,7 +337,7 @@ def probe_env(path):
                 cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
                 ncu=shutil.which("ncu"), nvidia_smi=shutil.which("nvidia-smi"),
                 longflash_tma=os.environ.get("LONGFLASH_TMA", "1"),  # 0: TMA candidates off
-                longflash_ws=os.environ.get("LONGFLASH_WS", "1"))  # 0: no warp specialization
+                longflash_ws=os.environ.get("LONGFLASH_WS", "0"))  # 1: warp specialization on
     from experiments.results import git_state
     info.update(zip(("git_commit", "git_dirty", "git_dirty_files", "git_source"), git_state()))
     for mod in ("triton", "numpy", "pandas", "transformers", "jax", "jax_triton"):
@@ -493,8 +494,12 @@ def probe_jax(path):
 
 
 # The preflight: the Hopper-only candidates, in the order they are checked (the warp-specialized
-# ones read their tiles by TMA too), each with the switch that turns it off.
+# ones read their tiles by TMA too), each with the switch that turns it off. The
+# warp-specialized ones are opt-in (flash_triton._ws_ok: they returned NaN on an H100 with
+# Triton 3.6), so their check turns them on in its subprocess; the stage's steps keep the
+# library's default either way.
 PREFLIGHT_KINDS = {"tma": "LONGFLASH_TMA", "ws": "LONGFLASH_WS"}
+PREFLIGHT_ON = {"ws": {"LONGFLASH_WS": "1"}}
 PREFLIGHT_TIMEOUT_S = 120
 # Relative error (Frobenius norm) in bf16 that a working tile stays far below (about 4e-3); a
 # broken one (an unwritten or misread tile) is off by order 1. tests/test_gpu.py applies the
@@ -516,8 +521,8 @@ def probe_preflight(path, headdims):
             continue
         argv = [sys.executable, "-m", "experiments.gpu_campaign", "--probe", "preflight-kind",
                 "--probe-out", "-", "--", kind, headdims]
-        rc, stdout, stderr = run_group(argv, PREFLIGHT_TIMEOUT_S, cwd=ROOT,
-                                       started=track_child)
+        rc, stdout, stderr = run_group(argv, PREFLIGHT_TIMEOUT_S, cwd=ROOT, started=track_child,
+                                       env=dict(os.environ, **PREFLIGHT_ON.get(kind, {})))
         print(stdout + stderr)
         if rc is None:
             row = _row(metric, float("nan"), "", "error",
@@ -528,7 +533,7 @@ def probe_preflight(path, headdims):
             row = json.loads(found[-1][len("PREFLIGHT "):]) if found and rc == 0 \
                 else _row(metric, float("nan"), "", "error", f"exit {rc}: {last[:300]}")
         rows.append(row)
-        if row["status"] == "error":
+        if row["status"] == "error" and os.environ.get(switch) != "0":
             env[switch] = "0"
         print(f"preflight {kind}: {row['status']} {row['value']} {row['note']}", flush=True)
     _dump(path, dict(rows=rows, env=env))
@@ -540,15 +545,18 @@ def _kind(config):
 
 
 def probe_preflight_kind(kind, headdims):
-    """The candidates of one kind, each forced in turn (a kernel without one runs its first
-    candidate), forward and backward, causal and not, on a small odd shape with GQA, against
-    the float64 reference; the warp-specialized ones also without masks (FULL_TILES), non-causal
-    on lengths that are multiples of every tile. Prints one row, "PREFLIGHT {json}"."""
+    """The candidates of one kind, each forced in turn, forward and backward, causal and not,
+    on a small odd shape with GQA, against the float64 reference; the warp-specialized ones
+    also without masks (FULL_TILES), non-causal on lengths that are multiples of every tile.
+    TMA candidates are forced in all three kernels at once (a kernel without one runs its first
+    candidate); warp-specialized ones in one kernel at a time, the others on their first
+    (pointer) candidate, so that a failure names its kernel. Prints one row, "PREFLIGHT
+    {json}"; its note names the runs that failed (kernel, config, head dim, shape, causal)."""
     import torch
     import longflash
     from longflash import flash_triton as ft
 
-    metric, errors = f"preflight_{kind}", []
+    metric, errors, failed = f"preflight_{kind}", [], []
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
     major = torch.cuda.get_device_capability()[0] if cuda else 9
@@ -572,20 +580,32 @@ def probe_preflight_kind(kind, headdims):
                 return
             tables = {name: ft.configs_for(name, major, headdim) for name in kernels}
             mine = {name: [c for c in cs if _kind(c) == kind] for name, cs in tables.items()}
-            for i in range(max(map(len, mine.values()))):
-                for name, fn in kernels.items():  # one config: the autotuner runs it as it is
-                    fn.configs = [mine[name][i % len(mine[name])] if mine[name]
-                                  else tables[name][0]]
-                for causal in causals:
-                    errors += _relative_errors(longflash, q, k, v, do, causal)
+            targets = [tuple(kernels)] if kind == "tma" else [(n,) for n in kernels if mine[n]]
+            for target in targets:
+                for i in range(max(len(mine[name]) for name in target)):
+                    forced = {name: mine[name][i % len(mine[name])]
+                              if name in target and mine[name] else tables[name][0]
+                              for name in kernels}
+                    for name, fn in kernels.items():  # one config: the autotuner runs it as is
+                        fn.configs = [forced[name]]
+                    for causal in causals:
+                        errs = _relative_errors(longflash, q, k, v, do, causal)
+                        errors += errs
+                        if not all(e < PREFLIGHT_TOLERANCE for e in errs):  # NaN fails too
+                            failed.append(
+                                f"{'+'.join(target)} {ft._entry(forced[target[0]])} "
+                                f"d{headdim} {seqlen_q}x{seqlen_k} "
+                                f"{'causal' if causal else 'full'}: o/dq/dk/dv "
+                                + "/".join(f"{e:.2g}" for e in errs))
     except Exception as exc:  # noqa: BLE001 - a failure here is the finding
         row = _row(metric, float("nan"), "", "error", f"{type(exc).__name__}: {exc}"[:500])
     else:
         worst = float("nan") if any(e != e for e in errors) else max(errors)
-        ok = worst < PREFLIGHT_TOLERANCE  # NaN fails too
+        ok = worst < PREFLIGHT_TOLERANCE and not failed  # NaN fails too
         row = _row(metric, worst, "", "ok" if ok else "error",
                    f"{len(errors) // 4} runs, head dims {list(headdims)}, worst relative error "
-                   f"of o, dq, dk, dv against float64 (limit {PREFLIGHT_TOLERANCE})")
+                   f"of o, dq, dk, dv against float64 (limit {PREFLIGHT_TOLERANCE})"
+                   + (f"; failed {len(failed)}: " + "; ".join(failed) if failed else ""))
     print("PREFLIGHT " + json.dumps(row, default=str))
 
 

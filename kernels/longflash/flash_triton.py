@@ -51,7 +51,8 @@ Where it was tested and where it breaks:
   CONFIGS: Triton's automatic warp specialization, a TMA-copy warpgroup feeding two compute
   warpgroups; one loop over every visible block, all masked unless no block needs a mask
   (FULL_TILES: no causal mask or window, lengths multiples of the tiles), which in dK/dV also
-  runs over the query heads of a GQA group; `_ws_ok`, LONGFLASH_WS=0 turns them off; not dK/dV
+  runs over the query heads of a GQA group; `_ws_ok`; opt-in, LONGFLASH_WS=1: on an H100 with
+  Triton 3.6 they returned NaN (results/gpu_campaign/h100-stage1*, PERFLOG); not dK/dV
   at head dim 256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA
   copy cannot read).
 - The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
@@ -1091,8 +1092,10 @@ def _ws_ok(*tiled):
     """1 if the warp-specialized candidates may run: TMA for every tile they copy (_tma_ok; q,
     k and v in the forward, q, k, v and dO in the backward), a Hopper GPU (the sm_90 pass;
     Blackwell's is another, not compiled here) and a Triton whose tl.range takes
-    warp_specialize. LONGFLASH_WS=0 in the environment turns them off."""
-    if (os.environ.get("LONGFLASH_WS", "1") == "0" or not _tma_ok(*tiled)
+    warp_specialize. Off unless LONGFLASH_WS=1 in the environment: on an H100 with Triton
+    3.6.0 they returned NaN where the TMA and pointer candidates were exact (the GPU
+    campaign's preflight and test_every_config_gpu, PERFLOG), so they wait for a fix."""
+    if (os.environ.get("LONGFLASH_WS", "0") != "1" or not _tma_ok(*tiled)
             or torch.cuda.get_device_capability(tiled[0].device)[0] != 9):
         return 0
     return int("warp_specialize" in inspect.signature(tl.range).parameters)
