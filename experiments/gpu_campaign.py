@@ -35,7 +35,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 ceilings at its start and end; the autotuner's chosen configs (a JSON)
      pytest_configs  tests/test_gpu.py::test_every_config_gpu: every autotune candidate under
                 the strict tolerance rule
-     pytest     the other tests of `pytest -m gpu` (tests/test_gpu.py), with what is left
+     pytest     the decoding kernels' GPU tests and test_triton_gpu (EARLY_TESTS), with what
+                is left
   2  warm       longflash.attention at 64K tokens, so that the 1M-token call finds the
                 autotuner's choice for its bucket on disk (row warm_s)
      scaling    RQ3 (experiments.scaling --full): exact causal attention over 1,048,576
@@ -47,7 +48,6 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 the budget does not reach marked (status "error", note "not measured: stage
                 budget"); configurations already "ok" in the results file are not measured again
      speedup_long  RQ1 part long at 32K, 64K, 128K tokens (head dim 128, batch 1)
-     speedup_d256  RQ1 part batch at head dim 256, 1K..16K tokens
      scaling_exact  RQ3 part exactness: ring steps on gloo ranks against one-rank attention
   3  hf         a small random Llama: LongFlash logits against eager, one generate
      jax        longflash.jax on the GPU (Triton path: jax-triton >= 0.4, triton >= 3.7)
@@ -57,6 +57,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      long_context  RQ4 (experiments.long_context_training --full, parts max_context,
                 memory_model, exactness): max trainable context per attention implementation
                 under the card's memory, the memory model, exact training steps
+     speedup_d256  RQ1 part batch at head dim 256, 1K..16K tokens
+     pytest_late  the GPU tests stage 1 does not run, with what is left
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -193,6 +195,11 @@ def _speedup(name, argv, **kw):
 # autotuner keeps. Last in the file, it was never reached within the step's time: it runs
 # first, in a step of its own, and the rest of the file after it.
 EVERY_CONFIG_TEST = "test_every_config_gpu"
+# The GPU tests stage 1 runs after the candidates (the decoding kernels' and test_triton_gpu);
+# stage 3 runs the others. On the H100 (2026-11-25) the whole rest took more than stage 1's
+# 141 s: it stopped in test_triton_gpu, about halfway.
+EARLY_TESTS = ("test_kvcache_gpu or test_kvcache_rotary_gpu or test_decoding_step or "
+               "test_attention_routes or test_triton_gpu")
 
 
 def _pytest(name, select, **kw):
@@ -226,15 +233,15 @@ def stage_steps(stage, dry):
             _speedup("speedup", rq1, estimate_s=120, timeout_s=420, reserve_s=150),
             # 12 tests, each compiling the forced candidate of 3 kernels: about 1-2 minutes.
             _pytest("pytest_configs", EVERY_CONFIG_TEST, estimate_s=40, timeout_s=150),
-            # The other ~48 tests take 4-8 minutes: whatever is left of the stage.
-            _pytest("pytest", f"not {EVERY_CONFIG_TEST}", estimate_s=30, timeout_s=300),
+            # The decoding kernels' tests and test_triton_gpu: whatever is left of the stage
+            # (the rest is stage 3's pytest_late).
+            _pytest("pytest", f"not {EVERY_CONFIG_TEST} and ({EARLY_TESTS})", estimate_s=30,
+                    timeout_s=300),
         ]
     if stage == 2:
         if dry:
             long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
                      "--parts", "long"]
-            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", "",
-                    "--parts", "batch"]
             scaling = ["--quick", "--parts", "long,blocks,projection",
                        "--long-seqlens", "256", "--long-budget-s", "20"]
             exact = ["--quick", "--parts", "exactness"]
@@ -242,8 +249,6 @@ def stage_steps(stage, dry):
         else:
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
                      "--long-seqlens", "32768,65536,131072", "--parts", "long"]
-            d256 = ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
-                    "--long-seqlens", "", "--parts", "batch"]
             # the 1M-token run on the GPU is in part long; the CPU ring there gets one size
             scaling = ["--full", "--parts", "long,blocks,projection",
                        "--long-seqlens", "65536", "--long-budget-s", "60"]
@@ -268,10 +273,10 @@ def stage_steps(stage, dry):
             Step("ncu", _py("experiments.gpu_campaign", "--probe", "ncu", "--probe-out", "{out}",
                             "--", "{budget}"),
                  rq="io_complexity", estimate_s=45, timeout_s=360, reserve_s=60, tail_s=15),
-            # RQ1 at 32K-128K (with flex's compiles, ~2-4 minutes) and at d256: what is left;
-            # a rerun of stage 2 with --steps speedup_long,speedup_d256 resumes them.
-            _speedup("speedup_long", long_, estimate_s=60, timeout_s=300, reserve_s=0),
-            _speedup("speedup_d256", d256, estimate_s=60, timeout_s=300),
+            # RQ1 at 32K-128K (with flex's compiles: 183 s on the H100): what is left; a rerun
+            # of stage 2 with --steps speedup_long resumes it. (d256 is stage 3's: here the
+            # H100 left it no time.)
+            _speedup("speedup_long", long_, estimate_s=60, timeout_s=300, reserve_s=25),
             # The ring's exactness on gloo ranks of this machine's CPU (the same code as the
             # committed CPU rows): last.
             Step("scaling_exact", _py("experiments.scaling", *exact, "--out", "{out}"),
@@ -282,6 +287,10 @@ def stage_steps(stage, dry):
                else ["--full", "--parts", "max_context,memory_model,exactness"])
         decode = (["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"] if dry
                   else ["--full", "--parts", "decode"])
+        d256 = (["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", "",
+                 "--parts", "batch"] if dry else
+                ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
+                 "--long-seqlens", "", "--parts", "batch"])
         return [
             _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
@@ -298,9 +307,16 @@ def stage_steps(stage, dry):
                  rq="variants", estimate_s=30, timeout_s=120, reserve_s=130),
             # exactness, the memory model, then the max-context searches, which stop starting
             # probes at --budget-s and write each result as it comes (lower bounds noted)
+            # On the H100: 167 s. (The stage's steps up to here took 307 s there.)
             Step("long_context", _py("experiments.long_context_training", *lct,
                                      "--budget-s", "{budget}", "--out", "{out}"),
-                 rq="long_context_training", estimate_s=60, timeout_s=300, tail_s=30),
+                 rq="long_context_training", estimate_s=60, timeout_s=300, reserve_s=150,
+                 tail_s=30),
+            # RQ1 at d256 (moved from stage 2, which had no time left for it; 1K took 42 s
+            # with autotuning), then the GPU tests stage 1 leaves: whatever is left.
+            _speedup("speedup_d256", d256, estimate_s=60, timeout_s=300, reserve_s=60),
+            _pytest("pytest_late", f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})",
+                    estimate_s=30, timeout_s=300),
         ]
     raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
 

@@ -183,7 +183,7 @@ def test_speedup_steps_run_only_their_part(dry):
     def parts(argv):
         return argv[argv.index("--parts", argv.index("--")) + 1]
     assert parts(_argv(1, dry, "speedup")) == "batch"
-    assert parts(_argv(2, dry, "speedup_d256")) == "batch"
+    assert parts(_argv(3, dry, "speedup_d256")) == "batch"
     assert parts(_argv(2, dry, "speedup_long")) == "long"
     assert parts(_argv(3, dry, "speedup_decode")) == "decode"
 
@@ -202,7 +202,7 @@ def test_stage_plans_fit_and_put_the_important_steps_first():
     assert names[2:] == ["speedup", "pytest_configs", "pytest"]
     configs, rest = _argv(1, False, "pytest_configs"), _argv(1, False, "pytest")
     assert configs[configs.index("-k") + 1] == gc.EVERY_CONFIG_TEST
-    assert rest[rest.index("-k") + 1] == f"not {gc.EVERY_CONFIG_TEST}"
+    assert rest[rest.index("-k") + 1] == f"not {gc.EVERY_CONFIG_TEST} and ({gc.EARLY_TESTS})"
     assert "-x" not in configs and "-x" not in rest
     stage1 = {s.name: s for s in gc.stage_steps(1, False)}
     assert stage1["speedup"].reserve_s >= stage1["pytest_configs"].estimate_s
@@ -369,3 +369,27 @@ def test_print_command_fills_in_the_commit(monkeypatch):
     monkeypatch.setattr(results, "git_state", lambda: ("f" * 40, True, "kernels/a.py", "git"))
     assert gc.print_command(2) == (f"LONGFLASH_GIT_COMMIT={'f' * 40} LONGFLASH_GIT_DIRTY=True "
                                    "python3 -m experiments.gpu_campaign --stage 2 --out $OUT")
+
+
+def test_pytest_steps_run_every_gpu_test_once():
+    """Stage 1's pytest_configs and pytest and stage 3's pytest_late select each GPU test of
+    tests/test_gpu.py exactly once (their -k expressions, collected without running)."""
+    import subprocess
+    import sys
+
+    def collected(stage, name):
+        argv = _argv(stage, False, name)
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                              "-p", "no:cacheprovider", "-m", "gpu", "-k",
+                              argv[argv.index("-k") + 1], "tests/test_gpu.py"],
+                             capture_output=True, text=True, cwd=gc.ROOT, timeout=120)
+        return [ln for ln in out.stdout.splitlines() if "::" in ln]
+    picked = [t for stage, name in ((1, "pytest_configs"), (1, "pytest"), (3, "pytest_late"))
+              for t in collected(stage, name)]
+    assert len(picked) == len(set(picked))
+    assert any("test_triton_gpu" in t for t in collected(1, "pytest"))
+    assert any("test_headdim_v_gpu" in t for t in collected(3, "pytest_late"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                          "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+                         capture_output=True, text=True, cwd=gc.ROOT, timeout=120)
+    assert sorted(picked) == sorted(ln for ln in out.stdout.splitlines() if "::" in ln)
