@@ -7,9 +7,12 @@
     python -m experiments.scaling --parts exactness,weak     # a subset; rows merge by key
 
 Ranks are processes on this machine, forked and joined in a gloo group, one CPU thread
-each: they emulate devices. With more ranks than cores they time-share the cores (column
-`cores`), so timings beyond that are not parallel speed. Writes results/scaling/<device>.csv
-(device "cpu" or the GPU, e.g. "h100"), the log <device>.log and the config <device>.json.
+each: they emulate devices (CPU tensors, also with --full). On a machine with a GPU they are
+forked from a clean forkserver process, not from this one (spawn_ranks; the environment
+variable LONGFLASH_RANKS_START_METHOD=fork|forkserver|spawn overrides). With more ranks than
+cores they time-share the cores (column `cores`), so timings beyond that are not parallel
+speed. Writes results/scaling/<device>.csv (device "cpu" or the GPU, e.g. "h100"), the log
+<device>.log and the config <device>.json.
 
 Rows follow experiments/results.py, experiment "scaling", with extra columns: part, layout
 ("zigzag", "contiguous", or "none": one device, no ring), ranks, tokens_per_rank (seqlen =
@@ -139,8 +142,9 @@ KEY_COLUMNS = ("part", "layout", "ranks", "link")  # beside experiments.results.
 
 # ----------------------------------------------------------------------------- ranks
 
-def _rank_main(rank, world_size, tmp, timeout_s, fn, args):
+def _rank_main(rank, world_size, tmp, timeout_s, fn, args, log_path=None):
     torch.set_num_threads(1)  # before anything else: see spawn_ranks
+    log.path = log_path  # a rank started by the forkserver has a fresh module: no log path
     dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
                             rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -152,22 +156,52 @@ def _rank_main(rank, world_size, tmp, timeout_s, fn, args):
         dist.destroy_process_group()
 
 
-def spawn_ranks(world_size, fn, *args, timeout_s=1800):
+def _fork_is_safe():
+    """Whether ranks may be forked from this process: only where no GPU is visible.
+
+    PyTorch's autograd engine starts a worker thread per GPU on the first backward of a
+    process that sees one (whatever device the tensors are on), and from then on a forked
+    child cannot run a backward ("Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"); a child forked after this process used CUDA cannot use
+    CUDA either. On the H100 machine this process runs backward passes before the ranks (the
+    warm-up of spawn_ranks, part long's one-GPU run), so every rank of part exactness
+    failed. Without a GPU the engine starts no thread and fork is safe (and fast)."""
+    return not torch.cuda.is_available()
+
+
+# What a rank loads on its first call, imported once in the forkserver (spawn_ranks).
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "longflash", "experiments.scaling"]
+
+
+def spawn_ranks(world_size, fn, *args, timeout_s=1800, start_method=None):
     """Run fn(rank, world_size, *args) in world_size processes joined in a gloo group (their
     default group), one CPU thread each, on CPU tensors; return what rank 0's fn returned.
 
-    The ranks are forked: they inherit this process's imports, so starting one costs
-    milliseconds, not seconds. One thread per rank also keeps them out of OpenMP regions,
-    whose thread pool does not survive fork (as in experiments.measure). A failing rank
-    raises here (torch.multiprocessing.ProcessRaisedException) and stops the others.
+    start_method: "fork", "forkserver" or "spawn" (seconds per rank); by default
+    $LONGFLASH_RANKS_START_METHOD, else "fork" where that is safe (_fork_is_safe: no GPU),
+    else "forkserver".
+    Forked ranks inherit this process's imports, so starting one costs milliseconds, not
+    seconds. One thread per rank also keeps them out of OpenMP regions, whose thread pool
+    does not survive fork (as in experiments.measure). "forkserver": the ranks are forked
+    from a server process started afresh once (it imports FORKSERVER_PRELOAD, never runs
+    autograd or CUDA), so nothing this process did reaches them; fn and args are pickled.
+    A failing rank raises here (torch.multiprocessing.ProcessRaisedException, its traceback
+    in the message) and stops the others.
     """
-    # Load once, here, what the custom ops load on their first call (torch._dynamo).
-    x = torch.zeros(1, 1, 1, 1, requires_grad=True)
-    longflash.attention(x, x, x, backend="torch").sum().backward()
+    start_method = (start_method or os.environ.get("LONGFLASH_RANKS_START_METHOD")
+                    or ("fork" if _fork_is_safe() else "forkserver"))
+    if start_method == "fork":
+        # Load once, here, what the custom ops load on their first call (torch._dynamo).
+        x = torch.zeros(1, 1, 1, 1, requires_grad=True)
+        longflash.attention(x, x, x, backend="torch").sum().backward()
+    elif start_method == "forkserver":  # effective until the server starts (the first call)
+        torch.multiprocessing.get_context("forkserver").set_forkserver_preload(
+            FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a threaded process
-        torch.multiprocessing.start_processes(_rank_main, (world_size, tmp, timeout_s, fn, args),
-                                              nprocs=world_size, start_method="fork")
+        torch.multiprocessing.start_processes(
+            _rank_main, (world_size, tmp, timeout_s, fn, args, log.path), nprocs=world_size,
+            start_method=start_method)
         return torch.load(os.path.join(tmp, "result.pt"), weights_only=False)
 
 
@@ -563,12 +597,24 @@ def _on_device(rows, device):
 
 
 def _failed(cfg, parts, world_size, error):
+    """Rows with status oom / error for parts that failed on world_size ranks, one per part
+    and layout, keyed as the part's own first metric is (exactness: max_err_o of mode fwd
+    for each dtype), so that a later run that succeeds replaces them; column note holds the
+    error (the failing rank's exception: the last line of its traceback)."""
     status = "oom" if is_oom(error) else "error"
-    metric = {"exactness": "max_err_o", "memory": "peak_mem_mb", "weak": "time_ms",
-              "long": "time_ms"}
-    return [_row(cfg.shape, cfg.dtype, part, layout, world_size, cfg.tokens_per_rank,
-                 "fwd_bwd", metric[part], math.nan, "", status=status)
-            for part in parts for layout in cfg.layouts]
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    note = (lines[-1] if lines else type(error).__name__)[:300]
+    rows = []
+    for part in parts:
+        dtypes, tokens, mode, metric = dict(  # the part's own rows, as written in the ranks
+            exactness=(cfg.exact_dtypes, cfg.exact_tokens_per_rank, "fwd", "max_err_o"),
+            memory=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "peak_mem_mb"),
+            weak=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"),
+            long=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"))[part]
+        rows += [_row(cfg.shape, dtype, part, layout, world_size, tokens, mode, metric,
+                      math.nan, "", causal=cfg.causal, status=status, note=note)
+                 for dtype in dtypes for layout in cfg.layouts]
+    return rows
 
 
 def _write(rows, path):

@@ -53,7 +53,9 @@ before the closing ceilings.
 
 Modes: fwd = the forward pass of training (inputs require grad, so the graph is built);
 bwd = the backward pass alone, torch.autograd.grad of an output computed beforehand
-(retain_graph), as FlashAttention's benchmarks time it; fwd_bwd = both. A mode whose
+(retain_graph), as FlashAttention's benchmarks time it; fwd_bwd = both. Compiled flex is
+compiled and measured with AOTAutograd's donated buffers off in every mode (a backward that
+donates them refuses retain_graph; see _compile_config). A mode whose
 prerequisite failed (fwd_bwd after fwd, bwd after fwd_bwd) takes its status without running.
 
 Rows (results/speedup/<device>.csv, device "cpu" or the GPU's, e.g. "h100"; experiment
@@ -325,6 +327,33 @@ def _build(provider, device, causal, seqlen):
     return (None, None), failure
 
 
+# Providers whose backward AOTAutograd compiles (torch.compile). See _compile_config.
+COMPILED_PROVIDERS = ("flex",)
+
+
+def _compile_config(provider):
+    """The configuration under which a compiled provider is measured (a context manager).
+
+    Mode bwd times torch.autograd.grad(o, ..., retain_graph=True) on one forward's graph for
+    every provider (FlashAttention's benchmarks do the same), so that the forward is not in
+    the timed call. AOTAutograd compiles a backward that by default donates the buffers of
+    the tensors saved for it (reuses their memory for its outputs), and such a backward
+    refuses retain_graph=True ("compiled with non-empty donated buffers"): once fwd_bwd had
+    compiled flex's backward, every flex bwd row on the H100 (torch 2.11) was an error. So
+    compiled providers are compiled, and measured in every mode, with
+    torch._functorch.config.donated_buffer off (the patch is entered once per measurement,
+    not in the timed call). Donation is a memory saving: the backward would reuse the saved
+    intermediates that are neither inputs nor outputs (for flex essentially its log-sum-exp,
+    B x H x N float32), so a fwd_bwd peak of flex may be higher by about that much."""
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:
+        return contextlib.nullcontext()
+    if provider not in COMPILED_PROVIDERS or not hasattr(functorch_config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(donated_buffer=False)
+
+
 def _mode_fn(attn, q, k, v, do, mode):
     """The measured call of a mode. bwd: the forward runs here, once, outside the call."""
     if mode == "fwd":
@@ -346,17 +375,18 @@ def measure(attn, inputs, mode, device, cfg, long_part, provider, fwd_bwd_fits=F
                    else (cfg.warmup_ms, cfg.rep_ms))
     peak, times, failure = math.nan, (math.nan,) * 3, None
     try:
-        if device == "cpu" and mode == "bwd" and not fwd_bwd_fits:
-            peak_memory_mb(_mode_fn(attn, q, k, v, do, "fwd_bwd"), device,
-                           limit_mb=cfg.cpu_mem_budget_mb)
-        fn = _mode_fn(attn, q, k, v, do, mode)
-        if device == "cuda":
-            fn()  # warm-up before the memory measurement: compilation, autotuning
-            peak = peak_memory_mb(fn, device)
-        else:
-            _release_free_memory()
-            peak = peak_memory_mb(fn, device, limit_mb=cfg.cpu_mem_budget_mb)
-        times = time_ms(fn, device, warmup=warmup, rep=rep)
+        with _compile_config(provider):  # where a compiled provider compiles: see there
+            if device == "cpu" and mode == "bwd" and not fwd_bwd_fits:
+                peak_memory_mb(_mode_fn(attn, q, k, v, do, "fwd_bwd"), device,
+                               limit_mb=cfg.cpu_mem_budget_mb)
+            fn = _mode_fn(attn, q, k, v, do, mode)
+            if device == "cuda":
+                fn()  # warm-up before the memory measurement: compilation, autotuning
+                peak = peak_memory_mb(fn, device)
+            else:
+                _release_free_memory()
+                peak = peak_memory_mb(fn, device, limit_mb=cfg.cpu_mem_budget_mb)
+            times = time_ms(fn, device, warmup=warmup, rep=rep)
     except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
         failure = (_status(e, provider), _summary(e))
     # Here the exception and its frames (which hold a failed call's tensors) are gone, and
