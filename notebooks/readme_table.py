@@ -25,6 +25,7 @@ GENERATED = os.environ.get("LONGFLASH_GENERATED") or os.path.join(ROOT, "paper",
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 NO_GPU = "; no GPU comparison yet"  # said by the CPU row of RQ1 until a GPU row exists
+NO_GPU_IO = "; no GPU DRAM measurement yet"  # said by the CPU row of RQ2 until a GPU row exists
 
 # (part, claim with {Macro} placeholders, device macro or text, results file macro)
 ROWS = [
@@ -42,7 +43,7 @@ ROWS = [
      "HBM traffic of the forward pass {IoRatioFwd}x below standard attention ({IoRatioCausalFwd}x "
      "causal) at N = {IoSweepN}, d = {IoSweepD}, M = {IoSweepM} elements; grows as "
      "N^{IoExpNFwd}, d^{IoExpDFwd}, M^{IoExpMFwd} (bound: N^2 d^2 / M)",
-     "counted in the two-level memory model, checked by a simulator; no GPU DRAM measurement yet",
+     f"counted in the two-level memory model, checked by a simulator{NO_GPU_IO}",
      "{IoComplexityResultsFile}"),
     ("RQ3 sequence parallelism",
      "exact causal attention (forward) over {RingLongTokensExact} tokens through a ring of "
@@ -64,7 +65,9 @@ ROWS = [
 # Rows shown first once a GPU's macros exist; "<G>" is the GPU's macro prefix (\GpuSpeedup in
 # paper/generated/devices.tex: HOneZeroZero for h100). Kept out of ROWS on purpose:
 # run_notebooks.write_not_measured stubs every macro of ROWS that no notebook defined with "not
-# measured", which would make a CPU-only tree show an empty GPU row.
+# measured", which would make a CPU-only tree show an empty GPU row. RQ1's row needs its
+# macros (a missing one is an error); the others (GPU_MORE_ROWS) appear where their RQ's GPU
+# notebook wrote every macro they name (a partial campaign: no row), after RQ1's.
 GPU_ROWS = [
     ("RQ1 speed on a GPU",
      "worst case at d = {Speedup<G>GoalHeaddim}, {Speedup<G>GoalTokensPerBatch} tokens per batch, "
@@ -79,6 +82,28 @@ GPU_ROWS = [
      "run",
      "{<G>SpeedupResultsFile}"),
 ]
+# (the devices.tex macro naming the RQ's GPU prefix, part, claim, where/how, results file)
+GPU_MORE_ROWS = [
+    ("GpuIoComplexity", "RQ2 HBM bytes on a GPU",
+     "forward DRAM bytes over the model's: {<G>IoNcuRatios}; L2 bytes over the model's: "
+     "{<G>IoNcuLtsRatios}; goal (DRAM within {<G>IoNcuGoalTolerance} of the model beyond L2): "
+     "{<G>IoNcuGoal}",
+     "{<G>IoNcuDevice}, Nsight Compute, {<G>IoNcuSetting}",
+     "{<G>IoComplexityResultsFile}"),
+    ("GpuScaling", "RQ3 1M tokens on one GPU",
+     "exact causal attention (forward and backward) over {<G>RingOneGpuTokens} tokens in "
+     "{<G>RingOneGpuTime} ({<G>RingOneGpuTflops}), peak {<G>RingOneGpuPeak}, the forward's max error on "
+     "sampled rows {<G>RingOneGpuMaxErr} (bound {<G>RingOneGpuErrBound}); goal: "
+     "{<G>RingOneGpuGoal}",
+     "{<G>RingOneGpuDevice}, {<G>RingOneGpuSetup}; no multi-GPU ring measured",
+     "{<G>ScalingResultsFile}"),
+    ("GpuLongContextTraining", "RQ4 long-context training on a GPU",
+     "longest trainable context of a {<G>LctModelB} GPT under {<G>LctBudgetB}: {<G>LctMaxLfB} "
+     "tokens with LongFlash vs {<G>LctMaxStdB} with standard attention and {<G>LctMaxSdpaB} with "
+     "SDPA's FlashAttention-2",
+     "{<G>LctDevice}, {<G>LctDtype}, one full training step per probe",
+     "{<G>LongContextTrainingResultsFile}"),
+]
 
 
 def gpu_rows(macros):
@@ -86,7 +111,14 @@ def gpu_rows(macros):
     gpu = macros.get("GpuSpeedup")
     if not gpu or f"Speedup{gpu}Device" not in macros:
         return []
-    return [tuple(cell.replace("<G>", gpu) for cell in row) for row in GPU_ROWS]
+    rows = [tuple(cell.replace("<G>", gpu) for cell in row) for row in GPU_ROWS]
+    for prefix_macro, *row in GPU_MORE_ROWS:
+        prefix = macros.get(prefix_macro)
+        row = tuple(cell.replace("<G>", prefix or "") for cell in row)
+        names = {n for cell in row for n in re.findall(r"\{(\w+)\}", cell)}
+        if prefix and names <= set(macros):
+            rows.append(row)
+    return rows
 
 
 def read_macros(paths):
@@ -131,6 +163,8 @@ def table(macros):
     for part, claim, device, source in gpu + ROWS:
         if gpu and part.startswith("RQ1"):  # the GPU row above is the GPU comparison
             device = device.replace(NO_GPU, "")
+        if part.startswith("RQ2") and any(g[0].startswith("RQ2") for g in gpu):
+            device = device.replace(NO_GPU_IO, "")
         lines.append(f"| {part} | {fill(claim, macros)} | {fill(device, macros)} | "
                      f"`{fill(source, macros)}` |")
     return "\n".join(lines)

@@ -1,8 +1,8 @@
 """RQ2 before any GPU: the GPU-shaped rows of the campaign's ncu step (tests/gpu_shaped/
 io_complexity.py, made-up bytes) through notebooks/io_complexity.ipynb for device class h100,
 then the paper on its macros; and the partial runs a GPU window can leave (nothing measured,
-ncu missing, no L2 size recorded). Everything is written under tmp_path, never into results/,
-figures/ or paper/generated/."""
+ncu missing, no L2 size recorded, L2 bytes missing). Everything is written under tmp_path, never
+into results/, figures/ or paper/generated/."""
 
 import math
 import os
@@ -21,13 +21,18 @@ READ, WRITE, LTS = "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_byte
 _macros = gpu_shaped.macros
 
 
-def _notebook(tmp_path, **write_kwargs):
+def _notebook(tmp_path, drop_metric=None, **write_kwargs):
     """The fixture into a scratch results folder holding nothing else (so only class h100
-    runs), the notebook over it; returns (results, figures, generated, its output)."""
+    runs), without the rows of `drop_metric` if given (a results file written before the ncu
+    step recorded that metric), the notebook over it; returns (results, figures, generated,
+    its output)."""
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
     res = tmp_path / "results"
-    fixture.write(res, **write_kwargs)
+    csv = fixture.write(res, **write_kwargs)
+    if drop_metric:
+        df = pd.read_csv(csv)
+        df[df["metric"] != drop_metric].to_csv(csv, index=False)
     gen, fig, out = gpu_shaped.run_notebooks(tmp_path, ["io_complexity"], timeout=600)
     assert "for device class h100" in out and "skipped" not in out, out
     return res, fig, gen, out
@@ -79,6 +84,37 @@ def test_notebook_and_paper_on_gpu_shaped_rows(tmp_path):
     assert m["HOneZeroZeroIoNcuConfigs"] == "11" and m["HOneZeroZeroIoNcuNotMeasured"] == "2"
     assert "stage budget" in m["HOneZeroZeroIoNcuRatioOneK"]
     assert m["HOneZeroZeroIoNcuLTwoSource"].startswith("recorded by the campaign")
+    # L2 bytes (lts__t_bytes.sum) over the model, from the rows themselves; LongFlash's 1K was
+    # not reached (stage budget) and SDPA's 64K lacks its L2 bytes (the fixture's `missing`).
+    lts = ok[ok["metric"] == LTS].set_index("seqlen_q")
+    l2_ratio = lts["value"] / lts["model_hbm_bytes"]
+    assert list(l2_ratio.index) == [4096, 16384, 65536]
+    for n, name in ((4096, "FourK"), (16384, "OneSixK"), (65536, "SixFourK")):
+        assert m[f"HOneZeroZeroIoNcuLtsRatio{name}"] == f"{l2_ratio[n]:.2f}"
+    assert m["HOneZeroZeroIoNcuLtsRatioOneK"] == "not measured (stage budget)"
+    assert m["HOneZeroZeroIoNcuLtsRatios"] == (
+        "not measured at 1K (stage budget), "
+        + ", ".join(f"{l2_ratio[n]:.2f} at {n // 1024}K" for n in l2_ratio.index))
+    assert m["HOneZeroZeroIoNcuLtsRatioLargest"] == f"{l2_ratio[65536]:.2f}"
+    assert m["HOneZeroZeroIoNcuLtsRatioLargestAt"] == "64K"
+    share = dram.loc[65536, "bytes"] / lts.loc[65536, "value"]
+    assert m["HOneZeroZeroIoNcuDramShareOfLts"] == f"{100 * share:.1f}\\%"
+    assert m["HOneZeroZeroIoNcuDramShareOfLtsAt"] == "64K"
+    qkvo = 4 * 16 * 128 * 2  # q, k, v, o per token: 16 heads, d 128, bfloat16, batch 1
+    assert m["HOneZeroZeroIoNcuCompulsoryRatios"] == (
+        "not measured at 1K (stage budget), "
+        + ", ".join(f"{dram.loc[n, 'bytes'] / (qkvo * n):.2f} at {n // 1024}K"
+                    for n in (4096, 16384, 65536)))
+    assert m["HOneZeroZeroIoNcuKvHeadMiB"] == "32" and m["HOneZeroZeroIoNcuKvHeadAt"] == "64K"
+    l2_16k = df[(df["metric"] == LTS) & (df["seqlen_q"] == 16384)
+                & (df["status"] == "ok")].set_index("provider")["value"]
+    assert m["HOneZeroZeroIoNcuLtsStdAt"] == "16K"
+    assert m["HOneZeroZeroIoNcuLtsStdOverLongflash"] == (
+        f"{l2_16k['standard'] / l2_16k['longflash']:.2f}")
+    # SDPA's L2 bytes at 64K are missing: its L2 comparison falls back to 16K (DRAM's: 64K)
+    assert m["HOneZeroZeroIoNcuLtsSdpaFlashAt"] == "16K"
+    assert m["HOneZeroZeroIoNcuLtsSdpaFlashOverLongflash"] == (
+        f"{l2_16k['sdpa_flash'] / l2_16k['longflash']:.2f}")
     devices = (gen / "devices.tex").read_text()
     assert "\\newcommand{\\GpuIoComplexity}{HOneZeroZero}" in devices
     assert (fig / "io_complexity_ncu_h100.pdf").exists()
@@ -103,6 +139,12 @@ def test_notebook_on_partial_gpu_runs(tmp_path, kwargs, goal):
     if goal:
         assert m["HOneZeroZeroIoNcuGoal"] == goal and m["HOneZeroZeroIoNcuMeasured"] == "0"
         assert m["HOneZeroZeroIoNcuStdOverLongflash"].startswith("not measured")
+        for name in ("LtsRatioLargest", "LtsRatioLargestAt", "DramShareOfLts",
+                     "LtsStdOverLongflash", "LtsSdpaFlashOverLongflash", "LtsRatioSixFourK"):
+            assert m[f"HOneZeroZeroIoNcu{name}"].startswith("not measured"), name
+        for name in ("LtsRatios", "CompulsoryRatios"):
+            parts = m[f"HOneZeroZeroIoNcu{name}"].split(", not measured")
+            assert parts[0].startswith("not measured at 1K") and len(parts) == 4, name
         why = ("unsupported: ncu not found" if kwargs.get("ncu") is False
                else "not measured: stage budget")
         assert f"11 {why}" in m["HOneZeroZeroIoNcuNotMeasuredWhy"]
@@ -111,4 +153,37 @@ def test_notebook_on_partial_gpu_runs(tmp_path, kwargs, goal):
         assert m["HOneZeroZeroIoNcuLTwoSource"].startswith("the documented default")
         assert m["HOneZeroZeroIoNcuSdpaFlashAt"] == "4K"
         assert math.isfinite(float(m["HOneZeroZeroIoNcuRatioFourK"]))
+        assert math.isfinite(float(m["HOneZeroZeroIoNcuLtsRatioFourK"]))
+        assert m["HOneZeroZeroIoNcuLtsRatioLargestAt"] == "4K"
+        assert m["HOneZeroZeroIoNcuLtsRatioSixFourK"] == "not measured (stage budget)"
+    assert (fig / "io_complexity_ncu_h100.pdf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    dict(drop_metric=LTS),                          # a results file with no L2 rows at all
+    dict(missing=("longflash", 65536, LTS)),        # ncu's output lacked LongFlash's at 64K
+], ids=["no-l2-rows", "longflash-64k-l2-missing"])
+def test_notebook_without_l2_bytes(tmp_path, kwargs):
+    """Missing L2 bytes say "not measured"; the DRAM comparison and its goal are unaffected."""
+    _, fig, gen, _ = _notebook(tmp_path, **kwargs)
+    m = _macros(gen / "io_complexity_h100.tex")
+    assert m["HOneZeroZeroIoNcuMeasured"] == "9" and m["HOneZeroZeroIoNcuBeyondMeasured"] == "3"
+    assert m["HOneZeroZeroIoNcuGoal"] in ("met", "not met")
+    assert math.isfinite(float(m["HOneZeroZeroIoNcuRatioSixFourK"]))
+    assert m["HOneZeroZeroIoNcuLtsRatioSixFourK"].startswith("not measured (")
+    assert "not measured at 64K" in m["HOneZeroZeroIoNcuLtsRatios"]
+    assert "not measured" not in m["HOneZeroZeroIoNcuCompulsoryRatios"].split(", ", 1)[1]
+    if kwargs.get("drop_metric"):
+        assert m["HOneZeroZeroIoNcuLtsRatioSixFourK"] == (
+            "not measured (no lts\\_\\_t\\_bytes.sum row)")
+        for name in ("LtsRatioLargest", "DramShareOfLts", "LtsStdOverLongflash",
+                     "LtsSdpaFlashOverLongflash"):
+            assert m[f"HOneZeroZeroIoNcu{name}"].startswith("not measured"), name
+        assert m["HOneZeroZeroIoNcuLtsRatios"].count("not measured") == 4
+    else:
+        assert "lts" in m["HOneZeroZeroIoNcuLtsRatioSixFourK"]  # "error: lts__... missing ..."
+        assert m["HOneZeroZeroIoNcuLtsRatioLargestAt"] == "16K"
+        assert m["HOneZeroZeroIoNcuDramShareOfLtsAt"] == "16K"
+        assert math.isfinite(float(m["HOneZeroZeroIoNcuLtsRatioLargest"]))
     assert (fig / "io_complexity_ncu_h100.pdf").exists()

@@ -32,7 +32,7 @@ def _notebook(tmp_path, with_cpu=True, **fixture):
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
     res = tmp_path / "results"
     if with_cpu:
-        shutil.copytree(os.path.join(ROOT, "results", RQ), res / RQ)
+        gpu_shaped.copy_cpu_results(RQ, res)
     csv = lct_gpu.write(res, **fixture)
     gen, fig, out = gpu_shaped.run_notebooks(tmp_path, [RQ])
     assert "skipped" not in out, out

@@ -25,7 +25,7 @@ def _run_notebook(tmp_path, **write_kw):
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
     res = tmp_path / "results"
-    shutil.copytree(os.path.join(ROOT, "results", "scaling"), res / "scaling")
+    gpu_shaped.copy_cpu_results("scaling", res)
     fixture.write(res, **write_kw)
     gen, _, out = gpu_shaped.run_notebooks(tmp_path, ["scaling"], timeout=600)
     h100 = gen / "scaling_h100.tex"

@@ -15,6 +15,7 @@ Each module has `write(results_dir)`; values are deterministic (a seeded generat
 """
 
 import contextlib
+import glob
 import importlib
 import os
 import re
@@ -55,6 +56,21 @@ def write_all(results_dir, rqs=RQS):
         importlib.import_module(f".{rq}", __name__).write(results_dir)
 
 
+def committed_gpu_classes():
+    """The device classes other than the CPU's with results committed under results/<rq>/."""
+    from experiments.results import device_class
+    tags = {os.path.splitext(os.path.basename(p))[0] for rq in RQS
+            for p in glob.glob(os.path.join(ROOT, "results", rq, "*.csv"))}
+    return sorted({device_class(t) for t in tags} - {"cpu"})
+
+
+def copy_cpu_results(rq, results_dir):
+    """results/<rq>/ into results_dir/<rq>/ without the committed GPU classes' files (their
+    rows would mix with the made-up ones a test writes under the same name)."""
+    shutil.copytree(os.path.join(ROOT, "results", rq), os.path.join(str(results_dir), rq),
+                    ignore=shutil.ignore_patterns(*(f"{c}.*" for c in committed_gpu_classes())))
+
+
 def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900):
     """notebooks/run_notebooks.py on `notebooks` (names, e.g. "speedup") over the results the
     caller wrote into tmp_path/results, for every device class found there, writing into
@@ -62,9 +78,12 @@ def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900):
     and tmp_path/figures (a copy of figures/ with copy_figures, else new). Returns (generated,
     figures, the run's stdout); fails the test with its output if the run fails."""
     gen, fig = tmp_path / "generated", tmp_path / "figures"
-    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen)
+    # Not the committed GPU classes' macros and figures (*_h100.tex, *_h100.pdf, ...): they come
+    # from the committed results, and the caller's made-up rows make their own.
+    committed = shutil.ignore_patterns(*(f"*_{c}.*" for c in committed_gpu_classes()))
+    shutil.copytree(os.path.join(ROOT, "paper", "generated"), gen, ignore=committed)
     if copy_figures:
-        shutil.copytree(os.path.join(ROOT, "figures"), fig)
+        shutil.copytree(os.path.join(ROOT, "figures"), fig, ignore=committed)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
                LONGFLASH_RESULTS=str(tmp_path / "results"), LONGFLASH_FIGURES=str(fig),
                LONGFLASH_GENERATED=str(gen))
