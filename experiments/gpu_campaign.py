@@ -73,8 +73,9 @@ own rows (one per step: wall time and status; the hf/jax/warm measurements) go t
 results/gpu_campaign/<stem>-stageN.csv, with the full log (<stem>-stageN.log) and the resolved
 configuration (<stem>-stageN.json), kept across reruns of the stage the same way; the probes'
 JSONs (-env, -preflight, -autotune-*) describe the latest run. Everything ends in
-DIR/stageN.tar.gz (under 16 MiB): `tar xzf DIR/stageN.tar.gz` at the repository root puts each
-file in place. A dry run's rows have "dry run: " at the start of their device column. The
+DIR/stageN.tar.gz (under 16 MiB): `python -m experiments.gpu_unpack DIR/stageN.tar.gz` at the
+repository root merges each file into place (tar would replace rows that another stage's
+archive, sent before this one was unpacked, brought in). A dry run's rows have "dry run: " at the start of their device column. The
 summary table is printed last.
 
 Provenance. The GPU machine gets a copy of the tree without .git, so the rows' git_commit and
@@ -844,7 +845,8 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
                 for r in records]
     summary += [f"  {name}: {r['metric']} = {r['value']} [{r['status']}] {r['note'][:60]}"
                 for name, rs in probes.items() for r in rs]
-    summary.append(f"unpack at the repository root: tar xzf {tar_path}")
+    summary.append("unpack at the repository root: PYTHONPATH=kernels:. python3 -m "
+                   f"experiments.gpu_unpack {tar_path}")
     log("\n".join(summary))
     if dry:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,140 @@
+"""Unpack GPU campaign archives into the repository without losing what is already there.
+
+    python -m experiments.gpu_unpack stage1.tar.gz [stage2.tar.gz ...]   # at the repository root
+
+A stage's archive holds every results file of its device as the stage's machine last saw it:
+the files the repository had when the tree was sent, plus what the stage measured
+(gpu_campaign.seed_scratch). Stages run back to back on one warm machine are sent before the
+previous stage's archive is unpacked here, so their archives do not hold each other's rows,
+and `tar xzf` of the second would replace the first one's CSVs (on the first H100 window,
+stage 2's results/speedup/h100.csv held none of stage 1's 1,200 rows). This merges instead,
+archive by archive in the order given:
+
+- a results CSV: rows merged by key with experiments.results.write_results (a row of the
+  archive replaces the repository's row of the same key; the others are kept), the key
+  columns those of the experiment that writes the file (KEY_COLUMNS below);
+- a log (.log, .ncu.log): the archive's lines that the repository's file does not already
+  end with are appended;
+- a run's config JSON (results/<rq>/<stem>.json): the archive's latest run on top, every
+  earlier run of both under "earlier_runs" (results.start_run's layout), none twice;
+- anything else (the probes' JSONs: -env, -preflight, -autotune-*, which describe the latest
+  run of their stage): the archive's file, as tar would.
+
+Writes each file atomically; prints one line per file. Never deletes anything.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import tarfile
+import tempfile
+
+import pandas as pd
+
+from experiments import decode, long_context_training, scaling
+from experiments.results import atomic_write, earlier_runs, write_results
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A probe's JSON (<stem>-stageN-<name>.json): the latest run of its stage only.
+PROBE_JSON = re.compile(r"-stage\d+-[\w.-]+\.json$")
+
+# Extra key columns of each results folder's CSVs, beside results.KEY_COLUMNS: those the
+# writing experiment passes to write_results (speedup: decode's; io_complexity: the ncu probe's;
+# gpu_campaign: one row per step).
+KEY_COLUMNS = {
+    "speedup": tuple(decode.KEY_COLUMNS),
+    "io_complexity": ("model_hbm_bytes",),
+    "scaling": tuple(scaling.KEY_COLUMNS),
+    "long_context_training": tuple(long_context_training.KEY_COLUMNS),
+    "variants": ("window_left", "window_right", "block_m", "block_n"),
+    "gpu_campaign": ("step",),
+}
+
+
+def merge_csv(src, dst, keys):
+    new = pd.read_csv(src)
+    for c in keys:  # a key the archive's rows lack (batch rows have no num_splits): empty
+        if c not in new.columns:
+            new[c] = float("nan")
+    return len(write_results(new, dst, key_columns=keys))
+
+
+def merge_log(src, dst):
+    with open(src, errors="replace") as f:
+        new = f.read()
+    with open(dst, errors="replace") as f:
+        old = f.read()
+    # The archive's log starts with the repository's (seeded) when the tree had it: append
+    # only what the stage added.
+    add = new[len(old):] if new.startswith(old) else new
+    if add:
+        def write(tmp):
+            with open(tmp, "w") as f:
+                f.write(old + add)
+        atomic_write(dst, write)
+    return len(add)
+
+
+def merge_run_json(src, dst):
+    runs = earlier_runs(dst)
+    for run in earlier_runs(src):
+        if run not in runs:
+            runs.append(run)
+    latest, earlier = runs[-1], runs[:-1]
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(dict(latest, **({"earlier_runs": earlier} if earlier else {})), f,
+                      indent=1, default=str)
+    atomic_write(dst, write)
+    return len(runs)
+
+
+def unpack(archive, root=ROOT, log=print):
+    """Merge one archive's files into root (see the module docstring)."""
+    with tarfile.open(archive) as tar, tempfile.TemporaryDirectory() as tmp:
+        tar.extractall(tmp, filter="data")
+        for dirpath, _, names in sorted(os.walk(tmp)):
+            for name in sorted(names):
+                src = os.path.join(dirpath, name)
+                rel = os.path.relpath(src, tmp)
+                parts = rel.split(os.sep)
+                if parts[0] != "results" or len(parts) != 3:
+                    raise ValueError(f"{archive}: {rel} is not results/<folder>/<file>")
+                dst = os.path.join(root, rel)
+                rq = parts[1]
+                if not os.path.exists(dst):
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    atomic_write(dst, lambda t: _copy(src, t))
+                    log(f"new     {rel}")
+                elif name.endswith(".csv"):
+                    log(f"merged  {rel}: {merge_csv(src, dst, KEY_COLUMNS.get(rq, ()))} rows")
+                elif name.endswith(".log"):
+                    log(f"append  {rel}: {merge_log(src, dst)} characters")
+                elif name.endswith(".json") and not PROBE_JSON.search(name):
+                    log(f"runs    {rel}: {merge_run_json(src, dst)}")
+                else:
+                    atomic_write(dst, lambda t: _copy(src, t))
+                    log(f"replace {rel}")
+
+
+def _copy(src, dst):
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        g.write(f.read())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("archives", nargs="+", help="stageN.tar.gz files, in the order run")
+    parser.add_argument("--root", default=ROOT, help="the repository (default: %(default)s)")
+    args = parser.parse_args(argv)
+    for archive in args.archives:
+        print(f"== {archive}")
+        unpack(archive, args.root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

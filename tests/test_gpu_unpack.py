@@ -1,0 +1,88 @@
+"""experiments.gpu_unpack: archives of stages run back to back (neither holding the other's rows)
+merge into the repository instead of replacing each other's files."""
+
+import json
+import os
+import tarfile
+
+import pandas as pd
+import pytest
+
+from experiments import gpu_unpack
+from experiments.results import COLUMNS, write_results
+
+
+def _row(seqlen, value, provider="longflash"):
+    row = {c: None for c in COLUMNS}
+    row.update(experiment="speedup", provider=provider, mode="fwd", dtype="bfloat16", batch=1,
+               seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_kv=16, headdim=128,
+               causal=True, metric="time_ms", value=value, unit="ms", status="ok",
+               device="NVIDIA H100 80GB HBM3", num_splits=float("nan"))
+    return row
+
+
+def _archive(tmp_path, name, rows, log, runs, probe):
+    """A stage's archive: results/speedup/h100.{csv,log,json} and a probe's JSON."""
+    tree = tmp_path / f"{name}-tree"
+    res = tree / "results" / "speedup"
+    res.mkdir(parents=True)
+    write_results(rows, str(res / "h100.csv"), key_columns=gpu_unpack.KEY_COLUMNS["speedup"])
+    (res / "h100.log").write_text(log)
+    latest, earlier = runs[-1], runs[:-1]
+    (res / "h100.json").write_text(json.dumps(dict(latest, earlier_runs=earlier)))
+    camp = tree / "results" / "gpu_campaign"
+    camp.mkdir()
+    (camp / "h100-stage1-env.json").write_text(json.dumps(probe))
+    path = tmp_path / f"{name}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(tree / "results", arcname="results")
+    return str(path)
+
+
+def test_back_to_back_stages_merge(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    first = _archive(tmp_path, "a", [_row(1024, 1.0), _row(2048, 2.0)], "run A\n",
+                     [{"run": "A"}], {"env": "A"})
+    # The second stage was sent before the first was unpacked: none of its rows, its log or
+    # its run; one row of the same key, measured again.
+    second = _archive(tmp_path, "b", [_row(2048, 2.5), _row(4096, 4.0)], "run B\n",
+                      [{"run": "B"}], {"env": "B"})
+    for archive in (first, second):
+        gpu_unpack.unpack(archive, str(root), log=lambda _: None)
+    res = root / "results" / "speedup"
+    df = pd.read_csv(res / "h100.csv").sort_values("seqlen_q")
+    assert list(df["seqlen_q"]) == [1024, 2048, 4096]
+    assert list(df["value"]) == [1.0, 2.5, 4.0]           # the later archive's row wins
+    assert (res / "h100.log").read_text() == "run A\nrun B\n"
+    runs = json.loads((res / "h100.json").read_text())
+    assert runs["run"] == "B" and runs["earlier_runs"] == [{"run": "A"}]
+    env = json.loads((root / "results" / "gpu_campaign" / "h100-stage1-env.json").read_text())
+    assert env == {"env": "B"}                             # a probe's JSON: the latest run's
+
+
+def test_a_seeded_archive_adds_only_what_is_new(tmp_path):
+    """An archive made from a tree that had the repository's files (seed_scratch) holds them
+    too: unpacking it adds nothing twice."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    gpu_unpack.unpack(_archive(tmp_path, "a", [_row(1024, 1.0)], "run A\n", [{"run": "A"}],
+                               {}), str(root), log=lambda _: None)
+    seeded = _archive(tmp_path, "b", [_row(1024, 1.0), _row(2048, 2.0)], "run A\nrun B\n",
+                      [{"run": "A"}, {"run": "B"}], {})
+    gpu_unpack.unpack(seeded, str(root), log=lambda _: None)
+    res = root / "results" / "speedup"
+    assert len(pd.read_csv(res / "h100.csv")) == 2
+    assert (res / "h100.log").read_text() == "run A\nrun B\n"
+    runs = json.loads((res / "h100.json").read_text())
+    assert runs["run"] == "B" and runs["earlier_runs"] == [{"run": "A"}]
+
+
+def test_an_archive_outside_results_is_refused(tmp_path):
+    evil = tmp_path / "x.tar.gz"
+    (tmp_path / "README.md").write_text("x")
+    with tarfile.open(evil, "w:gz") as tar:
+        tar.add(tmp_path / "README.md", arcname="README.md")
+    with pytest.raises(ValueError, match="not results/"):
+        gpu_unpack.unpack(str(evil), str(tmp_path / "repo"), log=lambda _: None)
+    assert not os.path.exists(tmp_path / "repo" / "README.md")
