@@ -34,7 +34,7 @@ import tempfile
 import pandas as pd
 
 from experiments import decode, long_context_training, scaling
-from experiments.results import atomic_write, earlier_runs, write_results
+from experiments.results import PROVENANCE_COLUMNS, atomic_write, earlier_runs, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A probe's JSON (<stem>-stageN-<name>.json): the latest run of its stage only.
@@ -55,6 +55,11 @@ KEY_COLUMNS = {
 
 def merge_csv(src, dst, keys):
     new = pd.read_csv(src)
+    # Empty provenance cells (git_dirty_files of a clean tree reads back as NaN) stay empty:
+    # write_results would fill them with this machine's provenance, not the GPU run's.
+    for c in PROVENANCE_COLUMNS:
+        if c in new.columns:
+            new[c] = new[c].astype(object).where(new[c].notna(), "")
     for c in keys:  # a key the archive's rows lack (batch rows have no num_splits): empty
         if c not in new.columns:
             new[c] = float("nan")

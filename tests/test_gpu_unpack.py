@@ -17,7 +17,10 @@ def _row(seqlen, value, provider="longflash"):
     row.update(experiment="speedup", provider=provider, mode="fwd", dtype="bfloat16", batch=1,
                seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_kv=16, headdim=128,
                causal=True, metric="time_ms", value=value, unit="ms", status="ok",
-               device="NVIDIA H100 80GB HBM3", num_splits=float("nan"))
+               device="NVIDIA H100 80GB HBM3", num_splits=float("nan"),
+               # the GPU run's provenance; a clean tree's git_dirty_files is empty
+               torch="2.11.0", triton="3.6.0", python="3.12.3", git_commit="abc",
+               git_dirty=False, git_dirty_files="", timestamp="then", command="there")
     return row
 
 
@@ -39,7 +42,9 @@ def _archive(tmp_path, name, rows, log, runs, probe):
     return str(path)
 
 
-def test_back_to_back_stages_merge(tmp_path):
+def test_back_to_back_stages_merge(tmp_path, monkeypatch):
+    from experiments import results
+    prov = results.provenance()
     root = tmp_path / "repo"
     root.mkdir()
     first = _archive(tmp_path, "a", [_row(1024, 1.0), _row(2048, 2.0)], "run A\n",
@@ -48,12 +53,16 @@ def test_back_to_back_stages_merge(tmp_path):
     # its run; one row of the same key, measured again.
     second = _archive(tmp_path, "b", [_row(2048, 2.5), _row(4096, 4.0)], "run B\n",
                       [{"run": "B"}], {"env": "B"})
+    # This machine's provenance must not leak into the GPU's rows (empty cells included).
+    monkeypatch.setattr(results, "provenance", lambda command=None: dict(
+        prov, git_dirty_files="HERE", command="HERE", timestamp="HERE"))
     for archive in (first, second):
         gpu_unpack.unpack(archive, str(root), log=lambda _: None)
     res = root / "results" / "speedup"
     df = pd.read_csv(res / "h100.csv").sort_values("seqlen_q")
     assert list(df["seqlen_q"]) == [1024, 2048, 4096]
     assert list(df["value"]) == [1.0, 2.5, 4.0]           # the later archive's row wins
+    assert not (df[["git_dirty_files", "command", "timestamp"]] == "HERE").any().any()
     assert (res / "h100.log").read_text() == "run A\nrun B\n"
     runs = json.loads((res / "h100.json").read_text())
     assert runs["run"] == "B" and runs["earlier_runs"] == [{"run": "A"}]
