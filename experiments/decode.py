@@ -84,14 +84,15 @@ def _max_err(o, q, k, v):
 
 
 def existing_keys(path):
-    """Keys of the part-decode time_ms rows already in path (for --resume)."""
+    """Keys of the part-decode time_ms rows already in path (for --resume), but those with
+    status error (speedup._existing_keys)."""
     if not os.path.exists(path):
         return set()
     import pandas as pd
     df = pd.read_csv(path)
     if "num_splits" not in df:
         return set()
-    df = df[(df["part"] == "decode") & (df["metric"] == "time_ms")]
+    df = df[(df["part"] == "decode") & (df["metric"] == "time_ms") & (df["status"] != "error")]
     return {_key(p, n, d, b, s) for p, n, d, b, s in
             df[["provider", "num_splits", "dtype", "batch", "seqlen_k"]].itertuples(index=False)}
 

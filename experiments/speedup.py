@@ -43,7 +43,7 @@ Each (seqlen, headdim, causal) is one group; modes run in the order fwd, fwd_bwd
       headdim 128 (16 heads), causal, all modes. Groups run headdim 128 first (batch, then
       long), then 64, then 256; results are written after every group, so a run stopped by
       its budget (--budget-s, 570 s with --full) keeps what it measured, and --resume skips
-      what the file already holds.
+      what the file already holds (but rows with status error, which it measures again).
 
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
@@ -468,12 +468,14 @@ log = Log()  # the raw log beside the results; set log.path in main
 
 
 def _existing_keys(path):
-    """Keys of the time_ms rows already in path (for --resume)."""
+    """Keys of the time_ms rows already in path (for --resume), but those with status error:
+    a failure of the harness or a kernel is measured again (once fixed), an oom or an
+    unsupported configuration is not."""
     if not os.path.exists(path):
         return set()
     import pandas as pd
     df = pd.read_csv(path)
-    df = df[df["metric"] == "time_ms"]
+    df = df[(df["metric"] == "time_ms") & (df["status"] != "error")]
     cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]
     return {tuple(str(x) for x in row) for row in df[cols].itertuples(index=False)}
 

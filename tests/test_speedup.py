@@ -136,6 +136,27 @@ def test_resume_measures_nothing_twice(quick, tmp_path):
     assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
 
 
+def test_resume_measures_error_rows_again(quick, tmp_path):
+    """A row with status error (a harness or kernel failure, maybe fixed since) is measured
+    again on --resume; the others are kept."""
+    out, df, _ = quick
+    copy = tmp_path / "cpu.csv"
+    broken = df.copy()
+    hit = (broken["provider"] == "longflash") & (broken["metric"] == "time_ms") & \
+        (broken["mode"] == "fwd") & (broken["part"] == "batch")
+    first = broken[hit].index[0]
+    broken.loc[first, ["status", "value"]] = ["error", float("nan")]
+    broken.to_csv(copy, index=False)
+    proc = run_quick(copy, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = pd.read_csv(copy)
+    key = broken.loc[first, KEY_COLUMNS]
+    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
+    assert len(row) == 1 and row["status"].item() == "ok", row
+    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert measured and all("longflash" in ln for ln in measured), measured
+
+
 @pytest.mark.parametrize("message, provider, status", [
     ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "standard",
      "oom"),
@@ -224,3 +245,14 @@ def test_causal_block_mask_is_compiled_above_the_eager_limit(monkeypatch):
     assert compiled == [create_block_mask]
     for a, b in zip(eager.as_tuple(), big.as_tuple()):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_resume_of_decode_rows_skips_all_but_errors(tmp_path):
+    from experiments import decode
+    rows = pd.DataFrame([dict(part="decode", metric="time_ms", provider=p, num_splits=0,
+                              dtype="bfloat16", batch=1, seqlen_k=1024, status=s)
+                         for p, s in (("longflash", "ok"), ("flex", "error"),
+                                      ("sdpa_math", "oom"))])
+    path = tmp_path / "h100.csv"
+    rows.to_csv(path, index=False)
+    assert {k[0] for k in decode.existing_keys(str(path))} == {"longflash", "sdpa_math"}
