@@ -195,6 +195,7 @@ def _speedup(name, argv, **kw):
 # warp-specialized ones included) under the strict tolerance rule, not only the ones the
 # autotuner keeps. Last in the file, it was never reached within the step's time: it runs
 # first, in a step of its own, and the rest of the file after it.
+KEY_COLUMNS = ("step",)  # the campaign's own rows: one per step (beside results')
 EVERY_CONFIG_TEST = "test_every_config_gpu"
 # The GPU tests stage 1 runs after the candidates (the decoding kernels' and test_triton_gpu);
 # stage 3 runs the others. On the H100 (2026-11-25) the whole rest took more than stage 1's
@@ -826,7 +827,7 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
                     log(f"-- {step.name}: the later steps run with {found['env']}")
 
     rows = campaign_rows(records, probes)
-    write_results(rows, camp + ".csv", key_columns=["step"])
+    write_results(rows, camp + ".csv", key_columns=KEY_COLUMNS)
     if dry:
         for dirpath, _, names in os.walk(os.path.join(scratch, "results")):
             for name in names:

@@ -27,30 +27,26 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tarfile
 import tempfile
 
 import pandas as pd
 
-from experiments import decode, long_context_training, scaling
+from experiments import decode, gpu_campaign, long_context_training, ncu, scaling, variants
 from experiments.results import PROVENANCE_COLUMNS, atomic_write, earlier_runs, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A probe's JSON (<stem>-stageN-<name>.json): the latest run of its stage only.
 PROBE_JSON = re.compile(r"-stage\d+-[\w.-]+\.json$")
 
-# Extra key columns of each results folder's CSVs, beside results.KEY_COLUMNS: those the
-# writing experiment passes to write_results (speedup: decode's; io_complexity: the ncu probe's;
-# gpu_campaign: one row per step).
-KEY_COLUMNS = {
-    "speedup": tuple(decode.KEY_COLUMNS),
-    "io_complexity": ("model_hbm_bytes",),
-    "scaling": tuple(scaling.KEY_COLUMNS),
-    "long_context_training": tuple(long_context_training.KEY_COLUMNS),
-    "variants": ("window_left", "window_right", "block_m", "block_n"),
-    "gpu_campaign": ("step",),
-}
+# Extra key columns of each results folder's CSVs (beside results.KEY_COLUMNS): those its
+# writer passes to write_results (speedup: decode's; io_complexity on the GPU: the ncu probe's).
+KEY_COLUMNS = {"speedup": decode.KEY_COLUMNS, "io_complexity": ncu.KEY_COLUMNS,
+               "scaling": scaling.KEY_COLUMNS, "gpu_campaign": gpu_campaign.KEY_COLUMNS,
+               "long_context_training": long_context_training.KEY_COLUMNS,
+               "variants": variants.KEY_COLUMNS}
 
 
 def merge_csv(src, dst, keys):
@@ -112,7 +108,7 @@ def unpack(archive, root=ROOT, log=print):
                 rq = parts[1]
                 if not os.path.exists(dst):
                     os.makedirs(os.path.dirname(dst), exist_ok=True)
-                    atomic_write(dst, lambda t: _copy(src, t))
+                    atomic_write(dst, lambda t: shutil.copyfile(src, t))
                     log(f"new     {rel}")
                 elif name.endswith(".csv"):
                     log(f"merged  {rel}: {merge_csv(src, dst, KEY_COLUMNS.get(rq, ()))} rows")
@@ -121,13 +117,8 @@ def unpack(archive, root=ROOT, log=print):
                 elif name.endswith(".json") and not PROBE_JSON.search(name):
                     log(f"runs    {rel}: {merge_run_json(src, dst)}")
                 else:
-                    atomic_write(dst, lambda t: _copy(src, t))
+                    atomic_write(dst, lambda t: shutil.copyfile(src, t))
                     log(f"replace {rel}")
-
-
-def _copy(src, dst):
-    with open(src, "rb") as f, open(dst, "wb") as g:
-        g.write(f.read())
 
 
 def main(argv=None):

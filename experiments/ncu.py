@@ -33,6 +33,8 @@ NCU_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum"
 # ncu: one configuration is a fresh process (start-up, a warm-up that autotunes, the profiled
 # call replayed once per pass of the metrics): 15-60 s on an H100; cut at this.
 NCU_CONFIG_TIMEOUT_S = 120
+# Beside experiments.results.KEY_COLUMNS: a row of a model size is its own measurement.
+KEY_COLUMNS = ("model_hbm_bytes",)
 NCU_CONFIG_MIN_S = 20      # a configuration is started only with this much of the budget left
 NCU_NOT_MEASURED = "not measured: stage budget"
 L2_DEFAULT_BYTES = 50 * 2**20  # H100 and H200; used where the device does not say
@@ -172,7 +174,7 @@ def measure_ncu(plan, out, run, budget_s=None, clock=time.monotonic, start=None)
         return
 
     def write(rows):
-        write_results(rows, out, key_columns=["model_hbm_bytes"])
+        write_results(rows, out, key_columns=KEY_COLUMNS)
     write([r for p in todo for r in _ncu_rows(p, {}, "error", NCU_NOT_MEASURED)])
     for i, p in enumerate(todo):
         left = deadline - clock()

@@ -31,6 +31,8 @@ from longflash import flash_triton  # noqa: E402
 from experiments.measure import is_oom, time_ms  # noqa: E402
 from experiments.results import default_out, write_results  # noqa: E402
 
+KEY_COLUMNS = ("window_left", "window_right", "block_m", "block_n")  # beside results'
+
 
 @dataclass
 class Config:
@@ -88,7 +90,7 @@ def main():
                                  status="oom" if is_oom(e) else "error"))
             print(f"N={seqlen:6d} window=({left},{right}): {rows[-2]['value']:6d} key blocks, "
                   f"{rows[-1]['value']:.1f} ms ({rows[-1]['status']})", flush=True)
-    write_results(rows, out, key_columns=("window_left", "window_right", "block_m", "block_n"))
+    write_results(rows, out, key_columns=KEY_COLUMNS)
     print(f"wrote {len(rows)} rows to {out}")
 
 
