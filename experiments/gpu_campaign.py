@@ -1,4 +1,5 @@
-"""The GPU campaign: every GPU result of the paper in three stages of under 9 minutes each.
+"""The GPU campaign: every GPU result of the paper in three stages of under 9 minutes each,
+and a fourth for tuning.
 
     python3 -m experiments.gpu_campaign --print-command --stage 1   # here: the line to run there
     LONGFLASH_GIT_COMMIT=<sha> LONGFLASH_GIT_DIRTY=False \
@@ -59,6 +60,12 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 under the card's memory, the memory model, exact training steps
      speedup_d256  RQ1 part batch at head dim 256, 1K..16K tokens
      pytest_late  the GPU tests stage 1 does not run, with what is left
+  4  env        as in stage 1 (no preflight: the sweep checks each candidate it forces)
+     tuning     experiments.tuning --full: where RQ1 found LongFlash slowest against
+                FlashAttention-2, the call's time split into host and GPU (CUDA-graph
+                replays, torch.profiler per kernel), then every candidate tile of the slow
+                kernels (the config table's and TRIALS) forced, checked against float64 and
+                timed (results/tuning/<gpu>.csv)
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -101,6 +108,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors
 from experiments.ncu import probe_ncu
 from experiments.process_groups import kill_children_on_sigterm, run_group, track_child
 
@@ -320,7 +328,20 @@ def stage_steps(stage, dry):
             _pytest("pytest_late", f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})",
                     estimate_s=30, timeout_s=300),
         ]
-    raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if stage == 4:
+        tune = ["--quick"] if dry else ["--full"]
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            # Issue 16's tuning step (experiments.tuning), after stages 1-3: per RQ1 shape where
+            # LongFlash fell short, the call's host and GPU time, then each candidate tile of its
+            # slow kernels forced, checked against float64 and timed; targets slowest first,
+            # rows written after each. No preflight: every candidate is checked before it is
+            # timed. About 4-5 minutes for all six targets (estimated: 60 compiles of 1-3 s).
+            Step("tuning", _py("experiments.tuning", *tune, "--budget-s", "{budget}",
+                               "--out", "{out}"),
+                 rq="tuning", estimate_s=60, timeout_s=480, tail_s=90),
+        ]
+    raise ValueError(f"stage must be 1, 2, 3 or 4, got {stage!r}")
 
 
 # ----------------------------------------------------------------------------- probes
@@ -519,10 +540,9 @@ def probe_jax(path):
 PREFLIGHT_KINDS = {"tma": "LONGFLASH_TMA", "ws": "LONGFLASH_WS"}
 PREFLIGHT_ON = {"ws": {"LONGFLASH_WS": "1"}}
 PREFLIGHT_TIMEOUT_S = 120
-# Relative error (Frobenius norm) in bf16 that a working tile stays far below (about 4e-3); a
-# broken one (an unwritten or misread tile) is off by order 1. tests/test_gpu.py applies the
-# strict tolerance rule to every candidate later in stage 1.
-PREFLIGHT_TOLERANCE = 3e-2
+# measure.RELATIVE_ERROR_LIMIT: what a working tile stays far below; tests/test_gpu.py applies
+# the strict tolerance rule to every candidate later in stage 1.
+PREFLIGHT_TOLERANCE = RELATIVE_ERROR_LIMIT
 
 
 def probe_preflight(path, headdims):
@@ -571,7 +591,6 @@ def probe_preflight_kind(kind, headdims):
     (pointer) candidate, so that a failure names its kernel. Prints one row, "PREFLIGHT
     {json}"; its note names the runs that failed (kernel, config, head dim, shape, causal)."""
     import torch
-    import longflash
     from longflash import flash_triton as ft
 
     metric, errors, failed = f"preflight_{kind}", [], []
@@ -607,7 +626,7 @@ def probe_preflight_kind(kind, headdims):
                     for name, fn in kernels.items():  # one config: the autotuner runs it as is
                         fn.configs = [forced[name]]
                     for causal in causals:
-                        errs = _relative_errors(longflash, q, k, v, do, causal)
+                        errs = relative_errors(q, k, v, do, causal)
                         errors += errs
                         if not all(e < PREFLIGHT_TOLERANCE for e in errs):  # NaN fails too
                             failed.append(
@@ -625,19 +644,6 @@ def probe_preflight_kind(kind, headdims):
                    f"of o, dq, dk, dv against float64 (limit {PREFLIGHT_TOLERANCE})"
                    + (f"; failed {len(failed)}: " + "; ".join(failed) if failed else ""))
     print("PREFLIGHT " + json.dumps(row, default=str))
-
-
-def _relative_errors(longflash, q, k, v, do, causal):
-    """||x - ref|| / ||ref|| of o, dq, dk, dv, the reference in float64."""
-    import torch
-    x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    o = longflash.attention(*x, causal=causal, backend="triton")
-    o64, _ = longflash.attention_ref(*x64, causal=causal)
-    grads = torch.autograd.grad(o, x, do)
-    grads64 = torch.autograd.grad(o64, x64, do.double())
-    return [float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
-            for a, b in zip((o, *grads), (o64, *grads64))]
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -885,7 +891,7 @@ def check_archive(tar_path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Stages and outputs: see the module docstring.")
-    parser.add_argument("--stage", type=int, choices=(1, 2, 3))
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4))
     parser.add_argument("--out", help="folder for stageN.tar.gz")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the Triton "
                         "interpreter; rows labelled 'dry run', files named dryrun.csv")

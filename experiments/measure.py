@@ -6,6 +6,7 @@
     (t, p20, p80), mem = time_ms_lean(fn, device, reps=3)  # calls of seconds: 1 + 3 calls
     t, p20, p80 = time_ms_graph(fn)      # CUDA: replays of fn captured in a CUDA graph
     try: ... except Exception as e: status = "oom" if is_oom(e) else "error"
+    errs = relative_errors(q, k, v, do, causal)   # o, dq, dk, dv against float64 (a GPU check)
 
 Build the inputs outside fn: only the call itself is timed (and, on CPU, only what fn
 allocates counts as its memory).
@@ -21,6 +22,10 @@ import warnings
 
 import numpy as np
 import torch
+
+# Relative error (Frobenius norm) of a bf16 kernel that a working tile stays far below (about
+# 4e-3 on the H100); a broken one (an unwritten or misread tile) is off by order 1.
+RELATIVE_ERROR_LIMIT = 3e-2
 
 MB = 2**20  # peak_mem_mb is in MiB, like torch.cuda.max_memory_allocated() / 2**20
 
@@ -271,3 +276,18 @@ def is_oom(exc):
     message = str(exc).lower()
     return isinstance(exc, RuntimeError) and ("out of memory" in message
                                               or "can't allocate memory" in message)
+
+
+def relative_errors(q, k, v, do, causal):
+    """||x - ref|| / ||ref|| of longflash.attention's o, dq, dk, dv on the Triton backend, the
+    reference (longflash.attention_ref) in float64 on the inputs' device: the GPU campaign's
+    check of a forced kernel candidate (compare with RELATIVE_ERROR_LIMIT; NaN is an error)."""
+    import longflash
+    x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o = longflash.attention(*x, causal=causal, backend="triton")
+    o64, _ = longflash.attention_ref(*x64, causal=causal)
+    grads = torch.autograd.grad(o, x, do)
+    grads64 = torch.autograd.grad(o64, x64, do.double())
+    return [float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
+            for a, b in zip((o, *grads), (o64, *grads64))]

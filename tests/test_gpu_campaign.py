@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments import gpu_campaign as gc
+from experiments import gpu_unpack
 from experiments import ncu as ncu_probe
 from experiments import results
 from experiments.results import read_results
@@ -98,7 +99,7 @@ def test_preflight_row_is_an_error_when_a_candidate_is_wrong(monkeypatch, capsys
     gc.probe_preflight_kind("ws", [16])
     row = json.loads(capsys.readouterr().out.split("PREFLIGHT ")[-1])
     assert row["status"] == "ok" and row["value"] < 1e-2, row
-    monkeypatch.setattr(gc, "_relative_errors", lambda *a: [1e-3, 0.5, 1e-3, float("nan")])
+    monkeypatch.setattr(gc, "relative_errors", lambda *a: [1e-3, 0.5, 1e-3, float("nan")])
     gc.probe_preflight_kind("ws", [16])
     row = json.loads(capsys.readouterr().out.split("PREFLIGHT ")[-1])
     assert row["status"] == "error", row
@@ -219,6 +220,20 @@ def test_stage_plans_fit_and_put_the_important_steps_first():
     before = sum(s.estimate_s for s in stage3[:4]) + 60
     decode = next(s for s in stage3 if s.name == "speedup_decode")
     assert usable - before - decode.reserve_s >= decode.estimate_s
+
+
+def test_stage4_is_the_tuning_sweep_within_the_budget():
+    """Stage 4: env, then experiments.tuning with its own budget (it starts no target after
+    it) and a timeout that fits the stage; no preflight (the sweep checks each candidate)."""
+    usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
+    for dry in (False, True):
+        steps = gc.stage_steps(4, dry)
+        assert [s.name for s in steps] == ["env", "tuning"]
+        tune = steps[1]
+        assert tune.rq == "tuning" and tune.argv[:2] == ["-m", "experiments.tuning"]
+        assert ("--quick" if dry else "--full") in tune.argv and "{budget}" in tune.argv
+        assert tune.tail_s > 0 and sum(s.timeout_s for s in steps) <= usable + 60
+    assert gpu_unpack.KEY_COLUMNS["tuning"] == ("kernel", "config")
 
 
 # ----------------------------------------------------------------------------- ncu

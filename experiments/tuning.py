@@ -1,0 +1,282 @@
+"""Tuning sweep: each kernel's candidate tiles timed at the shapes where LongFlash fell short,
+and each such call split into host and GPU time.
+
+    python -m experiments.tuning --full --budget-s 400   # GPU: results/tuning/<gpu>.csv
+    python -m experiments.tuning --quick                 # CPU, Triton interpreter, tiny (CI)
+
+Issue 16's tuning step, written before the window so that its minutes go to measuring. On the
+first H100 window (RQ1, results/speedup/h100.csv) LongFlash was slowest against SDPA's
+FlashAttention-2 in the d256 backward (0.45x), in short causal forwards (d128 at 2K: 0.714 ms,
+no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as long as at
+2K). Two questions per such shape, one answer each:
+
+1. Is the time the GPU's or the host's? Kernel "call", config "auto" (the autotuner's
+   choice), the call as RQ1 times it:
+     time_ms        do_bench (experiments.measure.time_ms), as RQ1
+     time_ms_graph  the same call as CUDA-graph replays (measure.time_ms_graph): GPU work only
+     host_ms        wall time per call of 50 calls issued without a synchronization: the host's
+                    Python, checks and launches (the GPU runs behind)
+     kernel_ms      per kernel (kernel "fwd", "preprocess", "dkdv", "dq"; config "auto"): its
+                    GPU time per call from torch.profiler
+   time_ms well above time_ms_graph means RQ1 timed the host there, not the kernels.
+2. Does another tile do better? Kernel "fwd", "dkdv" or "dq", config "BLOCK_M/BLOCK_N/warps/
+   stages[/tma[/ws]]" (codegen.config_name): each candidate of flash_triton.CONFIGS for this
+   GPU and head dim, then TRIALS (tiles the launcher cannot choose yet), forced for that kernel
+   alone (the others autotuned), first checked on a small shape against float64
+     max_rel_err    ||x - ref|| / ||ref|| over o (fwd) or dq, dk, dv (dkdv, dq)
+                    (measure.relative_errors); not below RELATIVE_ERROR_LIMIT, as in the
+                    campaign's preflight, the candidate is wrong: status "error", no time
+   then timed at the target:
+     time_ms        the forward call (fwd), or the backward (dkdv, dq: autograd.grad on one
+                    forward's graph, RQ1's mode bwd), median with p20/p80
+   Warp-specialized candidates (NaN on the H100, PERFLOG) only with --ws.
+
+Rows: results schema (experiments/results.py), experiment "tuning", provider "longflash", mode
+"fwd" or "bwd", key columns `kernel` and `config`. Targets run in order (TARGETS); a target
+whose turn comes after --budget-s is not started, and rows are written after each one.
+"""
+
+import argparse
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # --quick: the kernels on the CPU
+
+import longflash  # noqa: E402
+from longflash import flash_triton as ft  # noqa: E402
+from longflash.flash_triton import TMA, WS  # noqa: E402
+from experiments.codegen import config_name  # noqa: E402
+from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E402
+from experiments.measure import time_ms, time_ms_graph  # noqa: E402
+from experiments.results import Log, default_out, start_run, write_results  # noqa: E402
+
+KEY_COLUMNS = ("kernel", "config")  # beside experiments.results.KEY_COLUMNS
+KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+HOST_CALLS = 50
+
+# sm_90 tiles beside CONFIGS', chosen from ptxas reports (sm_90a, bf16, Triton 3.6.0; spill
+# bytes, PERFLOG "Tuning sweep"): the TMA versions of tiles that won or came close on the
+# H100, which spill less than their pointer versions, and larger tiles that compile with few
+# spills. (BLOCK_M, BLOCK_N, warps, stages[, TMA]) as in CONFIGS.
+TRIALS = {
+    ("fwd", 64): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA)],
+    ("fwd", 128): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA)],
+    ("fwd", 256): [(128, 32, 8, 2, TMA), (64, 64, 4, 2, TMA)],
+    ("dkdv", 64): [(64, 128, 8, 2, TMA)],
+    ("dkdv", 128): [(32, 128, 8, 2, TMA), (64, 64, 8, 3, TMA), (32, 64, 4, 3, TMA),
+                    (64, 128, 8, 2, TMA)],
+    ("dkdv", 256): [(32, 64, 8, 2, TMA), (32, 64, 8, 3, TMA), (64, 64, 8, 2, TMA)],
+    ("dq", 128): [(128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
+    ("dq", 256): [(64, 64, 8, 2, TMA), (128, 32, 8, 1, TMA)],
+}
+
+
+@dataclass
+class Target:
+    """One RQ1 shape and the kernels whose tiles are swept there (bf16 on a GPU)."""
+    headdim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+    kernels: tuple
+
+
+# Slowest against FlashAttention-2 on the H100 first (ratios of results/speedup/h100.csv).
+TARGETS = [
+    Target(256, False, 1024, 16, 8, ("dkdv", "dq", "fwd")),  # bwd 0.45x
+    Target(128, True, 2048, 8, 16, ("fwd",)),                 # fwd 0.67x
+    Target(64, False, 1024, 16, 32, ("fwd",)),                # fwd 0.70x
+    Target(128, False, 4096, 4, 16, ("dkdv", "dq", "fwd")),   # the goals' shape: bwd 0.89x
+    Target(256, True, 4096, 4, 8, ("dkdv", "dq")),
+    Target(64, True, 2048, 8, 32, ("fwd",)),
+]
+QUICK_TARGETS = [Target(32, True, 48, 1, 2, ("fwd", "dkdv"))]
+CHECK_SEQLENS = (528, 1040)  # multiples of 16 as every target's, so a candidate compiles once
+QUICK_CHECK_SEQLENS = (40, 56)
+
+log = Log()
+
+
+def candidates(kernel, major, headdim, ws=False):
+    """The triton.Configs to sweep: CONFIGS' for this GPU and head dim, then TRIALS'."""
+    block_d = ft._table_key(kernel, major, headdim)[2]
+    entries = [*ft.CONFIGS[ft._table_key(kernel, major, headdim)],
+               *(TRIALS.get((kernel, block_d), []) if major == 9 else [])]
+    return [ft._config(c) for c in dict.fromkeys(entries) if ws or WS not in c]
+
+
+class forced:
+    """Within the block, `kernel` launches with `config` alone (the autotuner runs one config
+    as it is); the other kernels autotune as usual."""
+
+    def __init__(self, kernel, config):
+        self.fn, self.config = getattr(ft, KERNELS[kernel]), config
+
+    def __enter__(self):
+        self.saved, self.fn.configs = self.fn.configs, [self.config]
+
+    def __exit__(self, *exc):
+        self.fn.configs = self.saved
+
+
+def inputs(batch, seqlen_q, seqlen_k, nheads, headdim, dtype, device, seed=0):
+    gen = torch.Generator(device).manual_seed(seed)
+    q, do = (torch.randn(batch, seqlen_q, nheads, headdim, device=device, dtype=dtype,
+                         generator=gen) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen_k, nheads, headdim, device=device, dtype=dtype,
+                        generator=gen) for _ in range(2))
+    return [x.requires_grad_() for x in (q, k, v)], do
+
+
+def pass_fn(qkv, do, causal, mode):
+    """The timed call: the forward, or (bwd) the backward on one forward's graph."""
+    attn = lambda: longflash.attention(*qkv, causal=causal, backend="triton")  # noqa: E731
+    if mode == "fwd":
+        return attn
+    o = attn()
+    return lambda: torch.autograd.grad(o, qkv, do, retain_graph=True)
+
+
+def host_ms(fn, device, calls=HOST_CALLS):
+    """Wall ms per call of `calls` calls issued back to back, synchronized only after the
+    clock stops (CUDA: the host's work per call while the GPU runs behind)."""
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
+def kernel_ms(fn, reps=10):
+    """{kernel: GPU ms per call} of LongFlash's kernels in fn, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    names = {"_attn_bwd_preprocess": "preprocess", **{v: k for k, v in KERNELS.items()}}
+    out = {}
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        for name, short in names.items():
+            if evt.key.startswith(name) and total:
+                out[short] = out.get(short, 0.0) + total / reps / 1e3  # us -> ms
+    return out
+
+
+def _row(base, kernel, config, metric, value, unit="ms", status="ok", p20=float("nan"),
+         p80=float("nan")):
+    return dict(base, kernel=kernel, config=config, metric=metric, value=value, unit=unit,
+                p20=p20, p80=p80, status=status)
+
+
+def _measured(base, kernel, config, metric, measure):
+    """Rows of one measurement; an exception is a row with status error (and a log line)."""
+    try:
+        value = measure()
+    except Exception as exc:  # noqa: BLE001 - a row, not a crash
+        log(f"  {kernel} {config} {metric}: error {type(exc).__name__}: {str(exc)[:300]}")
+        return [_row(base, kernel, config, metric, float("nan"), status="error")]
+    if isinstance(value, dict):
+        return [_row(base, name, config, metric, v) for name, v in value.items()]
+    if isinstance(value, tuple):
+        return [_row(base, kernel, config, metric, value[0], p20=value[1], p80=value[2])]
+    return [_row(base, kernel, config, metric, value)]
+
+
+def sweep_target(t, device, dtype, check_seqlens, ws=False):
+    """Every row of one target."""
+    rows, mode_of = [], {"fwd": "fwd", "dkdv": "bwd", "dq": "bwd"}
+    major = torch.cuda.get_device_capability()[0] if device == "cuda" else 9
+    qkv, do = inputs(t.batch, t.seqlen, t.seqlen, t.nheads, t.headdim, dtype, device)
+    # the check: one sequence, the target's heads, lengths multiples of 16 as the target's
+    # (Triton specializes integer arguments on that), so one compile serves check and timing
+    check = inputs(1, *check_seqlens, t.nheads, t.headdim, dtype, device, seed=1)
+    base = dict(experiment="tuning", provider="longflash", dtype=str(dtype).replace("torch.", ""),
+                batch=t.batch, seqlen_q=t.seqlen, seqlen_k=t.seqlen, nheads=t.nheads,
+                nheads_kv=t.nheads, headdim=t.headdim, causal=t.causal)
+    for mode in dict.fromkeys(mode_of[k] for k in t.kernels):  # the call as RQ1 times it
+        b = dict(base, mode=mode)
+        rows += _measured(b, "call", "auto", "time_ms",
+                          lambda: time_ms(pass_fn(qkv, do, t.causal, mode), device))
+        rows += _measured(b, "call", "auto", "host_ms",
+                          lambda: host_ms(pass_fn(qkv, do, t.causal, mode), device))
+        if device == "cuda":
+            rows += _measured(b, "call", "auto", "time_ms_graph",
+                              lambda: time_ms_graph(pass_fn(qkv, do, t.causal, mode)))
+            rows += _measured(b, "call", "auto", "kernel_ms",
+                              lambda: kernel_ms(pass_fn(qkv, do, t.causal, mode)))
+        log("  call " + mode + ": " + ", ".join(
+            f"{r['kernel']} {r['metric']} {r['value']:.4g}" for r in rows if r["mode"] == mode))
+    for kernel in t.kernels:
+        b = dict(base, mode=mode_of[kernel])
+        for cfg in candidates(kernel, major, t.headdim, ws):
+            name = config_name(cfg)
+            with forced(kernel, cfg):
+                # o for a forward candidate, dq, dk, dv for a backward one
+                part = slice(0, 1) if kernel == "fwd" else slice(1, 4)
+                errs = _measured(b, kernel, name, "max_rel_err", lambda: max(
+                    relative_errors(*check[0], check[1], t.causal)[part]))
+                err = errs[0]["value"]
+                if errs[0]["status"] == "ok" and not err < RELATIVE_ERROR_LIMIT:  # NaN too
+                    errs[0]["status"] = "error"
+                rows += errs
+                if errs[0]["status"] == "ok":
+                    rows += _measured(b, kernel, name, "time_ms", lambda: time_ms(
+                        pass_fn(qkv, do, t.causal, b["mode"]), device))
+                else:
+                    rows.append(_row(b, kernel, name, "time_ms", float("nan"), status="error"))
+            log(f"  {kernel:4s} {name:16s} max_rel_err {err:.2g} time_ms {rows[-1]['value']:.4g}"
+                f" ({rows[-1]['status']})")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="the GPU targets (TARGETS)")
+    size.add_argument("--quick", action="store_true", help="one tiny target (the pipeline)")
+    parser.add_argument("--targets", help="comma-separated indices into the targets to run")
+    parser.add_argument("--ws", action="store_true", help="also the warp-specialized candidates")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no target but the first after this many seconds")
+    parser.add_argument("--out", default=None, help="CSV (default results/tuning/<device>.csv)")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.quick:
+        parser.error("the sweep times Triton kernels on a GPU; on a CPU use --quick (the "
+                     "pipeline, under the Triton interpreter)")
+    targets, check_seqlens = ((QUICK_TARGETS, QUICK_CHECK_SEQLENS) if args.quick
+                              else (TARGETS, CHECK_SEQLENS))
+    if args.targets:
+        targets = [targets[int(i)] for i in args.targets.split(",")]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16  # no bf16 tl.dot interpreted
+    out, _ = start_run("tuning", args.out or default_out("tuning"), log,
+                       dict(targets=[asdict(t) for t in targets], ws=args.ws,
+                            budget_s=args.budget_s, trials={str(k): v for k, v in TRIALS.items()},
+                            device=device), f"{len(targets)} targets on {device}")
+    started = time.monotonic()
+    for i, t in enumerate(targets):
+        if i and args.budget_s is not None and time.monotonic() - started > args.budget_s:
+            log(f"budget of {args.budget_s:.0f} s spent: targets {i}.. not started")
+            break
+        log(f"target {i}: {asdict(t)}")
+        write_results(sweep_target(t, device, dtype, check_seqlens, args.ws), out,
+                      key_columns=KEY_COLUMNS)
+    log(f"rows in {out}")
+
+
+if __name__ == "__main__":
+    main()

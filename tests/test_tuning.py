@@ -1,0 +1,101 @@
+"""experiments/tuning.py: the GPU window's tuning sweep, run here under the Triton interpreter."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from experiments import tuning
+from experiments.results import KEY_COLUMNS, read_results
+from longflash import flash_triton as ft
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's sweep")
+
+
+def _entries(configs):
+    return [ft._entry(c) for c in configs]
+
+
+def test_candidates_are_the_table_then_the_trials_without_ws_unless_asked():
+    for (kernel, block_d), trials in tuning.TRIALS.items():
+        table = ft.CONFIGS[kernel, 9, block_d]  # a trial extends a bucket the launcher has
+        assert not set(trials) & set(table), (kernel, block_d)  # a trial is new
+        got = _entries(tuning.candidates(kernel, 9, block_d))
+        assert got == [c for c in table if ft.WS not in c] + trials, (kernel, block_d)
+        assert _entries(tuning.candidates(kernel, 9, block_d, ws=True)) == table + trials
+        assert _entries(tuning.candidates(kernel, 8, block_d)) == ft.CONFIGS[kernel, 8, block_d]
+        for block_m, block_n, warps, _, *flags in trials:  # what test_codegen asks of the table
+            assert {"fwd": block_m, "dq": block_m, "dkdv": block_n}[kernel] >= 64
+            assert warps in (4, 8) and flags == [ft.TMA]
+
+
+def test_every_target_sweeps_a_kernel_the_table_has():
+    for t in tuning.TARGETS + tuning.QUICK_TARGETS:
+        assert t.kernels and set(t.kernels) <= set(tuning.KERNELS), t
+        for kernel in t.kernels:
+            assert tuning.candidates(kernel, 9, t.headdim)
+    # On a GPU one compile serves a candidate's check and its timing: Triton specializes the
+    # integer arguments on divisibility by 16 (the check has the target's heads)
+    assert all(t.seqlen % 16 == 0 for t in tuning.TARGETS)
+    assert all(n % 16 == 0 for n in tuning.CHECK_SEQLENS)
+
+
+def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
+    out = tmp_path / "tuning.csv"
+    tuning.main(["--quick", "--out", str(out)])
+    df = read_results(str(out))
+    assert not df.duplicated(KEY_COLUMNS + list(tuning.KEY_COLUMNS)).any()
+    assert set(df["experiment"]) == {"tuning"} and set(df["status"]) == {"ok"}
+    t = tuning.QUICK_TARGETS[0]
+    calls = df[df["kernel"] == "call"]
+    assert set(zip(calls["mode"], calls["metric"])) == {
+        (m, x) for m in ("fwd", "bwd") for x in ("time_ms", "host_ms")}  # no graph on a CPU
+    for kernel in t.kernels:
+        rows = df[df["kernel"] == kernel]
+        names = [tuning.config_name(c) for c in tuning.candidates(kernel, 9, t.headdim)]
+        for metric in ("max_rel_err", "time_ms"):
+            assert sorted(rows.loc[rows["metric"] == metric, "config"]) == sorted(names), metric
+        err = rows.loc[rows["metric"] == "max_rel_err", "value"]
+        assert (err < 1e-2).all() and (err > 0).all()  # fp16 against float64: small, not zero
+        assert set(rows["mode"]) == {"fwd" if kernel == "fwd" else "bwd"}
+    assert (out.parent / "tuning.json").exists() and (out.parent / "tuning.log").exists()
+
+
+def test_a_wrong_candidate_is_an_error_row_and_is_not_timed(monkeypatch):
+    """A planted broken tile (its check returns an error of order 1, or NaN): status error,
+    no time; the right ones are timed."""
+    real = tuning.relative_errors
+    broken = {"128/128/8/2/tma": 0.5, "128/64/8/2/tma": math.nan}  # forced fwd candidates
+
+    def planted(*args):
+        cfg = ft._attn_fwd.configs
+        name = tuning.config_name(cfg[0]) if len(cfg) == 1 else None
+        return [broken[name]] * 4 if name in broken else real(*args)
+
+    monkeypatch.setattr(tuning, "relative_errors", planted)
+    monkeypatch.setattr(tuning, "time_ms", lambda fn, device: (fn(), 1.0, 0.5, 2.0)[1:])
+    before = _entries(ft._attn_fwd.configs)
+    t = tuning.Target(32, False, 48, 1, 2, ("fwd",))
+    rows = pd.DataFrame(tuning.sweep_target(t, "cpu", torch.float16, (40, 56)))
+    fwd = rows[rows["kernel"] == "fwd"].set_index(["config", "metric"])
+    names = [tuning.config_name(c) for c in tuning.candidates("fwd", 9, 32)]
+    assert set(broken) < set(names)
+    for name in names:
+        want = "error" if name in broken else "ok"
+        assert fwd.loc[(name, "max_rel_err"), "status"] == want, name
+        assert fwd.loc[(name, "time_ms"), "status"] == want, name
+        assert math.isnan(fwd.loc[(name, "time_ms"), "value"]) == (name in broken), name
+    assert _entries(ft._attn_fwd.configs) == before  # the autotuner's candidates restored
+
+
+def test_budget_stops_starting_targets(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "QUICK_TARGETS", tuning.QUICK_TARGETS * 2)
+    calls = []
+    monkeypatch.setattr(tuning, "sweep_target", lambda t, *a: calls.append(t) or [dict(
+        experiment="tuning", provider="longflash", mode="fwd", dtype="float16", batch=1,
+        seqlen_q=48, seqlen_k=48, nheads=2, nheads_kv=2, headdim=32, causal=True,
+        kernel="call", config="auto", metric="time_ms", value=1.0, unit="ms", p20=1.0,
+        p80=1.0, status="ok")])
+    tuning.main(["--quick", "--budget-s", "-1", "--out", str(tmp_path / "t.csv")])
+    assert len(calls) == 1  # the first target starts; none after the budget
