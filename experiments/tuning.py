@@ -18,7 +18,9 @@ no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as
                     Python, checks and launches (the GPU runs behind)
      kernel_ms      per kernel (kernel "fwd", "preprocess", "dkdv", "dq"; config "auto"): its
                     GPU time per call from torch.profiler
-   time_ms well above time_ms_graph means RQ1 timed the host there, not the kernels.
+   time_ms well above time_ms_graph means RQ1 timed the host there, not the kernels; the
+   log then has the host's cProfile of the call (where host_ms goes). One target is a decoding
+   step (RQ1's part decode: per call 0.13-0.29 ms, as graph replays 0.01-0.07 ms on the H100).
 2. Does another tile do better? Kernel "fwd", "dkdv" or "dq", config "BLOCK_M/BLOCK_N/warps/
    stages[/tma[/ws]]" (codegen.config_name): each candidate of flash_triton.CONFIGS for this
    GPU and head dim, then TRIALS (tiles the launcher cannot choose yet), forced for that kernel
@@ -57,6 +59,8 @@ from experiments.results import Log, default_out, start_run, write_results  # no
 KEY_COLUMNS = ("kernel", "config")  # beside experiments.results.KEY_COLUMNS
 KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
 HOST_CALLS = 50
+PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd_dkdv": "dkdv",
+            "_attn_bwd_dq": "dq", "_fwd_splitkv": "decode", "_merge_splits": "decode_merge"}
 
 # sm_90 tiles beside CONFIGS', chosen from ptxas reports (sm_90a, bf16, Triton 3.6.0; spill
 # bytes, PERFLOG "Tuning sweep"): the TMA versions of tiles that won or came close on the
@@ -77,13 +81,17 @@ TRIALS = {
 
 @dataclass
 class Target:
-    """One RQ1 shape and the kernels whose tiles are swept there (bf16 on a GPU)."""
+    """One RQ1 shape and the kernels whose tiles are swept there (bf16 on a GPU). decode: one
+    decoding step over a cache of seqlen tokens, as RQ1's part decode times it
+    (attention_with_kvcache, one query, nheads_kv cache heads), call rows only."""
     headdim: int
     causal: bool
     seqlen: int
     batch: int
     nheads: int
     kernels: tuple
+    nheads_kv: int = 0  # 0: nheads
+    decode: bool = False
 
 
 # Slowest against FlashAttention-2 on the H100 first (ratios of results/speedup/h100.csv).
@@ -91,11 +99,13 @@ TARGETS = [
     Target(256, False, 1024, 16, 8, ("dkdv", "dq", "fwd")),  # bwd 0.45x
     Target(128, True, 2048, 8, 16, ("fwd",)),                 # fwd 0.67x
     Target(64, False, 1024, 16, 32, ("fwd",)),                # fwd 0.70x
+    Target(128, False, 4096, 1, 32, (), nheads_kv=8, decode=True),  # 0.23 ms a step, 0.02 graphed
     Target(128, False, 4096, 4, 16, ("dkdv", "dq", "fwd")),   # the goals' shape: bwd 0.89x
     Target(256, True, 4096, 4, 8, ("dkdv", "dq")),
     Target(64, True, 2048, 8, 32, ("fwd",)),
 ]
-QUICK_TARGETS = [Target(32, True, 48, 1, 2, ("fwd", "dkdv"))]
+QUICK_TARGETS = [Target(32, True, 48, 1, 2, ("fwd", "dkdv")),
+                 Target(32, False, 64, 1, 4, (), nheads_kv=2, decode=True)]
 CHECK_SEQLENS = (528, 1040)  # multiples of 16 as every target's, so a candidate compiles once
 QUICK_CHECK_SEQLENS = (40, 56)
 
@@ -158,7 +168,7 @@ def host_ms(fn, device, calls=HOST_CALLS):
 
 
 def kernel_ms(fn, reps=10):
-    """{kernel: GPU ms per call} of LongFlash's kernels in fn, from torch.profiler."""
+    """{kernel: GPU ms per call} of LongFlash's kernels in fn (PROFILED), from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -166,14 +176,28 @@ def kernel_ms(fn, reps=10):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    names = {"_attn_bwd_preprocess": "preprocess", **{v: k for k, v in KERNELS.items()}}
     out = {}
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        for name, short in names.items():
+        for name, short in PROFILED.items():
             if evt.key.startswith(name) and total:
                 out[short] = out.get(short, 0.0) + total / reps / 1e3  # us -> ms
     return out
+
+
+def host_profile(fn, calls=200, top=12):
+    """The host's time per call by function (cProfile, the top `top` by own time): where
+    host_ms goes. For the log."""
+    import cProfile
+    import io
+    import pstats
+    fn()
+    with cProfile.Profile() as prof:
+        for _ in range(calls):
+            fn()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
 def _row(base, kernel, config, metric, value, unit="ms", status="ok", p20=float("nan"),
@@ -196,8 +220,43 @@ def _measured(base, kernel, config, metric, measure):
     return [_row(base, kernel, config, metric, value)]
 
 
+def call_rows(base, make_fn, device):
+    """Kernel "call" rows of one call (make_fn() builds it, inputs ready): do_bench, host
+    and (CUDA) graph-replay and per-kernel times; the host's cProfile to the log."""
+    calls = HOST_CALLS if device == "cuda" else 3  # the interpreter: seconds a call
+    rows = _measured(base, "call", "auto", "time_ms", lambda: time_ms(make_fn(), device))
+    rows += _measured(base, "call", "auto", "host_ms", lambda: host_ms(make_fn(), device, calls))
+    if device == "cuda":
+        rows += _measured(base, "call", "auto", "time_ms_graph", lambda: time_ms_graph(make_fn()))
+        rows += _measured(base, "call", "auto", "kernel_ms", lambda: kernel_ms(make_fn()))
+    log(f"  call {base['mode']}: " + ", ".join(
+        f"{r['kernel']} {r['metric']} {r['value']:.4g}" for r in rows))
+    try:
+        log(f"  host profile, {base['mode']} call:\n" + host_profile(make_fn(), 4 * calls))
+    except Exception as exc:  # noqa: BLE001 - a note in the log, not a result
+        log(f"  host profile: {type(exc).__name__}: {exc}")
+    return rows
+
+
+def decode_rows(t, device, dtype):
+    """A decoding step as RQ1's part decode times it: call rows only."""
+    nheads_kv = t.nheads_kv or t.nheads
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(t.batch, 1, t.nheads, t.headdim, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(t.batch, t.seqlen, nheads_kv, t.headdim, device=device, dtype=dtype,
+                        generator=gen) for _ in range(2))
+    base = dict(experiment="tuning", provider="longflash", mode="fwd",
+                dtype=str(dtype).replace("torch.", ""), batch=t.batch, seqlen_q=1,
+                seqlen_k=t.seqlen, nheads=t.nheads, nheads_kv=nheads_kv, headdim=t.headdim,
+                causal=t.causal)
+    return call_rows(base, lambda: lambda: longflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=t.seqlen, causal=t.causal, backend="triton"), device)
+
+
 def sweep_target(t, device, dtype, check_seqlens, ws=False):
     """Every row of one target."""
+    if t.decode:
+        return decode_rows(t, device, dtype)
     rows, mode_of = [], {"fwd": "fwd", "dkdv": "bwd", "dq": "bwd"}
     major = torch.cuda.get_device_capability()[0] if device == "cuda" else 9
     qkv, do = inputs(t.batch, t.seqlen, t.seqlen, t.nheads, t.headdim, dtype, device)
@@ -208,18 +267,8 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False):
                 batch=t.batch, seqlen_q=t.seqlen, seqlen_k=t.seqlen, nheads=t.nheads,
                 nheads_kv=t.nheads, headdim=t.headdim, causal=t.causal)
     for mode in dict.fromkeys(mode_of[k] for k in t.kernels):  # the call as RQ1 times it
-        b = dict(base, mode=mode)
-        rows += _measured(b, "call", "auto", "time_ms",
-                          lambda: time_ms(pass_fn(qkv, do, t.causal, mode), device))
-        rows += _measured(b, "call", "auto", "host_ms",
-                          lambda: host_ms(pass_fn(qkv, do, t.causal, mode), device))
-        if device == "cuda":
-            rows += _measured(b, "call", "auto", "time_ms_graph",
-                              lambda: time_ms_graph(pass_fn(qkv, do, t.causal, mode)))
-            rows += _measured(b, "call", "auto", "kernel_ms",
-                              lambda: kernel_ms(pass_fn(qkv, do, t.causal, mode)))
-        log("  call " + mode + ": " + ", ".join(
-            f"{r['kernel']} {r['metric']} {r['value']:.4g}" for r in rows if r["mode"] == mode))
+        rows += call_rows(dict(base, mode=mode), lambda: pass_fn(qkv, do, t.causal, mode),
+                          device)
     for kernel in t.kernels:
         b = dict(base, mode=mode_of[kernel])
         for cfg in candidates(kernel, major, t.headdim, ws):

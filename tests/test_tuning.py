@@ -32,7 +32,7 @@ def test_candidates_are_the_table_then_the_trials_without_ws_unless_asked():
 
 def test_every_target_sweeps_a_kernel_the_table_has():
     for t in tuning.TARGETS + tuning.QUICK_TARGETS:
-        assert t.kernels and set(t.kernels) <= set(tuning.KERNELS), t
+        assert bool(t.kernels) != t.decode and set(t.kernels) <= set(tuning.KERNELS), t
         for kernel in t.kernels:
             assert tuning.candidates(kernel, 9, t.headdim)
     # On a GPU one compile serves a candidate's check and its timing: Triton specializes the
@@ -48,9 +48,13 @@ def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
     assert not df.duplicated(KEY_COLUMNS + list(tuning.KEY_COLUMNS)).any()
     assert set(df["experiment"]) == {"tuning"} and set(df["status"]) == {"ok"}
     t = tuning.QUICK_TARGETS[0]
-    calls = df[df["kernel"] == "call"]
+    calls = df[(df["kernel"] == "call") & (df["seqlen_q"] == t.seqlen)]
     assert set(zip(calls["mode"], calls["metric"])) == {
         (m, x) for m in ("fwd", "bwd") for x in ("time_ms", "host_ms")}  # no graph on a CPU
+    step = df[df["seqlen_q"] == 1]  # the decoding target: one query over the cache
+    d = tuning.QUICK_TARGETS[1]
+    assert d.decode and set(step["seqlen_k"]) == {d.seqlen} and set(step["nheads_kv"]) == {2}
+    assert sorted(step["metric"]) == ["host_ms", "time_ms"] and set(step["kernel"]) == {"call"}
     for kernel in t.kernels:
         rows = df[df["kernel"] == kernel]
         names = [tuning.config_name(c) for c in tuning.candidates(kernel, 9, t.headdim)]
@@ -59,7 +63,9 @@ def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
         err = rows.loc[rows["metric"] == "max_rel_err", "value"]
         assert (err < 1e-2).all() and (err > 0).all()  # fp16 against float64: small, not zero
         assert set(rows["mode"]) == {"fwd" if kernel == "fwd" else "bwd"}
-    assert (out.parent / "tuning.json").exists() and (out.parent / "tuning.log").exists()
+    log = (out.parent / "tuning.log").read_text()
+    assert (out.parent / "tuning.json").exists() and log.count("host profile, ") == 3
+    assert log.count("ncalls") == 3  # cProfile's tables
 
 
 def test_a_wrong_candidate_is_an_error_row_and_is_not_timed(monkeypatch):
