@@ -329,14 +329,16 @@ def stage_steps(stage, dry):
                     estimate_s=30, timeout_s=300),
         ]
     if stage == 4:
-        tune = ["--quick"] if dry else ["--full"]
+        tune = ["--quick", "--ws"] if dry else ["--full", "--ws"]
         return [
             _probe("env", estimate_s=5, timeout_s=60),
             # Issue 16's tuning step (experiments.tuning), after stages 1-3: per RQ1 shape where
             # LongFlash fell short, the call's host and GPU time, then each candidate tile of its
             # slow kernels forced, checked against float64 and timed; targets slowest first,
             # rows written after each. No preflight: every candidate is checked before it is
-            # timed. About 4-5 minutes for all six targets (estimated: 60 compiles of 1-3 s).
+            # timed, the warp-specialized ones too (last; opt-in in the launcher, NaN in the
+            # first window: which kernels, and with or without masks?). About 4-6 minutes
+            # for the seven targets (estimated: 70 compiles of 1-3 s).
             Step("tuning", _py("experiments.tuning", *tune, "--budget-s", "{budget}",
                                "--out", "{out}"),
                  rq="tuning", estimate_s=60, timeout_s=480, tail_s=90),

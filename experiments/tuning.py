@@ -31,7 +31,8 @@ no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as
    then timed at the target:
      time_ms        the forward call (fwd), or the backward (dkdv, dq: autograd.grad on one
                     forward's graph, RQ1's mode bwd), median with p20/p80
-   Warp-specialized candidates (NaN on the H100, PERFLOG) only with --ws.
+   Warp-specialized candidates (NaN on the H100, PERFLOG) only with --ws, last, checked on
+   lengths with no mask where the target needs none (check_seqlens_for).
 
 Rows: results schema (experiments/results.py), experiment "tuning", provider "longflash", mode
 "fwd" or "bwd", key columns `kernel` and `config`. Targets run in order (TARGETS); a target
@@ -107,17 +108,32 @@ TARGETS = [
 QUICK_TARGETS = [Target(32, True, 48, 1, 2, ("fwd", "dkdv")),
                  Target(32, False, 64, 1, 4, (), nheads_kv=2, decode=True)]
 CHECK_SEQLENS = (528, 1040)  # multiples of 16 as every target's, so a candidate compiles once
+FULL_TILE_MULTIPLE = 128      # every tile's BLOCK_M and BLOCK_N divide it
 QUICK_CHECK_SEQLENS = (40, 56)
 
 log = Log()
 
 
 def candidates(kernel, major, headdim, ws=False):
-    """The triton.Configs to sweep: CONFIGS' for this GPU and head dim, then TRIALS'."""
+    """The triton.Configs to sweep: CONFIGS' for this GPU and head dim, then TRIALS', then (ws)
+    the table's warp-specialized ones."""
     block_d = ft._table_key(kernel, major, headdim)[2]
-    entries = [*ft.CONFIGS[ft._table_key(kernel, major, headdim)],
-               *(TRIALS.get((kernel, block_d), []) if major == 9 else [])]
-    return [ft._config(c) for c in dict.fromkeys(entries) if ws or WS not in c]
+    table = ft.CONFIGS[ft._table_key(kernel, major, headdim)]
+    entries = [*(c for c in table if WS not in c),
+               *(TRIALS.get((kernel, block_d), []) if major == 9 else []),
+               *(c for c in table if ws and WS in c)]
+    return [ft._config(c) for c in dict.fromkeys(entries)]
+
+
+def check_seqlens_for(cfg, t, check_seqlens):
+    """The check's (seqlen_q, seqlen_k): check_seqlens, but for a warp-specialized candidate at a
+    target that needs no mask (non-causal, lengths multiples of every tile) lengths that need
+    none either, so the check runs the unmasked compile the target times (FULL_TILES,
+    flash_triton._full_tiles) and not the masked one."""
+    full = not t.causal and t.seqlen % FULL_TILE_MULTIPLE == 0
+    if cfg.kwargs["WARP_SPECIALIZE"] and full:
+        return tuple(-(-n // FULL_TILE_MULTIPLE) * FULL_TILE_MULTIPLE for n in check_seqlens)
+    return check_seqlens
 
 
 class forced:
@@ -260,9 +276,6 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False):
     rows, mode_of = [], {"fwd": "fwd", "dkdv": "bwd", "dq": "bwd"}
     major = torch.cuda.get_device_capability()[0] if device == "cuda" else 9
     qkv, do = inputs(t.batch, t.seqlen, t.seqlen, t.nheads, t.headdim, dtype, device)
-    # the check: one sequence, the target's heads, lengths multiples of 16 as the target's
-    # (Triton specializes integer arguments on that), so one compile serves check and timing
-    check = inputs(1, *check_seqlens, t.nheads, t.headdim, dtype, device, seed=1)
     base = dict(experiment="tuning", provider="longflash", dtype=str(dtype).replace("torch.", ""),
                 batch=t.batch, seqlen_q=t.seqlen, seqlen_k=t.seqlen, nheads=t.nheads,
                 nheads_kv=t.nheads, headdim=t.headdim, causal=t.causal)
@@ -273,6 +286,10 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False):
         b = dict(base, mode=mode_of[kernel])
         for cfg in candidates(kernel, major, t.headdim, ws):
             name = config_name(cfg)
+            # the check: one sequence, the target's heads, lengths multiples of 16 as the
+            # target's (Triton specializes integer arguments on that): one compile serves both
+            check = inputs(1, *check_seqlens_for(cfg, t, check_seqlens), t.nheads, t.headdim,
+                           dtype, device, seed=1)
             with forced(kernel, cfg):
                 # o for a forward candidate, dq, dk, dv for a backward one
                 part = slice(0, 1) if kernel == "fwd" else slice(1, 4)

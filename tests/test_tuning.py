@@ -22,8 +22,10 @@ def test_candidates_are_the_table_then_the_trials_without_ws_unless_asked():
         table = ft.CONFIGS[kernel, 9, block_d]  # a trial extends a bucket the launcher has
         assert not set(trials) & set(table), (kernel, block_d)  # a trial is new
         got = _entries(tuning.candidates(kernel, 9, block_d))
-        assert got == [c for c in table if ft.WS not in c] + trials, (kernel, block_d)
-        assert _entries(tuning.candidates(kernel, 9, block_d, ws=True)) == table + trials
+        plain = [c for c in table if ft.WS not in c]
+        assert got == plain + trials, (kernel, block_d)
+        assert _entries(tuning.candidates(kernel, 9, block_d, ws=True)) == \
+            plain + trials + [c for c in table if ft.WS in c]
         assert _entries(tuning.candidates(kernel, 8, block_d)) == ft.CONFIGS[kernel, 8, block_d]
         for block_m, block_n, warps, _, *flags in trials:  # what test_codegen asks of the table
             assert {"fwd": block_m, "dq": block_m, "dkdv": block_n}[kernel] >= 64
@@ -39,6 +41,21 @@ def test_every_target_sweeps_a_kernel_the_table_has():
     # integer arguments on divisibility by 16 (the check has the target's heads)
     assert all(t.seqlen % 16 == 0 for t in tuning.TARGETS)
     assert all(n % 16 == 0 for n in tuning.CHECK_SEQLENS)
+
+
+def test_ws_candidates_are_checked_where_they_run_without_masks():
+    ws, tma = (tuning.candidates("fwd", 9, 128, ws=True)[i] for i in (-1, 1))
+    assert ws.kwargs["WARP_SPECIALIZE"] and not tma.kwargs["WARP_SPECIALIZE"]
+    full = next(t for t in tuning.TARGETS if t.headdim == 128 and not t.causal and t.kernels)
+    causal = next(t for t in tuning.TARGETS if t.headdim == 128 and t.causal)
+    check = tuning.check_seqlens_for(ws, full, tuning.CHECK_SEQLENS)
+    assert check == (640, 1152) and all(n % 128 == 0 for n in check)
+    assert tuning.check_seqlens_for(tma, full, tuning.CHECK_SEQLENS) == tuning.CHECK_SEQLENS
+    assert tuning.check_seqlens_for(ws, causal, tuning.CHECK_SEQLENS) == tuning.CHECK_SEQLENS
+    args = dict(WARP_SPECIALIZE=True, window_left=-1, window_right=-1, IS_VARLEN=False,
+                BLOCK_M=128, BLOCK_N=128)  # what the launcher then compiles: no mask
+    assert ft._full_tiles(dict(args, seqlen_q=check[0], seqlen_k=check[1]))
+    assert ft._full_tiles(dict(args, seqlen_q=full.seqlen, seqlen_k=full.seqlen))
 
 
 def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
