@@ -468,16 +468,47 @@ log = Log()  # the raw log beside the results; set log.path in main
 
 
 def _existing_keys(path):
-    """Keys of the time_ms rows already in path (for --resume), but those with status error:
-    a failure of the harness or a kernel is measured again (once fixed), an oom or an
-    unsupported configuration is not."""
+    """(done, failed): keys of the time_ms rows already in path (for --resume), those with
+    status error apart. A failure of the harness or a kernel is measured again (once fixed),
+    an oom or an unsupported configuration is not."""
     if not os.path.exists(path):
-        return set()
+        return set(), set()
     import pandas as pd
     df = pd.read_csv(path)
-    df = df[(df["metric"] == "time_ms") & (df["status"] != "error")]
+    df = df[df["metric"] == "time_ms"]
     cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]
-    return {tuple(str(x) for x in row) for row in df[cols].itertuples(index=False)}
+    keys = lambda d: {tuple(str(x) for x in row)  # noqa: E731
+                      for row in d[cols].itertuples(index=False)}
+    return keys(df[df["status"] != "error"]), keys(df[df["status"] == "error"])
+
+
+def _group_shape(cfg, part, seqlen, headdim):
+    """(batch, nheads, modes) of a group: cfg.tokens_per_batch tokens per batch and
+    cfg.hidden = nheads x headdim (part batch), or batch 1 and cfg.long_hidden (part long)."""
+    long_part = part == "long"
+    batch = 1 if long_part else max(1, cfg.tokens_per_batch // seqlen)
+    nheads = max(1, (cfg.long_hidden if long_part else cfg.hidden) // headdim)
+    modes = [m for m in MODE_ORDER if m in (cfg.long_modes if long_part else cfg.modes)]
+    return batch, nheads, modes
+
+
+def _key(cfg, provider, mode, batch, seqlen, nheads, headdim, causal):
+    """A time_ms row's key, as _existing_keys reads it back."""
+    return tuple(str(x) for x in (provider, mode, cfg.dtype, batch, seqlen, nheads, headdim,
+                                  causal))
+
+
+def _never_measured_first(cfg, plan, measured):
+    """The plan with the groups that hold a configuration never measured (no row at all)
+    first, in their order, then the others (their error rows measured again): a budget
+    that runs out then leaves retries unmade, not new results (the first H100 window's 72
+    flex bwd errors would otherwise come before d64's causal 16K, the last group)."""
+    def unmeasured(group):
+        part, seqlen, headdim, causal = group
+        batch, nheads, modes = _group_shape(cfg, part, seqlen, headdim)
+        return any(_key(cfg, p, m, batch, seqlen, nheads, headdim, causal) not in measured
+                   for p in cfg.providers for m in modes)
+    return sorted(plan, key=lambda g: not unmeasured(g))  # stable
 
 
 def run(cfg, device, out, resume=False):
@@ -495,9 +526,11 @@ def run(cfg, device, out, resume=False):
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = measure_ceilings(cfg, device, machine, "start")
     write_results(ceiling_rows, out)
-    done = _existing_keys(out) if resume else set()
+    done, failed = _existing_keys(out) if resume else (set(), set())
 
     plan = [g for g in groups(cfg) if g[0] in cfg.parts]
+    if resume:
+        plan = _never_measured_first(cfg, plan, done | failed)
     total = sum(len(cfg.providers) * len(cfg.long_modes if p == "long" else cfg.modes)
                 for p, *_ in plan)
     count = 0
@@ -509,9 +542,7 @@ def run(cfg, device, out, resume=False):
                             for p, n, d, c in plan[g:]))
             break
         long_part = part == "long"
-        batch = 1 if long_part else max(1, cfg.tokens_per_batch // seqlen)
-        nheads = max(1, (cfg.long_hidden if long_part else cfg.hidden) // headdim)
-        modes = [m for m in MODE_ORDER if m in (cfg.long_modes if long_part else cfg.modes)]
+        batch, nheads, modes = _group_shape(cfg, part, seqlen, headdim)
         load = os.getloadavg()[0]
         base = dict(experiment="speedup", dtype=cfg.dtype, batch=batch, seqlen_q=seqlen,
                     seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
@@ -519,8 +550,8 @@ def run(cfg, device, out, resume=False):
         inputs = _inputs(batch, seqlen, nheads, headdim, dtype, device, seed=seqlen + headdim)
         rows = []
         for provider in cfg.providers:
-            keys = {mode: tuple(str(x) for x in (provider, mode, cfg.dtype, batch, seqlen,
-                                                 nheads, headdim, causal)) for mode in modes}
+            keys = {mode: _key(cfg, provider, mode, batch, seqlen, nheads, headdim, causal)
+                    for mode in modes}
             if all(key in done for key in keys.values()):  # --resume: nothing to build
                 count += len(modes)
                 continue

@@ -223,6 +223,40 @@ def test_a_provider_that_fails_to_build_is_rows_and_the_run_goes_on(tmp_path, mo
     assert built == ["sdpa_cpu"]
 
 
+def test_resume_measures_what_was_never_measured_before_the_errors(tmp_path, monkeypatch):
+    """--resume: the groups holding a configuration with no row at all come first, the groups
+    whose only gaps are error rows after them (a budget that runs out leaves the retries, not
+    new results). In process, the measurements mocked."""
+    monkeypatch.setattr(speedup.log, "path", None)
+    cfg = speedup.Config(**dict(speedup.QUICK, providers=("sdpa_cpu", "longflash"),
+                                seqlens=(128, 256), causals=(False, True), long_seqlens=(),
+                                parts=("batch",), modes=("fwd",), threads=0,
+                                ceiling_rep_ms=0))
+    measured = []
+
+    def fake_measure(attn, inputs, mode, device, cfg, long_part, provider, fits=False):
+        measured.append((provider, inputs[0].shape[1]))  # (B, N, H, D) or (B, H, N, D)
+        return "ok", 1.0, (1.0, 1.0, 1.0), ""
+
+    monkeypatch.setattr(speedup, "measure", fake_measure)
+    out = tmp_path / "cpu.csv"
+    speedup.run(cfg, "cpu", str(out))
+    plan = [g for g in speedup.groups(cfg) if g[0] == "batch"]
+    assert len(plan) == 4 and len(measured) == 8
+    df = pd.read_csv(out)
+    runs = (df["provider"] == "longflash") & (df["part"] == "batch")
+    first, last = plan[0], plan[-1]  # (part, seqlen, headdim, causal)
+    at = lambda g: runs & (df["seqlen_q"] == g[1]) & (df["causal"] == g[3])  # noqa: E731
+    df.loc[at(first), ["status", "value"]] = ["error", float("nan")]  # a retry
+    df = df[~at(last)]                                                 # never measured
+    df.to_csv(out, index=False)
+    measured.clear()
+    speedup.run(cfg, "cpu", str(out), resume=True)
+    # the last group (never measured) first, then the first one (its error measured again)
+    assert measured == [("longflash", last[1]), ("longflash", first[1])]
+    assert first[1] != last[1]
+
+
 def test_causal_block_mask_is_compiled_above_the_eager_limit(monkeypatch):
     """Above EAGER_BLOCK_MASK_MAX mask elements the block mask is built by a compiled
     create_block_mask (eager would materialize seqlen x seqlen booleans), and it is the same
