@@ -287,6 +287,9 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False):
     for mode in dict.fromkeys(mode_of[k] for k in t.kernels):  # the call as RQ1 times it
         rows += call_rows(dict(base, mode=mode), lambda: pass_fn(qkv, do, t.causal, mode),
                           device)
+    # what the autotuner chose at this shape (its last run: the calls above, none forced)
+    chosen = {k: config_name(getattr(ft, KERNELS[k]).best_config) for k in t.kernels
+              if getattr(getattr(ft, KERNELS[k]), "best_config", None) is not None}
     for kernel in t.kernels:
         b = dict(base, mode=mode_of[kernel])
         for cfg in candidates(kernel, major, t.headdim, ws):
@@ -311,7 +314,21 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False):
                     rows.append(_row(b, kernel, name, "time_ms", float("nan"), status="error"))
             log(f"  {kernel:4s} {name:16s} max_rel_err {err:.2g} time_ms {rows[-1]['value']:.4g}"
                 f" ({rows[-1]['status']})")
+        log(f"  {kernel}: " + summary(rows, kernel, chosen.get(kernel, "?")))
     return rows
+
+
+def summary(rows, kernel, chosen):
+    """One line: the fastest exact candidate of `kernel` against the autotuner's choice."""
+    timed = {r["config"]: r["value"] for r in rows if r["kernel"] == kernel
+             and r["metric"] == "time_ms" and r["status"] == "ok"}
+    if not timed:
+        return "no candidate was exact"
+    best = min(timed, key=timed.get)
+    if chosen not in timed:
+        return f"fastest {best} {timed[best]:.4g} ms; the autotuner's {chosen} not timed here"
+    return (f"fastest {best} {timed[best]:.4g} ms, the autotuner's {chosen} "
+            f"{timed[chosen]:.4g} ms ({timed[chosen] / timed[best]:.2f}x)")
 
 
 def main(argv=None):

@@ -81,6 +81,8 @@ def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
         assert (err < 1e-2).all() and (err > 0).all()  # fp16 against float64: small, not zero
         assert set(rows["mode"]) == {"fwd" if kernel == "fwd" else "bwd"}
     log = (out.parent / "tuning.log").read_text()
+    for kernel in t.kernels:  # a summary line per kernel: the interpreter's one tile is none
+        assert f"  {kernel}: fastest " in log and "not timed here" in log  # of the candidates
     assert (out.parent / "tuning.json").exists() and log.count("host profile, ") == 3
     assert log.count("ncalls") == 3  # cProfile's tables
 
