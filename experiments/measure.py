@@ -278,16 +278,17 @@ def is_oom(exc):
                                               or "can't allocate memory" in message)
 
 
-def relative_errors(q, k, v, do, causal):
-    """||x - ref|| / ||ref|| of longflash.attention's o, dq, dk, dv on the Triton backend, the
-    reference (longflash.attention_ref) in float64 on the inputs' device: the GPU campaign's
-    check of a forced kernel candidate (compare with RELATIVE_ERROR_LIMIT; NaN is an error)."""
+def relative_errors(q, k, v, do, causal, grads=True):
+    """||x - ref|| / ||ref|| of longflash.attention's o, dq, dk, dv (o alone unless grads) on
+    the Triton backend, the reference (longflash.attention_ref) in float64 on the inputs'
+    device: the GPU campaign's check of a forced kernel candidate (compare with
+    RELATIVE_ERROR_LIMIT; NaN is an error)."""
     import longflash
-    x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    x = [t.detach().clone().requires_grad_(grads) for t in (q, k, v)]
+    x64 = [t.detach().double().requires_grad_(grads) for t in (q, k, v)]
     o = longflash.attention(*x, causal=causal, backend="triton")
     o64, _ = longflash.attention_ref(*x64, causal=causal)
-    grads = torch.autograd.grad(o, x, do)
-    grads64 = torch.autograd.grad(o64, x64, do.double())
+    grads, grads64 = ((torch.autograd.grad(o, x, do), torch.autograd.grad(o64, x64, do.double()))
+                      if grads else ((), ()))
     return [float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
             for a, b in zip((o, *grads), (o64, *grads64))]

@@ -93,10 +93,10 @@ def test_a_wrong_candidate_is_an_error_row_and_is_not_timed(monkeypatch):
     real = tuning.relative_errors
     broken = {"128/128/8/2/tma": 0.5, "128/64/8/2/tma": math.nan}  # forced fwd candidates
 
-    def planted(*args):
+    def planted(*args, **kwargs):
         cfg = ft._attn_fwd.configs
         name = tuning.config_name(cfg[0]) if len(cfg) == 1 else None
-        return [broken[name]] * 4 if name in broken else real(*args)
+        return [broken[name]] * 4 if name in broken else real(*args, **kwargs)
 
     monkeypatch.setattr(tuning, "relative_errors", planted)
     monkeypatch.setattr(tuning, "time_ms", lambda fn, device: (fn(), 1.0, 0.5, 2.0)[1:])
