@@ -65,11 +65,13 @@ PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd
 
 # sm_90 tiles beside CONFIGS', chosen from ptxas reports (sm_90a, bf16, Triton 3.6.0; spill
 # bytes, PERFLOG "Tuning sweep"): the TMA versions of tiles that won or came close on the
-# H100, which spill less than their pointer versions, and larger tiles that compile with few
-# spills. (BLOCK_M, BLOCK_N, warps, stages[, TMA]) as in CONFIGS.
+# H100, which spill less than their pointer versions, larger tiles that compile with few
+# spills, and a forward tile small enough for two programs per SM (64 x 64, 4 warps: for short
+# causal calls, where one program's prologue and epilogue would overlap another's loop).
+# (BLOCK_M, BLOCK_N, warps, stages[, TMA]) as in CONFIGS.
 TRIALS = {
-    ("fwd", 64): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA)],
-    ("fwd", 128): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA)],
+    ("fwd", 64): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
+    ("fwd", 128): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
     ("fwd", 256): [(128, 32, 8, 2, TMA), (64, 64, 4, 2, TMA)],
     ("dkdv", 64): [(64, 128, 8, 2, TMA)],
     ("dkdv", 128): [(32, 128, 8, 2, TMA), (64, 64, 8, 3, TMA), (32, 64, 4, 3, TMA),
