@@ -95,3 +95,29 @@ def test_an_archive_outside_results_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not results/"):
         gpu_unpack.unpack(str(evil), str(tmp_path / "repo"), log=lambda _: None)
     assert not os.path.exists(tmp_path / "repo" / "README.md")
+
+
+def test_tuning_rows_merge_by_kernel_and_config(tmp_path):
+    """Stage 4's rows (experiments.tuning) differ only in kernel and config for one shape:
+    two archives' rows all stay, and a candidate measured again replaces its row."""
+    from experiments import tuning
+
+    def rows(configs, value):
+        base = _row(1024, value)
+        return [dict(base, experiment="tuning", kernel="dkdv", config=c) for c in configs]
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    for name, configs, value in (("a", ["16/64/8/3", "32/64/8/2/tma"], 1.0),
+                                 ("b", ["32/64/8/2/tma", "64/64/8/2/tma"], 2.0)):
+        tree = tmp_path / f"{name}-tree" / "results" / "tuning"
+        tree.mkdir(parents=True)
+        write_results(rows(configs, value), str(tree / "h100.csv"),
+                      key_columns=tuning.KEY_COLUMNS)
+        path = tmp_path / f"{name}.tar.gz"
+        with tarfile.open(path, "w:gz") as tar:
+            tar.add(tree.parent, arcname="results")
+        gpu_unpack.unpack(str(path), str(root), log=lambda _: None)
+    df = pd.read_csv(root / "results" / "tuning" / "h100.csv").set_index("config")
+    assert df["value"].to_dict() == {"16/64/8/3": 1.0, "32/64/8/2/tma": 2.0,
+                                     "64/64/8/2/tma": 2.0}
