@@ -113,7 +113,7 @@ gpu-dry: $(ENV_READY)
 	    "$$d"/stage4.tar.gz
 
 # The GPU machines' software on this CPU (BENCHMARKING.md: Python 3.12, torch 2.11, triton 3.6,
-# NumPy 2.5, transformers 5.17, JAX 0.11; no Jupyter): the test suite and the three dry stages
+# NumPy 2.5, transformers 5.17, JAX 0.11; no Jupyter): the test suite and the four dry stages
 # with it, so a break between those versions shows before a GPU window does. Not in CI (a 4 GB
 # download: torch 2.11 from PyPI is its CUDA build, which runs on a CPU too).
 GPU_IMAGE := .venv-gpu-image

@@ -6,7 +6,7 @@ and a fourth for tuning.
         python3 -m experiments.gpu_campaign --stage 1 --out $OUT     # on the GPU machine
     python3 -m experiments.gpu_campaign --stage 1 --out /tmp/c --dry-run  # CPU, tiny, in CI
     python3 -m experiments.gpu_campaign --stage 2 --out $OUT --steps speedup_long  # a rerun
-    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all three stages dry, archives checked)
+    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all four stages dry, archives checked)
 
 A GPU window here is at most 30 minutes, in runs of at most 10 minutes, on a bare machine that
 returns at most 8 files of 16 MiB (experiments/GPU.md). So each stage runs under its own wall
@@ -21,7 +21,7 @@ experiments/process_groups.py): a crash or a hang is a row with status "error" (
 "unsupported" for a missing tool) and a log line, never a lost stage. --steps runs some steps of a stage only (with the preflight and env).
 
 Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
-tiny sizes with the Triton interpreter). Each stage starts with a preflight of the Hopper-only
+tiny sizes with the Triton interpreter). Stages 1-3 start with a preflight of the Hopper-only
 kernel candidates that no GPU had run before (TMA copies; warp specialization):
 each forced in turn on a small odd shape against the float64 reference, one subprocess per kind
 with its own timeout; a kind that fails or hangs is switched off for the rest of the stage
