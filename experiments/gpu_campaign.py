@@ -599,7 +599,7 @@ def probe_preflight_kind(kind, headdims):
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
     major = torch.cuda.get_device_capability()[0] if cuda else 9
-    kernels = {"fwd": ft._attn_fwd, "dkdv": ft._attn_bwd_dkdv, "dq": ft._attn_bwd_dq}
+    kernels = ("fwd", "dkdv", "dq")
     gen = torch.Generator(device).manual_seed(0)
     try:
         shapes = [((2, 777, 1031, 4, 2) if cuda else (1, 150, 203, 2, 1), (False, True))]
@@ -625,10 +625,9 @@ def probe_preflight_kind(kind, headdims):
                     forced = {name: mine[name][i % len(mine[name])]
                               if name in target and mine[name] else tables[name][0]
                               for name in kernels}
-                    for name, fn in kernels.items():  # one config: the autotuner runs it as is
-                        fn.configs = [forced[name]]
                     for causal in causals:
-                        errs = relative_errors(q, k, v, do, causal)
+                        with ft.forced_configs(forced):
+                            errs = relative_errors(q, k, v, do, causal)
                         errors += errs
                         if not all(e < PREFLIGHT_TOLERANCE for e in errs):  # NaN fails too
                             failed.append(

@@ -52,13 +52,14 @@ if not torch.cuda.is_available():
 import longflash  # noqa: E402
 from longflash import flash_triton as ft  # noqa: E402
 from longflash.flash_triton import TMA, WS  # noqa: E402
+from experiments import decode  # noqa: E402
 from experiments.codegen import config_name  # noqa: E402
 from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E402
 from experiments.measure import time_ms, time_ms_graph  # noqa: E402
 from experiments.results import Log, default_out, start_run, write_results  # noqa: E402
 
 KEY_COLUMNS = ("kernel", "config")  # beside experiments.results.KEY_COLUMNS
-KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}  # their jit names
 HOST_CALLS = 50
 PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd_dkdv": "dkdv",
             "_attn_bwd_dq": "dq", "_fwd_splitkv": "decode", "_merge_splits": "decode_merge"}
@@ -136,20 +137,6 @@ def check_seqlens_for(cfg, t, check_seqlens):
     if cfg.kwargs["WARP_SPECIALIZE"] and full:
         return tuple(-(-n // FULL_TILE_MULTIPLE) * FULL_TILE_MULTIPLE for n in check_seqlens)
     return check_seqlens
-
-
-class forced:
-    """Within the block, `kernel` launches with `config` alone (the autotuner runs one config
-    as it is); the other kernels autotune as usual."""
-
-    def __init__(self, kernel, config):
-        self.fn, self.config = getattr(ft, KERNELS[kernel]), config
-
-    def __enter__(self):
-        self.saved, self.fn.configs = self.fn.configs, [self.config]
-
-    def __exit__(self, *exc):
-        self.fn.configs = self.saved
 
 
 def inputs(batch, seqlen_q, seqlen_k, nheads, headdim, dtype, device, seed=0):
@@ -262,18 +249,17 @@ def call_rows(base, make_fn, device):
 
 
 def decode_rows(t, device, dtype):
-    """A decoding step as RQ1's part decode times it: call rows only."""
+    """A decoding step, RQ1's part decode's own call and inputs (experiments.decode): call
+    rows only."""
     nheads_kv = t.nheads_kv or t.nheads
-    gen = torch.Generator(device).manual_seed(0)
-    q = torch.randn(t.batch, 1, t.nheads, t.headdim, device=device, dtype=dtype, generator=gen)
-    k, v = (torch.randn(t.batch, t.seqlen, nheads_kv, t.headdim, device=device, dtype=dtype,
-                        generator=gen) for _ in range(2))
+    step, layout = decode.make_decode("longflash", device)
+    q, k, v = decode._inputs(t.batch, t.seqlen, t.nheads, nheads_kv, t.headdim, dtype, device,
+                             seed=0)[layout]
     base = dict(experiment="tuning", provider="longflash", mode="fwd",
                 dtype=str(dtype).replace("torch.", ""), batch=t.batch, seqlen_q=1,
                 seqlen_k=t.seqlen, nheads=t.nheads, nheads_kv=nheads_kv, headdim=t.headdim,
-                causal=t.causal)
-    return call_rows(base, lambda: lambda: longflash.attention_with_kvcache(
-        q, k, v, cache_seqlens=t.seqlen, causal=t.causal, backend="triton"), device)
+                causal=False)
+    return call_rows(base, lambda: lambda: step(q, k, v), device)
 
 
 def sweep_target(t, device, dtype, check_seqlens, ws=False):
@@ -300,7 +286,7 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False):
             # target's (Triton specializes integer arguments on that): one compile serves both
             check = inputs(1, *check_seqlens_for(cfg, t, check_seqlens), t.nheads, t.headdim,
                            dtype, device, seed=1)
-            with forced(kernel, cfg):
+            with ft.forced_configs({kernel: cfg}):
                 # o for a forward candidate (no backward run), dq, dk, dv for a backward one
                 errs = _measured(b, kernel, name, "max_rel_err", lambda: max(
                     relative_errors(*check[0], check[1], t.causal, grads=kernel != "fwd")

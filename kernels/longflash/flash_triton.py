@@ -63,6 +63,7 @@ Where it was tested and where it breaks:
   fp32 dot products (no TF32), which matches PyTorch's default for matmul.
 """
 
+import contextlib
 import inspect
 import os
 
@@ -1190,3 +1191,20 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _attn_bwd_dq[grid_q](*tensors, dq, *extra, *strides, *_strides(dq), **scalars)
     return dq, dk, dv
+
+
+@contextlib.contextmanager
+def forced_configs(configs):
+    """Within the block, each kernel named in `configs` ({"fwd" | "dkdv" | "dq": triton.Config})
+    launches with that config alone (the autotuner runs a single config as it is, with neither
+    benchmarking nor its cache); the others autotune as usual. For checking and timing one
+    candidate: the GPU campaign's preflight and tuning sweep."""
+    kernels = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
+    saved = {name: kernels[name].configs for name in configs}
+    try:
+        for name, config in configs.items():
+            kernels[name].configs = [config]
+        yield
+    finally:
+        for name, old in saved.items():
+            kernels[name].configs = old
