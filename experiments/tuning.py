@@ -35,8 +35,11 @@ no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as
    lengths with no mask where the target needs none (check_seqlens_for).
 
 Rows: results schema (experiments/results.py), experiment "tuning", provider "longflash", mode
-"fwd" or "bwd", key columns `kernel` and `config`. Targets run in order (TARGETS); a target
-whose turn comes after --budget-s is not started, and rows are written after each one.
+"fwd" or "bwd", key columns `kernel` and `config`. Targets run in order (TARGETS); rows are
+written after each call and each kernel's candidates. After --budget-s no call and no candidate
+is started (the first target's calls excepted) and the log names what was not run; --resume
+skips what the file already holds with status ok, so a rerun measures the rest (a GPU window
+of 15 minutes is two runs: experiments/GPU.md).
 """
 
 import argparse
@@ -262,47 +265,95 @@ def decode_rows(t, device, dtype):
     return call_rows(base, lambda: lambda: step(q, k, v), device)
 
 
-def sweep_target(t, device, dtype, check_seqlens, ws=False):
-    """Every row of one target."""
+def _key(row):
+    """A measurement's identity for --resume (the shape, mode, kernel and config)."""
+    return tuple(str(row[c]) for c in ("batch", "seqlen_q", "seqlen_k", "nheads", "headdim",
+                                       "causal", "mode", "kernel", "config"))
+
+
+def measured_keys(path):
+    """Keys of the time_ms rows with status ok already in path (--resume): what a later run
+    need not measure again. An error (a wrong tile, a crash) is measured again."""
+    if not os.path.exists(path):
+        return set()
+    import pandas as pd
+    df = pd.read_csv(path)
+    ok = df[(df["metric"] == "time_ms") & (df["status"] == "ok")]
+    return {_key(row) for row in ok.to_dict("records")}
+
+
+def sweep_target(t, device, dtype, check_seqlens, ws=False, done=frozenset(), deadline=None,
+                 calls_first=False):
+    """Every row of one target, yielded a batch at a time (each call, each kernel's candidates)
+    so that the caller writes them as they come. done: keys already measured (skipped);
+    deadline: a time.monotonic() after which no candidate and no call is started (the log
+    names those not run), except the calls with calls_first (the first target's: a run that
+    starts always measures something)."""
+    def late(what, call=False):
+        if call and calls_first:
+            return False
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"  budget spent: not run: {what}")
+            return True
+        return False
+
     if t.decode:
-        return decode_rows(t, device, dtype)
-    rows, mode_of = [], {"fwd": "fwd", "dkdv": "bwd", "dq": "bwd"}
+        base = dict(batch=t.batch, seqlen_q=1, seqlen_k=t.seqlen, nheads=t.nheads,
+                    headdim=t.headdim, causal=False, mode="fwd", kernel="call", config="auto")
+        if _key(base) not in done and not late("the decoding call", call=True):
+            yield decode_rows(t, device, dtype)
+        return
+    mode_of = {"fwd": "fwd", "dkdv": "bwd", "dq": "bwd"}
     major = torch.cuda.get_device_capability()[0] if device == "cuda" else 9
     qkv, do = inputs(t.batch, t.seqlen, t.seqlen, t.nheads, t.headdim, dtype, device)
     base = dict(experiment="tuning", provider="longflash", dtype=str(dtype).replace("torch.", ""),
                 batch=t.batch, seqlen_q=t.seqlen, seqlen_k=t.seqlen, nheads=t.nheads,
                 nheads_kv=t.nheads, headdim=t.headdim, causal=t.causal)
     for mode in dict.fromkeys(mode_of[k] for k in t.kernels):  # the call as RQ1 times it
-        rows += call_rows(dict(base, mode=mode), lambda: pass_fn(qkv, do, t.causal, mode),
-                          device)
+        b = dict(base, mode=mode)
+        if _key(dict(b, kernel="call", config="auto")) not in done and not late(f"call {mode}", True):
+            yield call_rows(b, lambda: pass_fn(qkv, do, t.causal, mode), device)
     # what the autotuner chose at this shape (its last run: the calls above, none forced)
     chosen = {k: config_name(getattr(ft, KERNELS[k]).best_config) for k in t.kernels
               if getattr(getattr(ft, KERNELS[k]), "best_config", None) is not None}
     for kernel in t.kernels:
-        b = dict(base, mode=mode_of[kernel])
-        for cfg in candidates(kernel, major, t.headdim, ws):
-            name = config_name(cfg)
-            # the check: one sequence, the target's heads, lengths multiples of 16 as the
-            # target's (Triton specializes integer arguments on that): one compile serves both
-            check = inputs(1, *check_seqlens_for(cfg, t, check_seqlens), t.nheads, t.headdim,
-                           dtype, device, seed=1)
-            with ft.forced_configs({kernel: cfg}):
-                # o for a forward candidate (no backward run), dq, dk, dv for a backward one
-                errs = _measured(b, kernel, name, "max_rel_err", lambda: max(
-                    relative_errors(*check[0], check[1], t.causal, grads=kernel != "fwd")
-                    [0 if kernel == "fwd" else 1:]))
-                err = errs[0]["value"]
-                if errs[0]["status"] == "ok" and not err < RELATIVE_ERROR_LIMIT:  # NaN too
-                    errs[0]["status"] = "error"
-                rows += errs
-                if errs[0]["status"] == "ok":
-                    rows += _measured(b, kernel, name, "time_ms", lambda: time_ms(
-                        pass_fn(qkv, do, t.causal, b["mode"]), device))
-                else:
-                    rows.append(_row(b, kernel, name, "time_ms", float("nan"), status="error"))
-            log(f"  {kernel:4s} {name:16s} max_rel_err {err:.2g} time_ms {rows[-1]['value']:.4g}"
-                f" ({rows[-1]['status']})")
-        log(f"  {kernel}: " + summary(rows, kernel, chosen.get(kernel, "?")))
+        b, rows = dict(base, mode=mode_of[kernel]), []
+        names = {config_name(c): c for c in candidates(kernel, major, t.headdim, ws)}
+        todo = [n for n in names if _key(dict(b, kernel=kernel, config=n)) not in done]
+        for i, name in enumerate(todo):
+            if late(f"{kernel} {', '.join(todo[i:])}"):
+                break
+            rows += candidate_rows(t, b, kernel, names[name], qkv, do, device, dtype,
+                                   check_seqlens)
+        if rows:
+            log(f"  {kernel}: " + summary(rows, kernel, chosen.get(kernel, "?")))
+            yield rows
+
+
+def candidate_rows(t, b, kernel, cfg, qkv, do, device, dtype, check_seqlens):
+    """A candidate forced alone for `kernel`: its check against float64 on a small shape
+    (max_rel_err; not below RELATIVE_ERROR_LIMIT, an error row and no time), then its time at
+    the target."""
+    name = config_name(cfg)
+    # the check: one sequence, the target's heads, lengths multiples of 16 as the target's
+    # (Triton specializes integer arguments on that): one compile serves both
+    check = inputs(1, *check_seqlens_for(cfg, t, check_seqlens), t.nheads, t.headdim, dtype,
+                   device, seed=1)
+    with ft.forced_configs({kernel: cfg}):
+        # o for a forward candidate (no backward run), dq, dk, dv for a backward one
+        rows = _measured(b, kernel, name, "max_rel_err", lambda: max(
+            relative_errors(*check[0], check[1], t.causal, grads=kernel != "fwd")
+            [0 if kernel == "fwd" else 1:]))
+        err = rows[0]["value"]
+        if rows[0]["status"] == "ok" and not err < RELATIVE_ERROR_LIMIT:  # NaN too
+            rows[0]["status"] = "error"
+        if rows[0]["status"] == "ok":
+            rows += _measured(b, kernel, name, "time_ms", lambda: time_ms(
+                pass_fn(qkv, do, t.causal, b["mode"]), device))
+        else:
+            rows.append(_row(b, kernel, name, "time_ms", float("nan"), status="error"))
+    log(f"  {kernel:4s} {name:16s} max_rel_err {err:.2g} time_ms {rows[-1]['value']:.4g}"
+        f" ({rows[-1]['status']})")
     return rows
 
 
@@ -327,7 +378,10 @@ def main(argv=None):
     parser.add_argument("--targets", help="comma-separated indices into the targets to run")
     parser.add_argument("--ws", action="store_true", help="also the warp-specialized candidates")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="start no target but the first after this many seconds")
+                        help="start no call and no candidate after this many seconds (the "
+                        "first target's calls excepted)")
+    parser.add_argument("--resume", action="store_true", help="skip what the results file "
+                        "already holds with status ok (a rerun measures only the rest)")
     parser.add_argument("--out", default=None, help="CSV (default results/tuning/<device>.csv)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -341,16 +395,21 @@ def main(argv=None):
     dtype = torch.bfloat16 if device == "cuda" else torch.float16  # no bf16 tl.dot interpreted
     out, _ = start_run("tuning", args.out or default_out("tuning"), log,
                        dict(targets=[asdict(t) for t in targets], ws=args.ws,
-                            budget_s=args.budget_s, trials={str(k): v for k, v in TRIALS.items()},
-                            device=device), f"{len(targets)} targets on {device}")
-    started = time.monotonic()
+                            budget_s=args.budget_s, resume=args.resume,
+                            trials={str(k): v for k, v in TRIALS.items()}, device=device),
+                       f"{len(targets)} targets on {device}")
+    done = measured_keys(out) if args.resume else set()
+    if done:
+        log(f"--resume: {len(done)} measurements already in {out} are not repeated")
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     for i, t in enumerate(targets):
-        if i and args.budget_s is not None and time.monotonic() - started > args.budget_s:
-            log(f"budget of {args.budget_s:.0f} s spent: targets {i}.. not started")
-            break
         log(f"target {i}: {asdict(t)}")
-        write_results(sweep_target(t, device, dtype, check_seqlens, args.ws), out,
-                      key_columns=KEY_COLUMNS)
+        for rows in sweep_target(t, device, dtype, check_seqlens, args.ws, done, deadline,
+                                 calls_first=i == 0):
+            write_results(rows, out, key_columns=KEY_COLUMNS)
+        if deadline is not None and time.monotonic() > deadline and i + 1 < len(targets):
+            log(f"budget of {args.budget_s:.0f} s spent: targets {i + 1}.. not started")
+            break
     log(f"rows in {out}")
 
 

@@ -102,7 +102,8 @@ def test_a_wrong_candidate_is_an_error_row_and_is_not_timed(monkeypatch):
     monkeypatch.setattr(tuning, "time_ms", lambda fn, device: (fn(), 1.0, 0.5, 2.0)[1:])
     before = _entries(ft._attn_fwd.configs)
     t = tuning.Target(32, False, 48, 1, 2, ("fwd",))
-    rows = pd.DataFrame(tuning.sweep_target(t, "cpu", torch.float16, (40, 56)))
+    rows = pd.DataFrame([r for batch in tuning.sweep_target(t, "cpu", torch.float16, (40, 56))
+                         for r in batch])
     fwd = rows[rows["kernel"] == "fwd"].set_index(["config", "metric"])
     names = [tuning.config_name(c) for c in tuning.candidates("fwd", 9, 32)]
     assert set(broken) < set(names)
@@ -114,13 +115,60 @@ def test_a_wrong_candidate_is_an_error_row_and_is_not_timed(monkeypatch):
     assert _entries(ft._attn_fwd.configs) == before  # the autotuner's candidates restored
 
 
+def _fake_row(t):
+    return dict(experiment="tuning", provider="longflash", mode="fwd", dtype="float16",
+                batch=t.batch, seqlen_q=t.seqlen, seqlen_k=t.seqlen, nheads=t.nheads,
+                nheads_kv=t.nheads, headdim=t.headdim, causal=t.causal, kernel="call",
+                config="auto", metric="time_ms", value=1.0, unit="ms", p20=1.0, p80=1.0,
+                status="ok")
+
+
 def test_budget_stops_starting_targets(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "QUICK_TARGETS", tuning.QUICK_TARGETS * 2)
     calls = []
-    monkeypatch.setattr(tuning, "sweep_target", lambda t, *a: calls.append(t) or [dict(
-        experiment="tuning", provider="longflash", mode="fwd", dtype="float16", batch=1,
-        seqlen_q=48, seqlen_k=48, nheads=2, nheads_kv=2, headdim=32, causal=True,
-        kernel="call", config="auto", metric="time_ms", value=1.0, unit="ms", p20=1.0,
-        p80=1.0, status="ok")])
+    monkeypatch.setattr(tuning, "sweep_target", lambda t, *a, **k: calls.append(t) or [
+        [_fake_row(t)]])
     tuning.main(["--quick", "--budget-s", "-1", "--out", str(tmp_path / "t.csv")])
     assert len(calls) == 1  # the first target starts; none after the budget
+
+
+def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monkeypatch):
+    """Past the budget the first target's calls still run (a run measures something), its
+    candidates do not: a step's timeout then never kills a sweep with rows unwritten."""
+    measured = []
+    monkeypatch.setattr(tuning, "candidate_rows", lambda *a: measured.append(a) or [])
+    out = tmp_path / "t.csv"
+    tuning.main(["--quick", "--targets", "0", "--budget-s", "-1", "--out", str(out)])
+    df = read_results(str(out))
+    assert not measured and set(df["kernel"]) == {"call"}  # planted: without the check, all
+    log = (tmp_path / "t.log").read_text()
+    names = [tuning.config_name(c) for c in tuning.candidates("fwd", 9, 32)]
+    assert f"budget spent: not run: fwd {', '.join(names)}" in log
+
+
+def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
+    t = tuning.QUICK_TARGETS[0]
+    out = tmp_path / "t.csv"
+    measured = []
+
+    def fake(t_, b, kernel, cfg, *a):
+        measured.append((kernel, tuning.config_name(cfg)))
+        return [tuning._row(b, kernel, tuning.config_name(cfg), "time_ms", 1.0)]
+    monkeypatch.setattr(tuning, "candidate_rows", fake)
+    monkeypatch.setattr(tuning, "call_rows", lambda b, make_fn, device: [
+        tuning._row(b, "call", "auto", "time_ms", 2.0)])
+    argv = ["--quick", "--targets", "0", "--out", str(out)]
+    tuning.main(argv)
+    first = list(measured)
+    assert len(first) == sum(len(tuning.candidates(k, 9, t.headdim)) for k in t.kernels)
+    # one candidate's row lost (an error, or a run cut short): the rerun measures it alone
+    df = read_results(str(out))
+    lost = (df["kernel"] == first[-1][0]) & (df["config"] == first[-1][1])
+    df.loc[lost, "status"], df.loc[lost, "value"] = "error", float("nan")
+    df.to_csv(out, index=False)
+    measured.clear()
+    tuning.main(argv + ["--resume"])
+    assert measured == [first[-1]]
+    measured.clear()
+    tuning.main(argv)  # planted: without --resume everything again
+    assert measured == first
