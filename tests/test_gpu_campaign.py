@@ -236,6 +236,41 @@ def test_stage4_is_the_tuning_sweep_within_the_budget():
     assert gpu_unpack.KEY_COLUMNS["tuning"] == ("kernel", "config")
 
 
+def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
+    """Stage 5 (a 15-minute window on the H100 that ran stages 1-3): no preflight; the goal
+    rows never measured first (d64 causal 16K, then d256 from 4K), then the GPU tests no window
+    ran, then the sweep (resumable), then test_triton_gpu; every timeout fits what its
+    reserve leaves, and the estimates fit the stage."""
+    usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
+    for dry in (False, True):
+        steps = gc.stage_steps(5, dry)
+        assert [s.name for s in steps] == ["env", "speedup_d64", "speedup_d256", "pytest_late",
+                                           "tuning", "pytest_triton"]
+        assert sum(s.estimate_s for s in steps) <= usable
+        tune = steps[4]
+        assert tune.argv[:2] == ["-m", "experiments.tuning"] and "--resume" in tune.argv
+        assert "--ws" not in tune.argv and "{budget}" in tune.argv and tune.tail_s > 0
+        for s in steps:
+            assert s.estimate_s <= usable and s.reserve_s < usable
+    full = {s.name: s for s in gc.stage_steps(5, False)}
+    d64, d256 = _argv(5, False, "speedup_d64"), _argv(5, False, "speedup_d256")
+    assert d64[d64.index("--headdims") + 1] == "64" and d64[d64.index("--seqlens") + 1] == "16384"
+    assert d256[d256.index("--seqlens") + 1].startswith("4096,")
+    assert "--resume" in d64 and "--resume" in d256
+    # each step's share: after env and the estimates before it, the reserve leaves the step
+    # at least its estimate, and the steps after it at least theirs
+    left = usable - full["env"].estimate_s
+    order = list(full.values())[1:]
+    for i, s in enumerate(order):
+        assert left - s.reserve_s >= s.estimate_s, s.name
+        assert s.reserve_s >= sum(t.estimate_s for t in order[i + 1:i + 2]), s.name
+        left -= s.estimate_s
+    late = _argv(5, False, "pytest_late")
+    assert late == _argv(3, False, "pytest_late")  # the same tests as stage 3's
+    triton = _argv(5, False, "pytest_triton")
+    assert triton[triton.index("-k") + 1] == "test_triton_gpu"
+
+
 # ----------------------------------------------------------------------------- ncu
 
 def _plan(seqlens=(1024, 4096, 16384), providers=("longflash", "sdpa_flash", "standard")):
