@@ -35,9 +35,10 @@ no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as
    lengths with no mask where the target needs none (check_seqlens_for).
 
 Rows: results schema (experiments/results.py), experiment "tuning", provider "longflash", mode
-"fwd" or "bwd", key columns `kernel` and `config`. Targets run in order (TARGETS); rows are
-written after each call and each kernel's candidates. After --budget-s no call and no candidate
-is started (the first target's calls excepted) and the log names what was not run; --resume
+"fwd" or "bwd", key columns `kernel` and `config`. Every target's calls run first, in order
+(TARGETS), then every target's candidates; rows are written after each call and each kernel's
+candidates. After --budget-s nothing more is started (the first target's calls excepted) and
+the log names what was not run; --resume
 skips what the file already holds with status ok, so a rerun measures the rest (a GPU window
 of 15 minutes is two runs: experiments/GPU.md).
 """
@@ -283,16 +284,14 @@ def measured_keys(path):
 
 
 def sweep_target(t, device, dtype, check_seqlens, ws=False, done=frozenset(), deadline=None,
-                 calls_first=False):
-    """Every row of one target, yielded a batch at a time (each call, each kernel's candidates)
-    so that the caller writes them as they come. done: keys already measured (skipped);
-    deadline: a time.monotonic() after which no candidate and no call is started (the log
-    names those not run), except the calls with calls_first (the first target's: a run that
-    starts always measures something)."""
-    def late(what, call=False):
-        if call and calls_first:
-            return False
-        if deadline is not None and time.monotonic() > deadline:
+                 part="calls", always=False):
+    """The rows of one target's calls (part "calls") or of its kernels' candidates (part
+    "candidates"), yielded a batch at a time (each call, each kernel's candidates) so that the
+    caller writes them as they come. done: keys already measured (skipped); deadline: a
+    time.monotonic() after which nothing more is started (the log names what was not run),
+    except the calls if `always` (the first target's: a run that starts measures something)."""
+    def late(what):
+        if deadline is not None and time.monotonic() > deadline and not always:
             log(f"  budget spent: not run: {what}")
             return True
         return False
@@ -300,7 +299,7 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=frozenset(), de
     if t.decode:
         base = dict(batch=t.batch, seqlen_q=1, seqlen_k=t.seqlen, nheads=t.nheads,
                     headdim=t.headdim, causal=False, mode="fwd", kernel="call", config="auto")
-        if _key(base) not in done and not late("the decoding call", call=True):
+        if part == "calls" and _key(base) not in done and not late("the decoding call"):
             yield decode_rows(t, device, dtype)
         return
     mode_of = {"fwd": "fwd", "dkdv": "bwd", "dq": "bwd"}
@@ -309,11 +308,18 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=frozenset(), de
     base = dict(experiment="tuning", provider="longflash", dtype=str(dtype).replace("torch.", ""),
                 batch=t.batch, seqlen_q=t.seqlen, seqlen_k=t.seqlen, nheads=t.nheads,
                 nheads_kv=t.nheads, headdim=t.headdim, causal=t.causal)
-    for mode in dict.fromkeys(mode_of[k] for k in t.kernels):  # the call as RQ1 times it
-        b = dict(base, mode=mode)
-        if _key(dict(b, kernel="call", config="auto")) not in done and not late(f"call {mode}", True):
-            yield call_rows(b, lambda: pass_fn(qkv, do, t.causal, mode), device)
-    # what the autotuner chose at this shape (its last run: the calls above, none forced)
+    modes = dict.fromkeys(mode_of[k] for k in t.kernels)
+    if part == "calls":
+        for mode in modes:  # the call as RQ1 times it
+            b = dict(base, mode=mode)
+            if _key(dict(b, kernel="call", config="auto")) not in done and not late(
+                    f"call {mode}"):
+                yield call_rows(b, lambda: pass_fn(qkv, do, t.causal, mode), device)
+        return
+    # what the autotuner chose at this shape: one call of each mode, none forced, sets its
+    # best_config (found in its cache if the calls part ran)
+    for mode in modes:
+        pass_fn(qkv, do, t.causal, mode)()
     chosen = {k: config_name(getattr(ft, KERNELS[k]).best_config) for k in t.kernels
               if getattr(getattr(ft, KERNELS[k]), "best_config", None) is not None}
     for kernel in t.kernels:
@@ -402,14 +408,19 @@ def main(argv=None):
     if done:
         log(f"--resume: {len(done)} measurements already in {out} are not repeated")
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-    for i, t in enumerate(targets):
-        log(f"target {i}: {asdict(t)}")
-        for rows in sweep_target(t, device, dtype, check_seqlens, args.ws, done, deadline,
-                                 calls_first=i == 0):
-            write_results(rows, out, key_columns=KEY_COLUMNS)
-        if deadline is not None and time.monotonic() > deadline and i + 1 < len(targets):
-            log(f"budget of {args.budget_s:.0f} s spent: targets {i + 1}.. not started")
-            break
+    # Every target's calls first (host or GPU: a few seconds each), then every target's
+    # candidates (a compile, a check and a timing each): a short run answers the first
+    # question everywhere before it spends the rest on tiles, slowest target first.
+    for part in ("calls", "candidates"):
+        for i, t in enumerate(targets):
+            always = part == "calls" and i == 0
+            if deadline is not None and time.monotonic() > deadline and not always:
+                log(f"budget of {args.budget_s:.0f} s spent: {part} of targets {i}.. not run")
+                break
+            log(f"target {i}, {part}: {asdict(t)}")
+            for rows in sweep_target(t, device, dtype, check_seqlens, args.ws, done, deadline,
+                                     part, always):
+                write_results(rows, out, key_columns=KEY_COLUMNS)
     log(f"rows in {out}")
 
 

@@ -1,6 +1,7 @@
 """experiments/tuning.py: the GPU window's tuning sweep, run here under the Triton interpreter."""
 
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -84,6 +85,8 @@ def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
     for kernel in t.kernels:  # a summary line per kernel: the interpreter's one tile is none
         assert f"  {kernel}: fastest " in log and "not timed here" in log  # of the candidates
     assert (out.parent / "tuning.json").exists() and log.count("host profile, ") == 3
+    # every target's calls (host or GPU?) before any candidate
+    assert log.index("target 1, calls") < log.index("target 0, candidates")
     assert log.count("ncalls") == 3  # cProfile's tables
 
 
@@ -102,7 +105,8 @@ def test_a_wrong_candidate_is_an_error_row_and_is_not_timed(monkeypatch):
     monkeypatch.setattr(tuning, "time_ms", lambda fn, device: (fn(), 1.0, 0.5, 2.0)[1:])
     before = _entries(ft._attn_fwd.configs)
     t = tuning.Target(32, False, 48, 1, 2, ("fwd",))
-    rows = pd.DataFrame([r for batch in tuning.sweep_target(t, "cpu", torch.float16, (40, 56))
+    rows = pd.DataFrame([r for batch in tuning.sweep_target(t, "cpu", torch.float16, (40, 56),
+                                                            part="candidates")
                          for r in batch])
     fwd = rows[rows["kernel"] == "fwd"].set_index(["config", "metric"])
     names = [tuning.config_name(c) for c in tuning.candidates("fwd", 9, 32)]
@@ -132,9 +136,12 @@ def test_budget_stops_starting_targets(tmp_path, monkeypatch):
     assert len(calls) == 1  # the first target starts; none after the budget
 
 
-def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monkeypatch):
-    """Past the budget the first target's calls still run (a run measures something), its
-    candidates do not: a step's timeout then never kills a sweep with rows unwritten."""
+def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monkeypatch,
+                                                                 capsys):
+    """Past the budget the first target's calls still run (a run measures something), no
+    candidate does; a budget that runs out within a kernel's candidates stops before the
+    next one and the log names those not run: a step's timeout then never kills a sweep with
+    rows unwritten."""
     measured = []
     monkeypatch.setattr(tuning, "candidate_rows", lambda *a: measured.append(a) or [])
     out = tmp_path / "t.csv"
@@ -142,8 +149,21 @@ def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monke
     df = read_results(str(out))
     assert not measured and set(df["kernel"]) == {"call"}  # planted: without the check, all
     log = (tmp_path / "t.log").read_text()
+    assert "spent: candidates of targets 0.. not run" in log
+
+    def slow(t, b, kernel, cfg, *a):  # each candidate outlasts the budget
+        time.sleep(0.3)
+        return [tuning._row(b, kernel, tuning.config_name(cfg), "time_ms", 1.0)]
+    monkeypatch.setattr(tuning, "candidate_rows", slow)
+    monkeypatch.setattr(tuning, "pass_fn", lambda *a: lambda: None)  # the untimed calls
+    t = tuning.Target(32, False, 48, 1, 2, ("fwd",))
+    capsys.readouterr()
+    rows = [r for batch in tuning.sweep_target(t, "cpu", torch.float16, (40, 56),
+                                               deadline=time.monotonic() + 0.1,
+                                               part="candidates") for r in batch]
     names = [tuning.config_name(c) for c in tuning.candidates("fwd", 9, 32)]
-    assert f"budget spent: not run: fwd {', '.join(names)}" in log
+    assert [r["config"] for r in rows] == names[:1]  # the first, then the budget is spent
+    assert f"budget spent: not run: fwd {', '.join(names[1:])}" in capsys.readouterr().out
 
 
 def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
