@@ -71,10 +71,12 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      speedup_d64  RQ1 part batch at head dim 64, 16K tokens (causal never measured; then the
                 flex bwd retry), resumed
      speedup_d256  RQ1 part batch at head dim 256, 4K, 8K, 16K, then 2K, 1K, resumed
-     pytest_late  stage 3's: the GPU tests no window has run
+     pytest_exact  of stage 3's pytest_late (the GPU tests no window has run), those that
+                check kernels against float64: variants, sinks, varlen, head-dim v, TMA routing
      tuning     stage 4's sweep without the warp-specialized candidates, resumed (--resume),
                 within what is left
      pytest_triton  test_triton_gpu (stage 1 stopped it at half), with what is left
+     pytest_compile  the rest of pytest_late (torch.compile, CUDA graphs, routing)
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -221,6 +223,15 @@ EARLY_TESTS = ("test_kvcache_gpu or test_kvcache_rotary_gpu or test_decoding_ste
                "test_attention_routes or test_triton_gpu")
 
 
+# Of those (stage 3's pytest_late), the ones that check a kernel's numbers against float64:
+# stage 5 runs them before the sweep, and the torch.compile, CUDA-graph and launcher-routing
+# tests (each compiling with inductor: slow) after it.
+LATE_TESTS = f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})"
+EXACT_TESTS = ("test_variants_gpu or test_learnable_sink_gpu or test_varlen_gpu or "
+               "test_paged_varlen_gpu or test_headdim_v_gpu or test_kvcache_headdim_v_gpu or "
+               "test_tma_only_where_a_copy_can_read_gpu or test_warp_specialized_full_tiles_gpu")
+
+
 def _pytest(name, select, **kw):
     # No -x: one failing candidate or shape must not hide the others. -v: the log names each
     # test as it passes, so a step cut by its timeout still says how far it got.
@@ -334,8 +345,7 @@ def stage_steps(stage, dry):
             # RQ1 at d256 (moved from stage 2, which had no time left for it; 1K took 42 s
             # with autotuning), then the GPU tests stage 1 leaves: whatever is left.
             _speedup("speedup_d256", d256, estimate_s=60, timeout_s=300, reserve_s=60),
-            _pytest("pytest_late", f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})",
-                    estimate_s=30, timeout_s=300),
+            _pytest("pytest_late", LATE_TESTS, estimate_s=30, timeout_s=300),
         ]
     if stage == 4:
         tune = ["--quick", "--ws"] if dry else ["--full", "--ws"]
@@ -380,17 +390,23 @@ def stage_steps(stage, dry):
             _speedup("speedup_d64", d64, estimate_s=30, timeout_s=90, reserve_s=400),
             # d256: 8 new groups (1K took 42 s with autotuning on the H100); a rerun resumes
             _speedup("speedup_d256", d256, estimate_s=60, timeout_s=220, reserve_s=220),
-            # the GPU tests no window has run (compile, variants, varlen, paged varlen, head-dim
-            # v, sinks): 23 tests, about 1-2 minutes with torch.compile's
-            _pytest("pytest_late", f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})",
-                    estimate_s=30, timeout_s=150, reserve_s=60),
+            # the GPU tests no window has run that check kernels against float64 (variants,
+            # sinks, varlen, paged varlen, head-dim v, TMA routing; warp-specialized ones skip
+            # without LONGFLASH_WS=1): 15 tests, about a minute
+            _pytest("pytest_exact", f"{LATE_TESTS} and ({EXACT_TESTS})", estimate_s=30,
+                    timeout_s=120, reserve_s=60),
             # the sweep with what is left (per candidate: a compile, a check, a timing); rows
             # written as they come, so the second run's --steps tuning resumes it
             Step("tuning", _py("experiments.tuning", *tune, "--resume", "--budget-s",
                                "{budget}", "--out", "{out}"),
                  rq="tuning", estimate_s=60, timeout_s=300, reserve_s=30, tail_s=40),
             # test_triton_gpu: stage 1 stopped it at half (the fp16 and odd head-dim cases)
-            _pytest("pytest_triton", "test_triton_gpu", estimate_s=30, timeout_s=300),
+            _pytest("pytest_triton", "test_triton_gpu", estimate_s=30, timeout_s=300,
+                    reserve_s=30),
+            # the rest of stage 3's pytest_late: torch.compile (inductor), CUDA graphs, the
+            # launcher's routing
+            _pytest("pytest_compile", f"{LATE_TESTS} and not ({EXACT_TESTS})", estimate_s=30,
+                    timeout_s=300),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4 or 5, got {stage!r}")
 

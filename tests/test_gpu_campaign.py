@@ -239,13 +239,14 @@ def test_stage4_is_the_tuning_sweep_within_the_budget():
 def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
     """Stage 5 (a 15-minute window on the H100 that ran stages 1-3): no preflight; the goal
     rows never measured first (d64 causal 16K, then d256 from 4K), then the GPU tests no window
-    ran, then the sweep (resumable), then test_triton_gpu; every timeout fits what its
-    reserve leaves, and the estimates fit the stage."""
+    ran that check kernels against float64, then the sweep (resumable), then test_triton_gpu,
+    then the torch.compile tests; the estimates fit the stage, and each reserve leaves its
+    step its estimate and keeps the next one's."""
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     for dry in (False, True):
         steps = gc.stage_steps(5, dry)
-        assert [s.name for s in steps] == ["env", "speedup_d64", "speedup_d256", "pytest_late",
-                                           "tuning", "pytest_triton"]
+        assert [s.name for s in steps] == ["env", "speedup_d64", "speedup_d256", "pytest_exact",
+                                           "tuning", "pytest_triton", "pytest_compile"]
         assert sum(s.estimate_s for s in steps) <= usable
         tune = steps[4]
         assert tune.argv[:2] == ["-m", "experiments.tuning"] and "--resume" in tune.argv
@@ -265,10 +266,35 @@ def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
         assert left - s.reserve_s >= s.estimate_s, s.name
         assert s.reserve_s >= sum(t.estimate_s for t in order[i + 1:i + 2]), s.name
         left -= s.estimate_s
-    late = _argv(5, False, "pytest_late")
-    assert late == _argv(3, False, "pytest_late")  # the same tests as stage 3's
     triton = _argv(5, False, "pytest_triton")
     assert triton[triton.index("-k") + 1] == "test_triton_gpu"
+
+
+def _collected(select):
+    """The GPU tests of tests/test_gpu.py that -k select picks (collected, not run)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "-m", "gpu", "-k", select,
+                          "tests/test_gpu.py"], capture_output=True, text=True, cwd=gc.ROOT,
+                         timeout=120)
+    return [ln.split("::")[1] for ln in out.stdout.splitlines() if "::" in ln]
+
+
+def test_stage5_splits_stage3s_late_tests_exact_first():
+    """Stage 5's pytest_exact and pytest_compile are stage 3's pytest_late, once each: the
+    float64 checks of the kernels first, torch.compile's tests last."""
+    def select(stage, name):
+        argv = _argv(stage, False, name)
+        return argv[argv.index("-k") + 1]
+    exact, rest = (_collected(select(5, n)) for n in ("pytest_exact", "pytest_compile"))
+    assert sorted(exact + rest) == sorted(_collected(select(3, "pytest_late")))
+    assert not set(exact) & set(rest)
+    for name in ("test_variants_gpu", "test_learnable_sink_gpu", "test_varlen_gpu",
+                 "test_paged_varlen_gpu", "test_headdim_v_gpu", "test_kvcache_headdim_v_gpu"):
+        assert any(t.startswith(name) for t in exact), name
+    assert all("compile" not in t for t in exact)
+    assert any(t.startswith("test_compile_inductor_gpu") for t in rest)
 
 
 # ----------------------------------------------------------------------------- ncu
