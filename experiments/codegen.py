@@ -196,7 +196,10 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
     """Compile one kernel at one config; returns a dict of metrics."""
     fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim, arch)
-    meta = dict(meta, **cfg.kwargs)
+    # a launch binds a constexpr's default (flash_triton's SPLIT); a compiled AST must name it,
+    # or the parameter would be a runtime argument and `if SPLIT:` a branch compiled both ways
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    meta = {**defaults, **meta, **cfg.kwargs}
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     src = ASTSource(fn=fn, signature=_signature(fn, tensors, meta),
                     constexprs={(fn.arg_names.index(k),): v for k, v in meta.items()},
@@ -241,13 +244,14 @@ UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_me
 
 def config_name(cfg):
     """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks), with "/tma" for a TMA
-    candidate and "/tma/ws" for a warp-specialized one; BLOCK_S/warps/stages for the merge
-    kernel."""
+    candidate, "/tma/ws" for a warp-specialized one and "/split" for dK/dV in two passes;
+    BLOCK_S/warps/stages for the merge kernel."""
     k = cfg.kwargs
     tiles = [k["BLOCK_S"]] if "BLOCK_S" in k else [k.get("BLOCK_M", "-"), k.get("BLOCK_N", "-")]
     return "/".join(map(str, [*tiles, cfg.num_warps, cfg.num_stages,
                               *([flash_triton.TMA] if k.get("USE_TMA") else []),
-                              *([flash_triton.WS] if k.get("WARP_SPECIALIZE") else [])]))
+                              *([flash_triton.WS] if k.get("WARP_SPECIALIZE") else []),
+                              *([flash_triton.SPLIT] if k.get("SPLIT") else [])]))
 
 
 def sweep(conf, log=print):

@@ -55,7 +55,7 @@ if not torch.cuda.is_available():
 
 import longflash  # noqa: E402
 from longflash import flash_triton as ft  # noqa: E402
-from longflash.flash_triton import TMA, WS  # noqa: E402
+from longflash.flash_triton import SPLIT, TMA, WS  # noqa: E402
 from experiments import decode  # noqa: E402
 from experiments.codegen import config_name  # noqa: E402
 from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E402
@@ -73,15 +73,20 @@ PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd
 # H100, which spill less than their pointer versions, larger tiles that compile with few
 # spills, and a forward tile small enough for two programs per SM (64 x 64, 4 warps: for short
 # causal calls, where one program's prologue and epilogue would overlap another's loop).
-# (BLOCK_M, BLOCK_N, warps, stages[, TMA]) as in CONFIGS.
+# dK/dV in two passes (SPLIT: one program per key block accumulating dV, one dK; 5 dots per
+# query block instead of 4) at tiles that spill as one pass: Triton 3.6.0, spill bytes split /
+# fused, d256 (32, 64, 8, 3) 0 / 64, (64, 64, 8, 2) 92 / 208; d128 (64, 128, 8, 2) 44 / 216,
+# (64, 64, 8, 3) 4 / 44 (PERFLOG). (BLOCK_M, BLOCK_N, warps, stages[, TMA[, SPLIT]]) as in
+# CONFIGS.
 TRIALS = {
     ("fwd", 64): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
     ("fwd", 128): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
     ("fwd", 256): [(128, 32, 8, 2, TMA), (64, 64, 4, 2, TMA)],
     ("dkdv", 64): [(64, 128, 8, 2, TMA)],
     ("dkdv", 128): [(32, 128, 8, 2, TMA), (64, 64, 8, 3, TMA), (32, 64, 4, 3, TMA),
-                    (64, 128, 8, 2, TMA)],
-    ("dkdv", 256): [(32, 64, 8, 2, TMA), (32, 64, 8, 3, TMA), (64, 64, 8, 2, TMA)],
+                    (64, 128, 8, 2, TMA), (64, 128, 8, 2, TMA, SPLIT), (64, 64, 8, 3, TMA, SPLIT)],
+    ("dkdv", 256): [(32, 64, 8, 2, TMA), (32, 64, 8, 3, TMA), (64, 64, 8, 2, TMA),
+                    (32, 64, 8, 3, TMA, SPLIT), (64, 64, 8, 2, TMA, SPLIT)],
     ("dq", 128): [(128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
     ("dq", 256): [(64, 64, 8, 2, TMA), (128, 32, 8, 1, TMA)],
 }

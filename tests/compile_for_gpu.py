@@ -5,7 +5,8 @@
 "all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences, and for
 the forward's pointer loads paged keys). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
-(USE_TMA), as the autotuner may launch either there, and on capability 9 in 16-bit types also
+(USE_TMA), as the autotuner may launch either there (dK/dV also in two passes, SPLIT, the
+tuning sweep's trials), and on capability 9 in 16-bit types also
 warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ), with and without the masks that
 FULL_TILES drops.
 
@@ -29,6 +30,9 @@ TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def compile_kernel(kernel, pointers, constexprs, target, **options):
     fn = flash_triton.jit_function(kernel)
+    # the defaults a launch would bind (dK/dV's SPLIT), so that they stay compile-time constants
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                  **constexprs}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                  for name in fn.arg_names}
     signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale", "softcap", "dropout_p")
@@ -56,6 +60,7 @@ def compile_all(capability, dtype, features, headdim):
         meta["WARP_SPECIALIZE"] = meta["FULL_TILES"] = False
         compile_kernel(flash_triton._attn_fwd, fwd, dict(meta, PAGED=on and not tma), target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
+        compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(meta, SPLIT=True), target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
     if capability == 90 and dtype != "float32":  # the warp-specialized candidates, masked
         # and not (FULL_TILES, never with packed sequences)

@@ -131,6 +131,18 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     check_against_reference(shape, torch.float16, causal, backend="triton")
 
 
+def test_split_candidates_name_their_flag_and_exclude_warp_specialization():
+    """A dK/dV candidate in two passes (SPLIT) maps to its entry and back and is never also
+    warp-specialized (its numbers: test_variants' "split" cases)."""
+    from longflash import flash_triton as ft
+    entry = (32, 64, 8, 3, ft.TMA, ft.SPLIT)
+    config = ft._config(entry)
+    assert ft._entry(config) == entry and config.kwargs["SPLIT"]
+    assert "SPLIT" not in ft._config(entry[:5]).kwargs  # the other kernels take no SPLIT
+    with pytest.raises(ValueError, match="split or warp-specialized"):
+        ft._config((32, 64, 4, 2, ft.TMA, ft.WS, ft.SPLIT))
+
+
 def test_full_tiles_only_where_no_block_needs_a_mask():
     """FULL_TILES (a warp-specialized loop without masks): only without a causal mask or
     window, packed sequences or a partial tile."""

@@ -21,10 +21,11 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # the Triton kernels with their own (interpreter) tiles, with pointer loads, with the TMA
 # candidates' tensor descriptors ("tma"), and with the warp-specialized candidates' code paths
 # ("ws": everything by descriptor, one loop, every block masked, dK/dV's GQA loop folded into it;
-# the interpreter runs them unspecialized).
+# the interpreter runs them unspecialized), and with dK/dV in two passes ("split").
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
-    ([("triton", None), ("triton", "tma"), ("triton", "ws")] if INTERPRET else [])
-VARLEN_BACKENDS = BACKENDS + (["triton-tma", "triton-ws"] if INTERPRET else [])
+    ([("triton", None), ("triton", "tma"), ("triton", "ws"), ("triton", "split")]
+     if INTERPRET else [])
+VARLEN_BACKENDS = BACKENDS + (["triton-tma", "triton-ws", "triton-split"] if INTERPRET else [])
 
 
 def use_tma(monkeypatch, ws=False, varlen=False):
@@ -36,6 +37,13 @@ def use_tma(monkeypatch, ws=False, varlen=False):
         kernel: _config((*_INTERPRET_CONFIG, TMA, *([WS] if ws and not (varlen and kernel == "dq")
                                                    else [])))
         for kernel in KERNEL_FUNCTIONS})
+
+
+def use_split(monkeypatch):
+    """dK/dV in two passes (flash_triton.SPLIT, the tuning sweep's trials): per key block one
+    program accumulates dV, another dK; with tensor descriptors, as the trials."""
+    from longflash.flash_triton import _INTERPRET_CONFIG, SPLIT, TMA, _config
+    force_configs(monkeypatch, {"dkdv": _config((*_INTERPRET_CONFIG, TMA, SPLIT))})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
@@ -66,14 +74,16 @@ def ref_kwargs(kw):
 
 
 def tiles_id(backend, tiles):
-    return f"{backend}-{tiles}" if tiles in ("tma", "ws") else \
+    return f"{backend}-{tiles}" if tiles in ("tma", "ws", "split") else \
         f"{backend}-{tiles[0]}x{tiles[1]}" if tiles else backend
 
 
 def use_tiles(monkeypatch, tiles):
     """A BACKEND_TILES entry's tiles: the blockwise path's (BLOCK_M, BLOCK_N), or the Triton
-    kernels' "tma" / "ws" code paths (None: the defaults)."""
-    if tiles in ("tma", "ws"):
+    kernels' "tma" / "ws" / "split" code paths (None: the defaults)."""
+    if tiles == "split":
+        use_split(monkeypatch)
+    elif tiles in ("tma", "ws"):
         use_tma(monkeypatch, ws=tiles == "ws")
     elif tiles:
         monkeypatch.setattr(blockwise, "BLOCK_M", tiles[0])
@@ -233,9 +243,11 @@ def packed(lengths_q, lengths_k, nheads=4, nheads_kv=2, headdim=16, dtype=torch.
 def test_varlen_against_reference(backend, kw, monkeypatch):
     """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
     TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
-    if backend in ("triton-tma", "triton-ws"):
+    if backend == "triton-split":
+        use_split(monkeypatch)
+    elif backend in ("triton-tma", "triton-ws"):
         use_tma(monkeypatch, ws=backend == "triton-ws", varlen=True)
-        backend = "triton"
+    backend = backend.split("-")[0]
     kw = kwargs_for(kw)
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([17, 0, 40], [23, 5, 31])
     do = torch.randn_like(q)

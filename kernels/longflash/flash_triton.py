@@ -112,6 +112,11 @@ if _INTERPRET:
 # dK/dV at d256 has none (every tile tried spilled 4 KB). One per kernel and head dim.
 TMA = "tma"  # a candidate's 5th element: tiles by TMA copies
 WS = "ws"    # its 6th: the kernel's loop warp-specialized (needs TMA)
+# dK/dV only, not with WS: two programs per key block, one accumulating dV (q.k^T, p^T dO), one
+# dK (q.k^T, dO.v^T, dS^T q), each holding one (BLOCK_N, head dim) accumulator instead of two,
+# at 5 dots per query block instead of 4; for head dim 256, where the fused tiles wider than 16
+# queries spill (PERFLOG). A trial of the tuning sweep (experiments/tuning.py), in no table yet.
+SPLIT = "split"
 CONFIGS = {
     ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA),
                      (128, 128, 4, 2, TMA, WS)],
@@ -147,7 +152,9 @@ def _config(c):
     """The triton.Config of a CONFIGS entry."""
     block_m, block_n, warps, stages, *flags = c
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags,
-              "WARP_SPECIALIZE": WS in flags}
+              "WARP_SPECIALIZE": WS in flags, **({"SPLIT": True} if SPLIT in flags else {})}
+    if SPLIT in flags and WS in flags:
+        raise ValueError(f"a candidate is split or warp-specialized, not both: {c}")
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -204,7 +211,8 @@ def _entry(config):
     """The CONFIGS entry of a triton.Config."""
     k = config.kwargs
     return (k["BLOCK_M"], k["BLOCK_N"], config.num_warps, config.num_stages,
-            *([TMA] if k.get("USE_TMA") else []), *([WS] if k.get("WARP_SPECIALIZE") else []))
+            *([TMA] if k.get("USE_TMA") else []), *([WS] if k.get("WARP_SPECIALIZE") else []),
+            *([SPLIT] if k.get("SPLIT") else []))
 
 
 # Autotuning keys on the longer length rounded up to a power of two, at most this: past 64K
@@ -708,9 +716,9 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
                         HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                        GROUPED: tl.constexpr):
+                        GROUPED: tl.constexpr, PASS: tl.constexpr = 0):
     """One query block (of query head g) of dK/dV: p^T recomputed from the saved lse,
-    dV += p^T dO, dK += dS^T q."""
+    dV += p^T dO, dK += dS^T q (PASS 0: both; 1: dV alone; 2: dK alone, SPLIT)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_head_tile(Q, start_m, g, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, not MASKED,
                         USE_TMA, GROUPED)
@@ -728,19 +736,23 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
     # -- dV += p_dropped^T dO --
     do = _load_head_tile(DO, start_m, g, stride_don, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
                          not MASKED, USE_TMA, GROUPED)
-    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+    if PASS != 1:
+        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     if HAS_DROPOUT:
         scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None], dropout_p)
-        dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        dpT = dpT * scaleT
-    else:
+        if PASS != 2:
+            dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        if PASS != 1:
+            dpT = dpT * scaleT
+    elif PASS != 2:
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-    # -- dS = p * (dP - delta), through softcap; dK += dS^T q --
-    delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0, not MASKED)
-    dsT = pT * (dpT - delta[None, :])
-    if HAS_SOFTCAP:
-        dsT = dsT * (1.0 - tT * tT)
-    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    if PASS != 1:
+        # -- dS = p * (dP - delta), through softcap; dK += dS^T q --
+        delta = _load_rows(Delta, start_m, seqlen_q, BLOCK_M, 0.0, not MASKED)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
@@ -752,7 +764,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                         PASS: tl.constexpr):
     """Query blocks [lo, hi) of one query head for key block start_n."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
@@ -761,7 +774,49 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                                      window_left, window_right, qk_scale, softcap, softmax_scale,
                                      slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
                                      HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                     BLOCK_M, INPUT_PRECISION, USE_TMA, False)
+                                     BLOCK_M, INPUT_PRECISION, USE_TMA, False, PASS)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qb, stride_qn, stride_qh,
+                         stride_dob, stride_don, stride_doh, stride_lb, stride_lh, stride_ab,
+                         stride_ah, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi,
+                         nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                         window_right, qk_scale, softcap, softmax_scale, dropout_p,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                         HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                         PASS: tl.constexpr):
+    """Every query head of key head off_hk's group, in turn, over the query blocks [lo, mid_lo)
+    masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked. GQA without atomics: dK, dV are
+    deterministic."""
+    for g in range(group_size):
+        off_h = off_hk * group_size + g
+        Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
+                     stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        DO_h = _tiles(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
+                      seqlen_q, stride_don, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
+        LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
+        Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
+        args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
+        rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
+                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                                      BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
+                                      HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                      HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
+                                      USE_TMA, PASS)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
+                                      HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                                      BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS)
     return dk, dv
 
 
@@ -820,7 +875,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                   FULL_TILES: tl.constexpr):
+                   FULL_TILES: tl.constexpr, SPLIT: tl.constexpr = False):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -840,51 +895,46 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     k = _load_held(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
     v = _load_held(V, start_n, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                    WARP_SPECIALIZE)
-    if WARP_SPECIALIZE:
-        off_h = off_hk * group_size  # the group's first query head
-        dk, dv = _attn_bwd_dkdv_ws(
-            dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn,
-            DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
-            LSE + off_b * stride_lb + off_h * stride_lh + q_start,
-            Delta + off_b * stride_lb + off_h * stride_lh + q_start,
-            ALIBI + off_b * stride_ab + off_h * stride_ah, stride_qn, stride_qh, stride_don,
-            stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, off_b * nheads + off_h,
-            seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-            softmax_scale, dropout_p, not FULL_TILES, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION)
+    heads = (Q, DO, LSE, Delta, ALIBI, stride_qb, stride_qn, stride_qh, stride_dob, stride_don,
+             stride_doh, stride_lb, stride_lh, stride_ab, stride_ah, off_b, off_hk, q_start,
+             start_n, lo, mid_lo, mid_hi, hi, nheads, group_size, seed_lo, seed_hi, seqlen_q,
+             seqlen_k, window_left, window_right, qk_scale, softcap, softmax_scale, dropout_p)
+    if SPLIT:  # program_id(2): 0 accumulates dV alone, 1 dK alone
+        if tl.program_id(2) == 0:
+            dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
+                                          HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 1)
+            _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
+                         start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
+        else:
+            dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
+                                          HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 2)
+            _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
+                         dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N,
+                         BLOCK_D)
     else:
-        # GQA: the query heads of this key head take turns; no atomics, so dK, dV are
-        # deterministic.
-        for g in range(group_size):
-            off_h = off_hk * group_size + g
-            Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
-                         stride_qn, HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-            DO_h = _tiles(DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
-                          seqlen_q, stride_don, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
-            LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
-            Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
-            slope = 0.0
-            if HAS_ALIBI:
-                slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
-            args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
-            rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True,
-                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                          HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                          INPUT_PRECISION, USE_TMA)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
-                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                          HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                          INPUT_PRECISION, USE_TMA)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True,
-                                          HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
-                                          HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N,
-                                          INPUT_PRECISION, USE_TMA)
-    _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
-                 dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
-    _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
-                 start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
+        if WARP_SPECIALIZE:
+            off_h = off_hk * group_size  # the group's first query head
+            dk, dv = _attn_bwd_dkdv_ws(
+                dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn,
+                DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_don,
+                LSE + off_b * stride_lb + off_h * stride_lh + q_start,
+                Delta + off_b * stride_lb + off_h * stride_lh + q_start,
+                ALIBI + off_b * stride_ab + off_h * stride_ah, stride_qn, stride_qh, stride_don,
+                stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size,
+                off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
+                window_right, qk_scale, softcap, softmax_scale, dropout_p, not FULL_TILES,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                BLOCK_M, BLOCK_N, INPUT_PRECISION)
+        else:
+            dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
+                                          HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 0)
+        _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
+                     dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
+        _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
+                     start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
 
 
 @triton.jit
@@ -1183,7 +1233,8 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     tensors = (q, k, v, do, lse, delta)
     extra = (pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"])
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv)  # noqa: E731
+    grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv,  # noqa: E731
+                            2 if META.get("SPLIT") else 1)
     _attn_bwd_dkdv[grid_kv](*tensors, dk, dv, *extra, *strides, *_strides(dk), *_strides(dv),
                             **scalars)
     # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized dQ.
