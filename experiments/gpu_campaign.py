@@ -10,8 +10,8 @@ a fourth for tuning, and a fifth for the second H100 window (what the first did 
 
 A GPU window here is 15 minutes of device time (the first was 30), the machine's start
 included, in runs of at most 10 minutes, on a bare machine that returns at most 8 files of
-16 MiB (experiments/GPU.md): one stage, then a short second run of what it did not reach. So each stage runs under its own wall
-budget (--budget-s, default 510 s including compilation and autotuning): a step is started
+16 MiB (experiments/GPU.md): one stage, then a short second run of what it did not reach. So
+each stage runs under its own wall budget (--budget-s, default 510 s including compilation and autotuning): a step is started
 only if its estimate fits in what is left, and its timeout is cut to what is left once its
 reserve_s (a share kept for the steps after it) is set aside, never below its estimate; a step
 with a budget of its own (speedup, the ncu probe) gets "{budget}" = its timeout less tail_s,
@@ -366,9 +366,10 @@ def stage_steps(stage, dry):
         # The second H100 window, 15 minutes of device time (a machine's start, one run of this
         # stage, a short second run of what it did not reach: experiments/GPU.md): what the
         # first window left unmeasured, the paper's results first, then correctness, then
-        # tuning. No preflight: the kernels are those the first window found exact (TMA on;
-        # warp specialization off unless LONGFLASH_WS=1; flash_triton is unchanged since
-        # but for that default), and the sweep checks every candidate it forces.
+        # tuning. No preflight: the candidates the launcher may choose compile as those the
+        # first window found exact (TMA on; warp specialization off unless LONGFLASH_WS=1;
+        # since then only that default and dK/dV's SPLIT trial, whose one-pass kernel has the
+        # same ptxas report), and the sweep checks every candidate it forces.
         if dry:
             d64 = ["--quick", "--headdims", "16", "--seqlens", "128", "--long-seqlens", "",
                    "--parts", "batch", "--providers", "longflash,standard"]

@@ -38,9 +38,8 @@ Rows: results schema (experiments/results.py), experiment "tuning", provider "lo
 "fwd" or "bwd", key columns `kernel` and `config`. Every target's calls run first, in order
 (TARGETS), then every target's candidates; rows are written after each call and each kernel's
 candidates. After --budget-s nothing more is started (the first target's calls excepted) and
-the log names what was not run; --resume
-skips what the file already holds with status ok, so a rerun measures the rest (a GPU window
-of 15 minutes is two runs: experiments/GPU.md).
+the log names what was not run; --resume skips what the file already holds with status ok, so
+a rerun measures the rest (a GPU window of 15 minutes is two runs: experiments/GPU.md).
 """
 
 import argparse
