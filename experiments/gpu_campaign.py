@@ -77,6 +77,7 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 within what is left
      pytest_triton  test_triton_gpu (stage 1 stopped it at half), with what is left
      pytest_compile  the rest of pytest_late (torch.compile, CUDA graphs, routing)
+     scaling_exact  stage 2's (its first window's run failed), with what is left
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -407,7 +408,13 @@ def stage_steps(stage, dry):
             # the rest of stage 3's pytest_late: torch.compile (inductor), CUDA graphs, the
             # launcher's routing
             _pytest("pytest_compile", f"{LATE_TESTS} and not ({EXACT_TESTS})", estimate_s=30,
-                    timeout_s=300),
+                    timeout_s=300, reserve_s=20),
+            # stage 2's RQ3 ring exactness on gloo ranks of this machine's CPU (the first
+            # window's failed: forked after CUDA; ranks now start from a forkserver there)
+            Step("scaling_exact", _py("experiments.scaling",
+                                      *(["--quick"] if dry else ["--full"]), "--parts",
+                                      "exactness", "--out", "{out}"),
+                 rq="scaling", estimate_s=20, timeout_s=90),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4 or 5, got {stage!r}")
 

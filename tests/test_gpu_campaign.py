@@ -246,7 +246,9 @@ def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
     for dry in (False, True):
         steps = gc.stage_steps(5, dry)
         assert [s.name for s in steps] == ["env", "speedup_d64", "speedup_d256", "pytest_exact",
-                                           "tuning", "pytest_triton", "pytest_compile"]
+                                           "tuning", "pytest_triton", "pytest_compile",
+                                           "scaling_exact"]
+        assert steps[-1].argv[-4:-2] == ["--parts", "exactness"] and steps[-1].rq == "scaling"
         assert sum(s.estimate_s for s in steps) <= usable
         tune = steps[4]
         assert tune.argv[:2] == ["-m", "experiments.tuning"] and "--resume" in tune.argv
