@@ -817,6 +817,25 @@ def seed_scratch(src_dir, dst_dir, prefix):
 ALWAYS = ("preflight", "env")  # steps that run in every stage, --steps or not
 
 
+def unfinished_steps(stage, dry, camp_csv):
+    """The steps of `stage` that its earlier runs (their rows in camp_csv, the repository's
+    results/gpu_campaign/<stem>-stageN.csv) did not finish: never run, skipped for the budget
+    or cut by a timeout (a step that exited with an error, a failing test say, finished: its
+    failure is its result), and those that keep a budget of their own and resume (speedup,
+    tuning: "{budget}" in their argv), which stop early with status ok. For --steps rest: a
+    window's second run, on what its first did not reach."""
+    steps = stage_steps(stage, dry)
+    finished = set()
+    if os.path.exists(camp_csv):
+        import pandas as pd
+        df = pd.read_csv(camp_csv)
+        df = df[df["metric"] == "wall_s"]
+        done = (df["status"] == "ok") | df["note"].astype(str).str.startswith("exit")
+        finished = set(df.loc[done, "step"])
+    return [s.name for s in steps
+            if s.name not in finished or "{budget}" in s.argv]
+
+
 def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic,
               steps=None, log_print=lambda m: print(m, flush=True), only=None, seed_from=None):
     """Run one stage; returns (archive path, records).
@@ -972,7 +991,9 @@ def main():
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="wall budget of the stage (default %(default).0f s)")
     parser.add_argument("--steps", help="comma-separated steps of the stage to run (a rerun of "
-                        "what a stage did not reach); the preflight and env always run")
+                        "what a stage did not reach), or 'rest': those its earlier runs in this "
+                        "tree's results/gpu_campaign/ did not finish, and the resumable ones; "
+                        "the preflight and env always run")
     parser.add_argument("--print-command", action="store_true", help="print the command for "
                         "--stage on the GPU machine, with this tree's git commit and state in "
                         "LONGFLASH_GIT_COMMIT / LONGFLASH_GIT_DIRTY (the copy sent there has no "
@@ -1013,7 +1034,13 @@ def main():
     if args.stage is None or not args.out:
         parser.error("--stage and --out are required")
     only = None
-    if args.steps:
+    if args.steps == "rest":
+        from experiments.results import device_tag
+        stem = "dryrun" if args.dry_run else device_tag()
+        camp = os.path.join(ROOT, "results", "gpu_campaign", f"{stem}-stage{args.stage}.csv")
+        only = unfinished_steps(args.stage, args.dry_run, camp)
+        print(f"--steps rest: {','.join(only)} (from {camp})", flush=True)
+    elif args.steps:
         only = args.steps.split(",")
         known = [s.name for s in stage_steps(args.stage, args.dry_run)]
         if set(only) - set(known):

@@ -14,7 +14,7 @@ from experiments import gpu_campaign as gc
 from experiments import gpu_unpack
 from experiments import ncu as ncu_probe
 from experiments import results
-from experiments.results import read_results
+from experiments.results import read_results, write_results
 
 
 class FakeClock:
@@ -270,6 +270,24 @@ def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
         left -= s.estimate_s
     triton = _argv(5, False, "pytest_triton")
     assert triton[triton.index("-k") + 1] == "test_triton_gpu"
+
+
+def test_steps_rest_are_those_an_earlier_run_did_not_finish(tmp_path):
+    """--steps rest (a window's second run): the steps not run, skipped for the budget or cut
+    by a timeout, and the resumable ones (their own budget, --resume); not those that ended,
+    with an error exit too (a failing test is a result, not a reason to run it again)."""
+    camp = tmp_path / "h100-stage5.csv"
+    assert gc.unfinished_steps(5, False, str(camp)) == [s.name for s in gc.stage_steps(5, False)]
+    records = [dict(name="env", status="ok", wall_s=3.0, note=""),
+               dict(name="speedup_d64", status="ok", wall_s=40.0, note=""),
+               dict(name="speedup_d256", status="ok", wall_s=200.0, note=""),
+               dict(name="pytest_exact", status="error", wall_s=80.0, note="exit 1: 1 failed"),
+               dict(name="tuning", status="error", wall_s=150.0, note="timeout after 150 s"),
+               dict(name="pytest_triton", status="skipped", wall_s=0.0, note="budget spent")]
+    write_results(gc.campaign_rows(records, {}), str(camp), key_columns=gc.KEY_COLUMNS)
+    assert gc.unfinished_steps(5, False, str(camp)) == [
+        "speedup_d64", "speedup_d256", "tuning", "pytest_triton", "pytest_compile",
+        "scaling_exact"]
 
 
 def _collected(select):
