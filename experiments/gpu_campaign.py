@@ -19,7 +19,9 @@ so it stops starting work before it is killed. So the stage ends in time and kee
 measured. Each step is a subprocess in a session of its own with its own timeout, after which
 its whole process group is killed (forked ranks and profiled targets included;
 experiments/process_groups.py): a crash or a hang is a row with status "error" (or
-"unsupported" for a missing tool) and a log line, never a lost stage. --steps runs some steps of a stage only (with the preflight and env).
+"unsupported" for a missing tool) and a log line, never a lost stage. --steps runs some steps
+of a stage only (with the preflight and env); --steps rest those its earlier runs did not
+finish, and the resumable ones (unfinished_steps).
 
 Stages, most important first (sizes are the GPU's; --dry-run runs the same steps on CPU at
 tiny sizes with the Triton interpreter). Stages 1-3 start with a preflight of the Hopper-only
