@@ -196,10 +196,7 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
     """Compile one kernel at one config; returns a dict of metrics."""
     fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim, arch)
-    # a launch binds a constexpr's default (flash_triton's SPLIT); a compiled AST must name it,
-    # or the parameter would be a runtime argument and `if SPLIT:` a branch compiled both ways
-    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    meta = {**defaults, **meta, **cfg.kwargs}
+    meta = {**flash_triton.constexpr_defaults(fn), **meta, **cfg.kwargs}
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     src = ASTSource(fn=fn, signature=_signature(fn, tensors, meta),
                     constexprs={(fn.arg_names.index(k),): v for k, v in meta.items()},

@@ -242,6 +242,14 @@ def _pytest(name, select, **kw):
                           "-p", "no:cacheprovider", "tests/test_gpu.py"), **kw)
 
 
+def _scaling_exact(dry, **kw):
+    """RQ3 part exactness (experiments.scaling): ring steps on gloo ranks of this machine's
+    CPU against one-rank attention."""
+    return Step("scaling_exact", _py("experiments.scaling", "--quick" if dry else "--full",
+                                     "--parts", "exactness", "--out", "{out}"),
+                rq="scaling", **kw)
+
+
 def stage_steps(stage, dry):
     """The steps of one stage, GPU-sized or (dry) tiny.
 
@@ -277,7 +285,6 @@ def stage_steps(stage, dry):
                      "--parts", "long"]
             scaling = ["--quick", "--parts", "long,blocks,projection",
                        "--long-seqlens", "256", "--long-budget-s", "20"]
-            exact = ["--quick", "--parts", "exactness"]
             warm = ["128", "16"]
         else:
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
@@ -285,7 +292,6 @@ def stage_steps(stage, dry):
             # the 1M-token run on the GPU is in part long; the CPU ring there gets one size
             scaling = ["--full", "--parts", "long,blocks,projection",
                        "--long-seqlens", "65536", "--long-budget-s", "60"]
-            exact = ["--full", "--parts", "exactness"]   # ring steps on gloo ranks (its CPU)
             warm = ["65536", "128"]
         return [
             _preflight((128, 256), dry),
@@ -312,8 +318,7 @@ def stage_steps(stage, dry):
             _speedup("speedup_long", long_, estimate_s=60, timeout_s=300, reserve_s=25),
             # The ring's exactness on gloo ranks of this machine's CPU (the same code as the
             # committed CPU rows): last.
-            Step("scaling_exact", _py("experiments.scaling", *exact, "--out", "{out}"),
-                 rq="scaling", estimate_s=20, timeout_s=60),
+            _scaling_exact(dry, estimate_s=20, timeout_s=60),
         ]
     if stage == 3:
         lct = (["--quick", "--parts", "max_context,memory_model,exactness"] if dry
@@ -413,10 +418,7 @@ def stage_steps(stage, dry):
                     timeout_s=300, reserve_s=20),
             # stage 2's RQ3 ring exactness on gloo ranks of this machine's CPU (the first
             # window's failed: forked after CUDA; ranks now start from a forkserver there)
-            Step("scaling_exact", _py("experiments.scaling",
-                                      *(["--quick"] if dry else ["--full"]), "--parts",
-                                      "exactness", "--out", "{out}"),
-                 rq="scaling", estimate_s=20, timeout_s=90),
+            _scaling_exact(dry, estimate_s=20, timeout_s=90),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4 or 5, got {stage!r}")
 

@@ -30,9 +30,7 @@ TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def compile_kernel(kernel, pointers, constexprs, target, **options):
     fn = flash_triton.jit_function(kernel)
-    # the defaults a launch would bind (dK/dV's SPLIT), so that they stay compile-time constants
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
-                  **constexprs}
+    constexprs = {**flash_triton.constexpr_defaults(fn), **constexprs}
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                  for name in fn.arg_names}
     signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale", "softcap", "dropout_p")

@@ -261,6 +261,15 @@ def jit_function(kernel):
     return kernel
 
 
+def constexpr_defaults(kernel):
+    """{name: default} of a kernel's constexpr parameters that have one (dK/dV's SPLIT). A
+    launch binds them; a compile from the AST or a call by name must name them, or such a
+    parameter becomes a runtime argument (`if SPLIT:` compiled both ways) or goes missing."""
+    params = inspect.signature(jit_function(kernel).fn).parameters  # the interpreter's too
+    return {name: p.default for name, p in params.items()
+            if p.annotation is tl.constexpr and p.default is not inspect.Parameter.empty}
+
+
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit

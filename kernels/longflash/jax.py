@@ -472,8 +472,8 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
         kernel=flash_triton.jit_function(flash_triton._attn_bwd_dkdv),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(triton.cdiv(seqlen_k, launch["BLOCK_N"]), batch * nheads_kv),
-        **tensors, **strides, **_triton_strides("dk", k), **_triton_strides("dv", v), **launch,
-        SPLIT=False)  # one pass (named: a call by name may not bind a constexpr's default)
+        **tensors, **strides, **_triton_strides("dk", k), **_triton_strides("dv", v),
+        **{**flash_triton.constexpr_defaults(flash_triton._attn_bwd_dkdv), **launch})
     dq = jax_triton.triton_call(
         kernel=flash_triton.jit_function(flash_triton._attn_bwd_dq),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
