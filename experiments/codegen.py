@@ -181,7 +181,8 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
             HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, HEAD_DIM_V=headdim,
             INPUT_PRECISION="tf32")
     stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
-    tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, TABLE="*i32", **stats)
+    tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, TABLE="*i32", DQ_ACC="*fp32",
+                   **stats)
     meta = flash_triton.constexprs(headdim, dtype_is_fp32=False,
                                    varlen=flags in ("varlen", "paged"),
                                    softcap=flags == "softcap", alibi=flags == "alibi",
@@ -241,14 +242,16 @@ UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_me
 
 def config_name(cfg):
     """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks), with "/tma" for a TMA
-    candidate, "/tma/ws" for a warp-specialized one and "/split" for dK/dV in two passes;
+    candidate, "/tma/ws" for a warp-specialized one, "/split" for dK/dV in two passes and
+    "/atomic" for dK/dV adding dQ by atomics;
     BLOCK_S/warps/stages for the merge kernel."""
     k = cfg.kwargs
     tiles = [k["BLOCK_S"]] if "BLOCK_S" in k else [k.get("BLOCK_M", "-"), k.get("BLOCK_N", "-")]
     return "/".join(map(str, [*tiles, cfg.num_warps, cfg.num_stages,
                               *([flash_triton.TMA] if k.get("USE_TMA") else []),
                               *([flash_triton.WS] if k.get("WARP_SPECIALIZE") else []),
-                              *([flash_triton.SPLIT] if k.get("SPLIT") else [])]))
+                              *([flash_triton.SPLIT] if k.get("SPLIT") else []),
+                              *([flash_triton.ATOMIC] if k.get("ATOMIC_DQ") else [])]))
 
 
 def sweep(conf, log=print):

@@ -5,8 +5,9 @@
 "all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences, and for
 the forward's pointer loads paged keys). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
-(USE_TMA), as the autotuner may launch either there (dK/dV also in two passes, SPLIT, the
-tuning sweep's trials), and on capability 9 in 16-bit types also
+(USE_TMA), as the autotuner may launch either there (dK/dV also in two passes, SPLIT, and
+adding dQ by atomics, ATOMIC_DQ, alone and in dK's pass: the tuning sweep's trials), and on
+capability 9 in 16-bit types also
 warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ), with and without the masks that
 FULL_TILES drops.
 
@@ -52,13 +53,14 @@ def compile_all(capability, dtype, features, headdim):
     fwd = dict(Q=p, K=p, V=p, O=p, TABLE="*i32", **stats)
     compile_kernel(flash_triton._attn_bwd_preprocess, dict(O=p, DO=p, **stats),
                    dict(IS_VARLEN=on, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=128), target)
-    grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, **stats)
+    grads = dict(Q=p, K=p, V=p, DO=p, DQ=p, DK=p, DV=p, DQ_ACC="*fp32", **stats)
     for tma in (False, True) if capability >= 90 else (False,):
         meta["USE_TMA"] = tma
         meta["WARP_SPECIALIZE"] = meta["FULL_TILES"] = False
         compile_kernel(flash_triton._attn_fwd, fwd, dict(meta, PAGED=on and not tma), target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
-        compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(meta, SPLIT=True), target)
+        for trial in (dict(SPLIT=True), dict(ATOMIC_DQ=True), dict(SPLIT=True, ATOMIC_DQ=True)):
+            compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(meta, **trial), target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
     if capability == 90 and dtype != "float32":  # the warp-specialized candidates, masked
         # and not (FULL_TILES, never with packed sequences)

@@ -6,6 +6,8 @@ Shapes are odd on purpose: lengths that are not multiples of any block, seqlen_q
 seqlen_k both ways, GQA ratios 1, 2, 4, 8, head dims that are not powers of two.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -131,16 +133,76 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     check_against_reference(shape, torch.float16, causal, backend="triton")
 
 
-def test_split_candidates_name_their_flag_and_exclude_warp_specialization():
-    """A dK/dV candidate in two passes (SPLIT) maps to its entry and back and is never also
-    warp-specialized (its numbers: test_variants' "split" cases)."""
+def test_split_and_atomic_candidates_name_their_flags_and_exclude_warp_specialization():
+    """A dK/dV candidate in two passes (SPLIT) or adding dQ by atomics (ATOMIC) maps to its entry
+    and back and is never also warp-specialized (their numbers: test_variants' "split" and
+    "atomic" cases)."""
     from longflash import flash_triton as ft
-    entry = (32, 64, 8, 3, ft.TMA, ft.SPLIT)
-    config = ft._config(entry)
-    assert ft._entry(config) == entry and config.kwargs["SPLIT"]
-    assert "SPLIT" not in ft._config(entry[:5]).kwargs  # the other kernels take no SPLIT
-    with pytest.raises(ValueError, match="split or warp-specialized"):
-        ft._config((32, 64, 4, 2, ft.TMA, ft.WS, ft.SPLIT))
+    for entry in [(32, 64, 8, 3, ft.TMA, ft.SPLIT), (64, 128, 8, 2, ft.TMA, ft.ATOMIC),
+                  (32, 64, 8, 3, ft.TMA, ft.SPLIT, ft.ATOMIC), (64, 64, 4, 2, ft.ATOMIC)]:
+        config = ft._config(entry)
+        assert ft._entry(config) == entry
+        assert config.kwargs.get("SPLIT", False) == (ft.SPLIT in entry)
+        assert config.kwargs.get("ATOMIC_DQ", False) == (ft.ATOMIC in entry)
+    plain = ft._config((32, 64, 8, 3, ft.TMA)).kwargs  # the other kernels take neither flag
+    assert "SPLIT" not in plain and "ATOMIC_DQ" not in plain
+    for flag in (ft.SPLIT, ft.ATOMIC):
+        with pytest.raises(ValueError, match="warp-specialized or split/atomic"):
+            ft._config((32, 64, 4, 2, ft.TMA, ft.WS, flag))
+
+
+def test_atomic_dq_only_where_the_caller_allows_a_non_deterministic_backward(monkeypatch):
+    """The launcher runs dK/dV's ATOMIC candidates (dQ by atomics, no dQ kernel) where the
+    GPU's and head dim's table holds them and neither deterministic=True nor torch's
+    deterministic mode forbids it; the autotuner then keeps those candidates alone (atomic_dq),
+    and else none of them. A forced ATOMIC config under deterministic=True is an error naming
+    the argument, not a silent non-deterministic backward."""
+    from longflash import flash_triton as ft
+    q = torch.zeros(1, 8, 2, 128)
+    assert not any(ft.ATOMIC in c for cs in ft.CONFIGS.values() for c in cs)  # trials only
+    plain, atomic = (64, 128, 8, 2, ft.TMA), (64, 128, 8, 2, ft.TMA, ft.ATOMIC)
+    monkeypatch.setattr(ft._attn_bwd_dkdv, "configs", [ft._config(plain), ft._config(atomic)])
+    assert not ft._atomic_dq(q, 128, deterministic=False)  # the table has none
+    monkeypatch.setitem(ft.CONFIGS, ("dkdv", 9, 128), [plain, atomic])
+    assert ft._atomic_dq(q, 128, deterministic=False)
+    assert not ft._atomic_dq(q, 128, deterministic=True)
+    assert not ft._atomic_dq(q, 64, deterministic=False)  # another head dim's table
+    with torch_deterministic():
+        assert not ft._atomic_dq(q, 128, deterministic=False)
+    prune = ft._prune("dkdv")
+    args = dict(Q=q, HEAD_DIM=128, HEAD_DIM_V=128, tma_ok=1, ws_ok=0)
+    configs = ft._attn_bwd_dkdv.configs
+    assert [ft._entry(c) for c in prune(configs, {**args, "atomic_dq": 1})] == [atomic]
+    assert [ft._entry(c) for c in prune(configs, {**args, "atomic_dq": 0})] == [plain]
+    monkeypatch.setattr(ft._attn_bwd_dkdv, "configs", [ft._config(atomic)])  # forced
+    assert ft._atomic_dq(q, 64, deterministic=False)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        ft._atomic_dq(q, 64, deterministic=True)
+
+
+def test_deterministic_reaches_the_backward(monkeypatch):
+    """deterministic=True travels from the public function through the custom ops to the
+    launcher: with a forced ATOMIC dK/dV config the backward refuses it (above), and without
+    deterministic the same call runs."""
+    from longflash import flash_triton as ft
+    if not INTERPRET:
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    force_configs(monkeypatch, {"dkdv": ft._config((*ft._INTERPRET_CONFIG, ft.ATOMIC))})
+    q, k, v, do = make_inputs((1, 20, 20, 2, 2, 16), torch.float32)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        longflash.attention(q, k, v, backend="triton", deterministic=True).backward(do)
+    longflash.attention(q, k, v, backend="triton").backward(do)
+    assert torch.isfinite(q.grad).all()
+
+
+@contextlib.contextmanager
+def torch_deterministic():
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old)
 
 
 def test_full_tiles_only_where_no_block_needs_a_mask():

@@ -21,11 +21,13 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # the Triton kernels with their own (interpreter) tiles, with pointer loads, with the TMA
 # candidates' tensor descriptors ("tma"), and with the warp-specialized candidates' code paths
 # ("ws": everything by descriptor, one loop, every block masked, dK/dV's GQA loop folded into it;
-# the interpreter runs them unspecialized), and with dK/dV in two passes ("split").
+# the interpreter runs them unspecialized), with dK/dV in two passes ("split"), and with dQ
+# added by atomics in dK/dV, no dQ kernel ("atomic": pointer atomics; "atomic-tma": a tensor
+# descriptor's reductions; "split-atomic": in dK's pass).
+TRITON_TILES = ["tma", "ws", "split", "atomic", "atomic-tma", "split-atomic"]
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
-    ([("triton", None), ("triton", "tma"), ("triton", "ws"), ("triton", "split")]
-     if INTERPRET else [])
-VARLEN_BACKENDS = BACKENDS + (["triton-tma", "triton-ws", "triton-split"] if INTERPRET else [])
+    ([("triton", None)] + [("triton", tiles) for tiles in TRITON_TILES] if INTERPRET else [])
+VARLEN_BACKENDS = BACKENDS + ([f"triton-{tiles}" for tiles in TRITON_TILES] if INTERPRET else [])
 
 
 def use_tma(monkeypatch, ws=False, varlen=False):
@@ -39,11 +41,18 @@ def use_tma(monkeypatch, ws=False, varlen=False):
         for kernel in KERNEL_FUNCTIONS})
 
 
-def use_split(monkeypatch):
-    """dK/dV in two passes (flash_triton.SPLIT, the tuning sweep's trials): per key block one
-    program accumulates dV, another dK; with tensor descriptors, as the trials."""
-    from longflash.flash_triton import _INTERPRET_CONFIG, SPLIT, TMA, _config
-    force_configs(monkeypatch, {"dkdv": _config((*_INTERPRET_CONFIG, TMA, SPLIT))})
+def use_dkdv_trial(monkeypatch, tiles):
+    """The tuning sweep's dK/dV trials: "split" (flash_triton.SPLIT): per key block one program
+    accumulates dV, another dK, with tensor descriptors; "atomic" (ATOMIC): dK/dV adds each
+    block pair's dQ into an fp32 accumulator and no dQ kernel runs ("atomic": by pointer
+    atomics, "atomic-tma": by a tensor descriptor's reductions, "split-atomic": both)."""
+    from longflash.flash_triton import _INTERPRET_CONFIG, ATOMIC, SPLIT, TMA, _config
+    flags = {"split": (TMA, SPLIT), "atomic": (ATOMIC,), "atomic-tma": (TMA, ATOMIC),
+             "split-atomic": (TMA, SPLIT, ATOMIC)}[tiles]
+    force_configs(monkeypatch, {"dkdv": _config((*_INTERPRET_CONFIG, *flags))})
+    if ATOMIC in flags:  # no dQ kernel may run: a launch of this one fails
+        from longflash import flash_triton
+        monkeypatch.setattr(flash_triton, "_attn_bwd_dq", None)
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
@@ -74,15 +83,15 @@ def ref_kwargs(kw):
 
 
 def tiles_id(backend, tiles):
-    return f"{backend}-{tiles}" if tiles in ("tma", "ws", "split") else \
+    return f"{backend}-{tiles}" if tiles in TRITON_TILES else \
         f"{backend}-{tiles[0]}x{tiles[1]}" if tiles else backend
 
 
 def use_tiles(monkeypatch, tiles):
     """A BACKEND_TILES entry's tiles: the blockwise path's (BLOCK_M, BLOCK_N), or the Triton
-    kernels' "tma" / "ws" / "split" code paths (None: the defaults)."""
-    if tiles == "split":
-        use_split(monkeypatch)
+    kernels' TRITON_TILES code paths (None: the defaults)."""
+    if tiles in TRITON_TILES[2:]:
+        use_dkdv_trial(monkeypatch, tiles)
     elif tiles in ("tma", "ws"):
         use_tma(monkeypatch, ws=tiles == "ws")
     elif tiles:
@@ -243,11 +252,11 @@ def packed(lengths_q, lengths_k, nheads=4, nheads_kv=2, headdim=16, dtype=torch.
 def test_varlen_against_reference(backend, kw, monkeypatch):
     """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
     TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
-    if backend == "triton-split":
-        use_split(monkeypatch)
-    elif backend in ("triton-tma", "triton-ws"):
-        use_tma(monkeypatch, ws=backend == "triton-ws", varlen=True)
-    backend = backend.split("-")[0]
+    backend, _, tiles = backend.partition("-")
+    if tiles in TRITON_TILES[2:]:
+        use_dkdv_trial(monkeypatch, tiles)
+    elif tiles:
+        use_tma(monkeypatch, ws=tiles == "ws", varlen=True)
     kw = kwargs_for(kw)
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([17, 0, 40], [23, 5, 31])
     do = torch.randn_like(q)

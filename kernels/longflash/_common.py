@@ -66,13 +66,27 @@ def resolve_softmax_scale(softmax_scale, headdim):
 
 
 def fix_triton_interpreter():
-    """Let TRITON_INTERPRET=1 run on NumPy >= 2.5 with Triton < 3.7 (the GPU image's Triton 3.6
-    with NumPy 2.5, say): their interpreter turns a scalar into a loop bound with int() of a
-    NumPy array of shape (1,), which NumPy 2.5 refuses ("only 0-dimensional arrays can be
-    converted to Python scalars"). Triton 3.7 squeezes the array first; this does the same for
-    older Tritons. The interpreter only: compiled kernels never pass through here."""
+    """Let TRITON_INTERPRET=1 run what the kernels use. The interpreter only: compiled kernels
+    never pass through here.
+
+    - A tensor descriptor's atomic_add (a TMA reduction on Hopper), which the interpreter lacks
+      (Triton 3.6 to 3.9): done as the masked atomic adds of the tile's elements in bounds.
+    - NumPy >= 2.5 with Triton < 3.7 (the GPU image's Triton 3.6 with NumPy 2.5, say): their
+      interpreter turns a scalar into a loop bound with int() of a NumPy array of shape (1,),
+      which NumPy 2.5 refuses ("only 0-dimensional arrays can be converted to Python scalars").
+      Triton 3.7 squeezes the array first; this does the same for older Tritons."""
     import triton
     from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    if not hasattr(builder, "create_descriptor_reduce"):
+        def create_descriptor_reduce(self, kind, desc, value, indices):
+            if kind != interpreter._ir.DESCRIPTOR_REDUCE_KIND.ADD:
+                raise NotImplementedError(f"tensor descriptor reduction {kind} (interpreter)")
+            ptrs, mask = desc.materialize_pointers(indices)
+            return self.create_atomic_rmw(interpreter._ir.ATOMIC_OP.FADD, ptrs, value, mask,
+                                          interpreter._ir.MEM_SEMANTIC.RELAXED, None)
+
+        builder.create_descriptor_reduce = create_descriptor_reduce
     patch = getattr(interpreter, "_patch_lang_tensor", None)
     version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
     if version >= (3, 7) or patch is None or getattr(patch, "squeezes_index", False):
@@ -249,6 +263,7 @@ class Options(NamedTuple):
     block_table: (batch, max_pages) int32 or None; if given (packed queries only), k and v are
     paged (num_pages, page_size, nheads_kv, headdim), read in place through it (`paged_rows`),
     and cu_seqlens_k gives each sequence's number of keys. Forward only.
+    deterministic: the backward must give bit-identical gradients run after run (no atomics).
     """
     softmax_scale: float
     window_left: int = -1
@@ -262,6 +277,7 @@ class Options(NamedTuple):
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     block_table: Optional[torch.Tensor] = None
+    deterministic: bool = False
 
     @property
     def varlen(self):

@@ -16,7 +16,10 @@ The forward saves the log-sum-exp per row; the backward recomputes the
 probabilities from it: a preprocessing step delta = rowsum(dO * O), one kernel
 for dK/dV (a program per key block, looping over query blocks and, for GQA,
 over the query heads that share the key head) and one for dQ (a program per
-query block). Neither uses atomics, so gradients are deterministic.
+query block). Neither uses atomics, so gradients are deterministic. A trial of the
+tuning sweep (ATOMIC) computes dQ in the dK/dV kernel instead, as FlashAttention-2 does,
+adding each block pair's share into an fp32 accumulator by atomics (not deterministic; only
+with deterministic=False).
 
 `blockwise.py` is the same algorithm in PyTorch ops, with the same names and
 block ranges (`_common.key_range`, `_common.query_range`); read it first.
@@ -117,6 +120,14 @@ WS = "ws"    # its 6th: the kernel's loop warp-specialized (needs TMA)
 # at 5 dots per query block instead of 4; for head dim 256, where the fused tiles wider than 16
 # queries spill (PERFLOG). A trial of the tuning sweep (experiments/tuning.py), in no table yet.
 SPLIT = "split"
+# dK/dV only, not with WS: dQ computed there too (dQ += dS k for each block pair, added by atomics
+# into an fp32 accumulator: a TMA reduction with TMA, else atomic adds), no dQ kernel:
+# FlashAttention-2's backward, 5 dots per (query block, key block) instead of the 4 + 3 of the
+# dK/dV and dQ kernels, each recomputing p. Not deterministic: the additions' order varies, so
+# dQ's rounding may differ between runs; the launcher runs these candidates only where
+# deterministic=False (_atomic_dq), and autotunes them among themselves. A trial of the tuning
+# sweep, in no table yet (PERFLOG).
+ATOMIC = "atomic"
 CONFIGS = {
     ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA),
                      (128, 128, 4, 2, TMA, WS)],
@@ -152,9 +163,10 @@ def _config(c):
     """The triton.Config of a CONFIGS entry."""
     block_m, block_n, warps, stages, *flags = c
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags,
-              "WARP_SPECIALIZE": WS in flags, **({"SPLIT": True} if SPLIT in flags else {})}
-    if SPLIT in flags and WS in flags:
-        raise ValueError(f"a candidate is split or warp-specialized, not both: {c}")
+              "WARP_SPECIALIZE": WS in flags, **({"SPLIT": True} if SPLIT in flags else {}),
+              **({"ATOMIC_DQ": True} if ATOMIC in flags else {})}
+    if WS in flags and (SPLIT in flags or ATOMIC in flags):
+        raise ValueError(f"a candidate is warp-specialized or split/atomic, not both: {c}")
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -194,11 +206,14 @@ def _prune(kernel):
     def prune(configs, named_args, **kwargs):
         """Keep this GPU's and head dim's candidates (CONFIGS); the TMA ones only where the
         launcher found the inputs fit (tma_ok), the warp-specialized ones only where it found
-        that they may run (ws_ok)."""
+        that they may run (ws_ok); in dK/dV those that compute dQ (ATOMIC) only, or none of
+        them, as the launcher chose (atomic_dq)."""
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
         arg = lambda name: kwargs.get(name, named_args.get(name, 0))  # noqa: E731
         wanted = CONFIGS[_table_key(kernel, capability, max(arg("HEAD_DIM"), arg("HEAD_DIM_V")))]
+        configs = [c for c in configs
+                   if bool(c.kwargs.get("ATOMIC_DQ")) == bool(arg("atomic_dq"))]
         pointers = [c for c in configs if not c.kwargs["USE_TMA"]]
         usable = [c for c in configs if (not c.kwargs["USE_TMA"] or arg("tma_ok"))
                   and (not c.kwargs.get("WARP_SPECIALIZE") or arg("ws_ok"))]
@@ -212,7 +227,7 @@ def _entry(config):
     k = config.kwargs
     return (k["BLOCK_M"], k["BLOCK_N"], config.num_warps, config.num_stages,
             *([TMA] if k.get("USE_TMA") else []), *([WS] if k.get("WARP_SPECIALIZE") else []),
-            *([SPLIT] if k.get("SPLIT") else []))
+            *([SPLIT] if k.get("SPLIT") else []), *([ATOMIC] if k.get("ATOMIC_DQ") else []))
 
 
 # Autotuning keys on the longer length rounded up to a power of two, at most this: past 64K
@@ -234,12 +249,16 @@ def _autotune(kernel):
     # cache_results (Triton >= 3.2): the choice is kept on disk, in Triton's cache directory.
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
+    # dK/dV's ATOMIC candidates add into DQ_ACC: zeroed before each one is timed.
+    extra = {"fwd": ["PAGED"], "dkdv": ["atomic_dq"]}.get(kernel, [])
+    reset = {"reset_to_zero": ["DQ_ACC"]} if kernel == "dkdv" else {}
     return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "HEAD_DIM_V", "seqlen_bucket", "window_left",
                                 "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
-                                "ws_ok"] + (["PAGED"] if kernel == "fwd" else []),
-                           prune_configs_by={"early_config_prune": _prune(kernel)}, **cache)
+                                "ws_ok"] + extra,
+                           prune_configs_by={"early_config_prune": _prune(kernel)}, **cache,
+                           **reset)
 
 
 def _full_tiles(args):
@@ -465,6 +484,21 @@ def _store_block(base, x, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_R
     ptrs = _block_ptrs(base, start, stride, BLOCK_ROWS, BLOCK_D)
     tl.store(ptrs, x.to(base.dtype.element_ty),
              mask=_block_mask(start, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, False))
+
+
+@triton.jit
+def _add_block(tiles, x, start, stride, n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+               ROWS_IN_BOUNDS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Adds x to rows [start, start + BLOCK_ROWS) of what _tiles returned for an fp32
+    accumulator of BLOCK_D columns, atomically, as other programs add to the same rows: a TMA
+    reduction (Hopper), else relaxed atomic adds (only the order of the additions is free, so
+    the sum's rounding may differ between runs)."""
+    if USE_TMA:
+        tiles.atomic_add([start, 0], x)
+    else:
+        ptrs = _block_ptrs(tiles, start, stride, BLOCK_ROWS, BLOCK_D)
+        tl.atomic_add(ptrs, x, mask=_block_mask(start, n_rows, BLOCK_D, BLOCK_ROWS, BLOCK_D,
+                                                ROWS_IN_BOUNDS), sem="relaxed")
 
 
 @triton.jit
@@ -725,9 +759,11 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
                         HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                        GROUPED: tl.constexpr, PASS: tl.constexpr = 0):
+                        GROUPED: tl.constexpr, PASS: tl.constexpr = 0, DQ_ACC=None,
+                        stride_dqn=0, ATOMIC_DQ: tl.constexpr = False):
     """One query block (of query head g) of dK/dV: p^T recomputed from the saved lse,
-    dV += p^T dO, dK += dS^T q (PASS 0: both; 1: dV alone; 2: dK alone, SPLIT)."""
+    dV += p^T dO, dK += dS^T q (PASS 0: both; 1: dV alone; 2: dK alone, SPLIT); with ATOMIC_DQ
+    also dQ += dS k, added into DQ_ACC (fp32, BLOCK_D columns: _tiles) by atomics."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_head_tile(Q, start_m, g, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, not MASKED,
                         USE_TMA, GROUPED)
@@ -761,7 +797,13 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        dsT = dsT.to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=INPUT_PRECISION)
+        if ATOMIC_DQ:
+            # -- dQ += dS k: this key block's share, added to what the others add --
+            dq = tl.dot(tl.trans(dsT), k, input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_D)
+            _add_block(DQ_ACC, dq, start_m, stride_dqn, seqlen_q, BLOCK_M, BLOCK_D, not MASKED,
+                       USE_TMA)
     return dk, dv
 
 
@@ -774,7 +816,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         PASS: tl.constexpr):
+                         PASS: tl.constexpr, DQ_ACC, stride_dqn, ATOMIC_DQ: tl.constexpr):
     """Query blocks [lo, hi) of one query head for key block start_n."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
@@ -783,14 +825,16 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                                      window_left, window_right, qk_scale, softcap, softmax_scale,
                                      slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
                                      HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                     BLOCK_M, INPUT_PRECISION, USE_TMA, False, PASS)
+                                     BLOCK_M, INPUT_PRECISION, USE_TMA, False, PASS, DQ_ACC,
+                                     stride_dqn, ATOMIC_DQ)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qb, stride_qn, stride_qh,
-                         stride_dob, stride_don, stride_doh, stride_lb, stride_lh, stride_ab,
-                         stride_ah, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi,
+def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_qb, stride_qn,
+                         stride_qh, stride_dob, stride_don, stride_doh, stride_lb, stride_lh,
+                         stride_ab, stride_ah, stride_dqb, stride_dqn, stride_dqh, off_b, off_hk,
+                         q_start, start_n, lo, mid_lo, mid_hi, hi,
                          nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
                          window_right, qk_scale, softcap, softmax_scale, dropout_p,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -798,10 +842,10 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qb, stri
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         PASS: tl.constexpr):
+                         PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Every query head of key head off_hk's group, in turn, over the query blocks [lo, mid_lo)
     masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked. GQA without atomics: dK, dV are
-    deterministic."""
+    deterministic (dQ, with ATOMIC_DQ, is not)."""
     for g in range(group_size):
         off_h = off_hk * group_size + g
         Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
@@ -810,6 +854,10 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qb, stri
                       seqlen_q, stride_don, HEAD_DIM_V, BLOCK_M, BLOCK_DV, USE_TMA)
         LSE_h = LSE + off_b * stride_lb + off_h * stride_lh + q_start
         Delta_h = Delta + off_b * stride_lb + off_h * stride_lh + q_start
+        DQ_h = DQ_ACC
+        if ATOMIC_DQ:
+            DQ_h = _tiles(DQ_ACC + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
+                          seqlen_q, stride_dqn, BLOCK_D, BLOCK_M, BLOCK_D, USE_TMA)
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
@@ -818,14 +866,16 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qb, stri
                 window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-                                      BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS)
+                                      BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
+                                      DQ_h, stride_dqn, ATOMIC_DQ)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                       HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                      USE_TMA, PASS)
+                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-                                      BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS)
+                                      BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
+                                      DQ_h, stride_dqn, ATOMIC_DQ)
     return dk, dv
 
 
@@ -871,20 +921,22 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
 @_autotune("dkdv")
 @triton.heuristics({"FULL_TILES": _full_tiles})
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                   stride_dqb, stride_dqn, stride_dqh,
                    stride_lb, stride_lh, stride_ab, stride_ah,
                    nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok,
-                   window_left, window_right, qk_scale, softmax_scale, softcap, dropout_p,
-                   seed_lo, seed_hi,
+                   atomic_dq, window_left, window_right, qk_scale, softmax_scale, softcap,
+                   dropout_p, seed_lo, seed_hi,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                   FULL_TILES: tl.constexpr, SPLIT: tl.constexpr = False):
+                   FULL_TILES: tl.constexpr, SPLIT: tl.constexpr = False,
+                   ATOMIC_DQ: tl.constexpr = False):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -904,21 +956,23 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
     k = _load_held(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, WARP_SPECIALIZE)
     v = _load_held(V, start_n, stride_vn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                    WARP_SPECIALIZE)
-    heads = (Q, DO, LSE, Delta, ALIBI, stride_qb, stride_qn, stride_qh, stride_dob, stride_don,
-             stride_doh, stride_lb, stride_lh, stride_ab, stride_ah, off_b, off_hk, q_start,
-             start_n, lo, mid_lo, mid_hi, hi, nheads, group_size, seed_lo, seed_hi, seqlen_q,
+    heads = (Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_qb, stride_qn, stride_qh, stride_dob,
+             stride_don, stride_doh, stride_lb, stride_lh, stride_ab, stride_ah, stride_dqb,
+             stride_dqn, stride_dqh, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi, nheads, group_size, seed_lo, seed_hi, seqlen_q,
              seqlen_k, window_left, window_right, qk_scale, softcap, softmax_scale, dropout_p)
     if SPLIT:  # program_id(2): 0 accumulates dV alone, 1 dK alone
         if tl.program_id(2) == 0:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 1)
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 1,
+                                          ATOMIC_DQ)
             _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
                          start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
         else:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 2)
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 2,
+                                          ATOMIC_DQ)
             _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                          dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N,
                          BLOCK_D)
@@ -939,7 +993,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, ALIBI, CU_Q, CU_K,
         else:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 0)
+                                          BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 0,
+                                          ATOMIC_DQ)
         _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                      dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
@@ -1161,6 +1216,25 @@ def _ws_ok(*tiled):
     return int("warp_specialize" in inspect.signature(tl.range).parameters)
 
 
+def _atomic_dq(q, headdim, deterministic):
+    """Whether dK/dV computes dQ too (ATOMIC candidates; no dQ kernel): only where the caller
+    allows a non-deterministic backward (deterministic=False, torch's deterministic mode off)
+    and this GPU's and head dim's dK/dV table has such candidates; a single config (forced,
+    forced_configs, or the interpreter's) as it is."""
+    configs = _attn_bwd_dkdv.configs
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if len(configs) == 1:
+        atomic = bool(configs[0].kwargs.get("ATOMIC_DQ"))
+        if atomic and deterministic:
+            raise ValueError("deterministic=True (or torch.use_deterministic_algorithms) with a "
+                             "forced dK/dV config that adds dQ by atomics (flash_triton.ATOMIC): "
+                             "force another config or pass deterministic=False")
+        return atomic
+    major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
+    return not deterministic and any(ATOMIC in c for c in
+                                     CONFIGS[_table_key("dkdv", major, headdim)])
+
+
 def _launch_args(q, k, v, lse, opts, tiled, ws_tiled):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
     `tiled` (what a loop copies) fit, warp-specialized ones where `ws_tiled` (every tile) do."""
@@ -1242,10 +1316,18 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     tensors = (q, k, v, do, lse, delta)
     extra = (pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"])
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    atomic = _atomic_dq(q, max(q.shape[-1], v.shape[-1]), opts.deterministic)
+    if atomic:  # fp32, BLOCK_D columns: rows of 16-byte multiples for a TMA reduction, no mask
+        dq_acc = q.new_zeros((*q.shape[:-1], scalars["BLOCK_D"]), dtype=torch.float32)
+        dq_strides = _strides(dq_acc)
+    else:  # never read (zeroed by the autotuner before timing an ATOMIC candidate)
+        dq_acc, dq_strides = delta.new_empty(0), (0, 0, 0)
     grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv,  # noqa: E731
                             2 if META.get("SPLIT") else 1)
-    _attn_bwd_dkdv[grid_kv](*tensors, dk, dv, *extra, *strides, *_strides(dk), *_strides(dv),
-                            **scalars)
+    _attn_bwd_dkdv[grid_kv](*tensors, dk, dv, dq_acc, *extra, *strides, *_strides(dk),
+                            *_strides(dv), *dq_strides, atomic_dq=int(atomic), **scalars)
+    if atomic:
+        return dq.copy_(dq_acc[..., :q.shape[-1]].mul_(opts.softmax_scale)), dk, dv
     # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized dQ.
     scalars["ws_ok"] = int(scalars["ws_ok"] and not opts.varlen)
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731

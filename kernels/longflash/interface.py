@@ -203,13 +203,14 @@ def _implementation(backend):
 
 
 def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap, dropout_p,
-             seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None):
+             seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
+             deterministic=False):
     if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
     return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, dropout_p, 0 if seed is None else int(seed), cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, deterministic)
 
 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
@@ -223,8 +224,8 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                        seed: Optional[torch.Tensor] = None,
                        cu_seqlens_q: Optional[torch.Tensor] = None,
                        cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                       max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
+                       deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     block_table)
@@ -234,7 +235,7 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 @_attention_forward.register_fake
 def _(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1, alibi_slopes=None,
       softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
-      max_seqlen_q=0, max_seqlen_k=0, block_table=None):
+      max_seqlen_q=0, max_seqlen_k=0, block_table=None, deterministic=False):
     return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
@@ -247,9 +248,11 @@ def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         seed: Optional[torch.Tensor] = None,
                         cu_seqlens_q: Optional[torch.Tensor] = None,
                         cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                        max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        max_seqlen_k: int = 0, deterministic: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
-                    dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                    dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    deterministic=deterministic)
     return _implementation(backend).backward(do, q, k, v, o, lse, dlse, opts)
 
 
@@ -263,10 +266,10 @@ _VARIANT_ARGS = ("window_left", "window_right", "alibi_slopes", "softcap", "drop
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.softmax_scale, ctx.backend, *variants = inputs
-    # zip drops block_table: a forward over paged keys is never differentiated (with a
+    q, k, v, ctx.causal, ctx.softmax_scale, ctx.backend, *variants, _, deterministic = inputs
+    # block_table (_) is dropped: a forward over paged keys is never differentiated (with a
     # gradient, attention_varlen packs the keys in use first)
-    ctx.variants = dict(zip(_VARIANT_ARGS, variants))
+    ctx.variants = dict(zip(_VARIANT_ARGS, variants), deterministic=deterministic)
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
 
@@ -277,7 +280,8 @@ def _backward(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = _attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.softmax_scale,
                                      ctx.backend, **ctx.variants)
-    return (dq, dk, dv) + (None,) * (4 + len(_VARIANT_ARGS))
+    # None for causal, softmax_scale, backend, the variants, block_table, deterministic
+    return (dq, dk, dv) + (None,) * (5 + len(_VARIANT_ARGS))
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -358,8 +362,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             by `seed` (an int), or by a seed drawn from `generator` (default: torch's global
             generator); the backward pass regenerates it, nothing N x N is stored. The same
             seed gives the same mask on every backend.
-        deterministic: accepted for FlashAttention compatibility. Every backward pass here is
-            deterministic (no atomics), so gradients are bit-identical across runs either way.
+        deterministic: True asks for bit-identical gradients run after run, as in
+            FlashAttention-2 (torch.use_deterministic_algorithms(True) asks the same). False,
+            the default, lets the Triton backward compute dQ in its dK/dV kernel with atomic
+            adds (flash_triton.ATOMIC) where its config table holds such candidates for the
+            GPU and head dim; no table does yet, so every backward is deterministic today.
         learnable_sink: (nheads,) floating-point tensor, or None: attention sinks (gpt-oss;
             FlashAttention's `learnable_sink`): each row's softmax gets one more logit,
             learnable_sink[h], compared with the final scores (after scale, softcap, ALiBi)
@@ -383,7 +390,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     else:
         o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                     alibi_slopes, float(softcap), float(dropout_p),
-                                    _seed_tensor(dropout_p, seed, generator))
+                                    _seed_tensor(dropout_p, seed, generator),
+                                    deterministic=deterministic)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
@@ -455,7 +463,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),
                                 _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                deterministic)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 

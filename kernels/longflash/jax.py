@@ -468,11 +468,12 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
     tensors = dict(Q=q, K=k, V=v, DO=do, LSE=lse, Delta=delta, **_triton_unused())
     strides = {**_triton_strides("q", q), **_triton_strides("k", k), **_triton_strides("v", v),
                **_triton_strides("do", do)}
-    dk, dv = jax_triton.triton_call(
+    dk, dv = jax_triton.triton_call(  # dQ by its own kernel below: no atomics (atomic_dq=0)
         kernel=flash_triton.jit_function(flash_triton._attn_bwd_dkdv),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(triton.cdiv(seqlen_k, launch["BLOCK_N"]), batch * nheads_kv),
         **tensors, **strides, **_triton_strides("dk", k), **_triton_strides("dv", v),
+        DQ_ACC=_triton_unused()["ALIBI"], stride_dqb=0, stride_dqn=0, stride_dqh=0, atomic_dq=0,
         **{**flash_triton.constexpr_defaults(flash_triton._attn_bwd_dkdv), **launch})
     dq = jax_triton.triton_call(
         kernel=flash_triton.jit_function(flash_triton._attn_bwd_dq),
