@@ -77,16 +77,19 @@ PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd
 # fused, d256 (32, 64, 8, 3) 0 / 64, (64, 64, 8, 2) 92 / 208; d128 (64, 128, 8, 2) 44 / 216,
 # (64, 64, 8, 3) 4 / 44 (PERFLOG). dK/dV adding dQ by atomics (ATOMIC: no dQ kernel, 5 dots
 # per block pair instead of 4 + 3; first, the largest predicted gain) at the tiles whose every
-# dot is a wgmma (64 queries) with the fewest spills, and at d256 in dK's pass of SPLIT: Triton
-# 3.6.0, spill bytes, d128 (64, 64, 8, 3) 52, split 0; d256 split (16, 64, 8, 2) 36, (32, 64, 8,
-# 2) 104 (PERFLOG). (BLOCK_M, BLOCK_N, warps, stages[, TMA][, SPLIT][, ATOMIC]) as in CONFIGS.
+# dot is a wgmma (64 queries) with the fewest spills, with 128 keys (FlashAttention-2's tile:
+# half the atomic traffic per FLOP of 64 keys) or 64, at d256 in dK's pass of SPLIT: Triton
+# 3.6.0, spill bytes, d128 split (64, 128, 8, 2) 100, split (64, 64, 8, 3) 0, (64, 64, 8, 3)
+# 52; d256 split (16, 64, 8, 2) 36, (32, 64, 8, 2) 104 (PERFLOG). (BLOCK_M, BLOCK_N, warps,
+# stages[, TMA][, SPLIT][, ATOMIC]) as in CONFIGS.
 TRIALS = {
     ("fwd", 64): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
     ("fwd", 128): [(128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
     ("fwd", 256): [(128, 32, 8, 2, TMA), (64, 64, 4, 2, TMA)],
     ("dkdv", 64): [(64, 64, 8, 3, TMA, ATOMIC), (64, 128, 8, 2, TMA)],
-    ("dkdv", 128): [(64, 64, 8, 3, TMA, ATOMIC), (64, 64, 8, 3, TMA, SPLIT, ATOMIC),
-                    (32, 128, 8, 2, TMA), (64, 64, 8, 3, TMA), (32, 64, 4, 3, TMA),
+    ("dkdv", 128): [(64, 128, 8, 2, TMA, SPLIT, ATOMIC), (64, 64, 8, 3, TMA, SPLIT, ATOMIC),
+                    (64, 64, 8, 3, TMA, ATOMIC), (32, 128, 8, 2, TMA), (64, 64, 8, 3, TMA),
+                    (32, 64, 4, 3, TMA),
                     (64, 128, 8, 2, TMA), (64, 128, 8, 2, TMA, SPLIT), (64, 64, 8, 3, TMA, SPLIT)],
     ("dkdv", 256): [(16, 64, 8, 2, TMA, SPLIT, ATOMIC), (32, 64, 8, 2, TMA, SPLIT, ATOMIC),
                     (32, 64, 8, 2, TMA), (32, 64, 8, 3, TMA), (64, 64, 8, 2, TMA),

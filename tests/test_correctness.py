@@ -167,6 +167,7 @@ def test_atomic_dq_only_where_the_caller_allows_a_non_deterministic_backward(mon
     assert ft._atomic_dq(q, 128, deterministic=False)
     assert not ft._atomic_dq(q, 128, deterministic=True)
     assert not ft._atomic_dq(q, 64, deterministic=False)  # another head dim's table
+    assert not ft._atomic_dq(q, 128, deterministic=False, tma_ok=0)  # none that may run
     with torch_deterministic():
         assert not ft._atomic_dq(q, 128, deterministic=False)
     prune = ft._prune("dkdv")

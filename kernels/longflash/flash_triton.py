@@ -958,8 +958,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                    WARP_SPECIALIZE)
     heads = (Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_qb, stride_qn, stride_qh, stride_dob,
              stride_don, stride_doh, stride_lb, stride_lh, stride_ab, stride_ah, stride_dqb,
-             stride_dqn, stride_dqh, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi, nheads, group_size, seed_lo, seed_hi, seqlen_q,
-             seqlen_k, window_left, window_right, qk_scale, softcap, softmax_scale, dropout_p)
+             stride_dqn, stride_dqh, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi,
+             nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
+             qk_scale, softcap, softmax_scale, dropout_p)
     if SPLIT:  # program_id(2): 0 accumulates dV alone, 1 dK alone
         if tl.program_id(2) == 0:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
@@ -1216,11 +1217,12 @@ def _ws_ok(*tiled):
     return int("warp_specialize" in inspect.signature(tl.range).parameters)
 
 
-def _atomic_dq(q, headdim, deterministic):
+def _atomic_dq(q, headdim, deterministic, tma_ok=1):
     """Whether dK/dV computes dQ too (ATOMIC candidates; no dQ kernel): only where the caller
     allows a non-deterministic backward (deterministic=False, torch's deterministic mode off)
-    and this GPU's and head dim's dK/dV table has such candidates; a single config (forced,
-    forced_configs, or the interpreter's) as it is."""
+    and this GPU's and head dim's dK/dV table has such candidates that may run on these inputs
+    (TMA ones only if tma_ok), so the autotuner, which keeps the kind chosen here, has one; a
+    single config (forced, forced_configs, or the interpreter's) as it is."""
     configs = _attn_bwd_dkdv.configs
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     if len(configs) == 1:
@@ -1231,8 +1233,8 @@ def _atomic_dq(q, headdim, deterministic):
                              "force another config or pass deterministic=False")
         return atomic
     major = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
-    return not deterministic and any(ATOMIC in c for c in
-                                     CONFIGS[_table_key("dkdv", major, headdim)])
+    return not deterministic and any(ATOMIC in c and (TMA not in c or tma_ok)
+                                     for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
 def _launch_args(q, k, v, lse, opts, tiled, ws_tiled):
@@ -1316,7 +1318,7 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     tensors = (q, k, v, do, lse, delta)
     extra = (pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"])
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    atomic = _atomic_dq(q, max(q.shape[-1], v.shape[-1]), opts.deterministic)
+    atomic = _atomic_dq(q, max(q.shape[-1], v.shape[-1]), opts.deterministic, scalars["tma_ok"])
     if atomic:  # fp32, BLOCK_D columns: rows of 16-byte multiples for a TMA reduction, no mask
         dq_acc = q.new_zeros((*q.shape[:-1], scalars["BLOCK_D"]), dtype=torch.float32)
         dq_strides = _strides(dq_acc)
