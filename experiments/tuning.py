@@ -36,8 +36,9 @@ no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as
 
 Rows: results schema (experiments/results.py), experiment "tuning", provider "longflash", mode
 "fwd" or "bwd", key columns `kernel` and `config`. Every target's calls run first, in order
-(TARGETS), then every target's candidates; rows are written after each call and each kernel's
-candidates. After --budget-s nothing more is started (the first target's calls excepted) and
+(TARGETS), then every target's lead candidates (the autotuner's choice and the first
+LEAD_TRIALS trials of each kernel), then every target's other candidates; rows are written
+after each call and each kernel's candidates. After --budget-s nothing more is started (the first target's calls excepted) and
 the log names what was not run; --resume skips what the file already holds with status ok, so
 a rerun measures the rest (a GPU window of 15 minutes is two runs: experiments/GPU.md).
 """
@@ -129,6 +130,7 @@ QUICK_TARGETS = [Target(32, True, 48, 1, 2, ("fwd", "dkdv")),
 CHECK_SEQLENS = (528, 1040)  # multiples of 16 as every target's, so a candidate compiles once
 FULL_TILE_MULTIPLE = 128      # every tile's BLOCK_M and BLOCK_N divide it
 QUICK_CHECK_SEQLENS = (40, 56)
+LEAD_TRIALS = 2  # per kernel and head dim, timed at every target before the other candidates
 
 log = Log()
 
@@ -295,13 +297,17 @@ def measured_keys(path):
     return {_key(row) for row in ok.to_dict("records")}
 
 
-def sweep_target(t, device, dtype, check_seqlens, ws=False, done=frozenset(), deadline=None,
+def sweep_target(t, device, dtype, check_seqlens, ws=False, done=None, deadline=None,
                  part="calls", always=False):
     """The rows of one target's calls (part "calls") or of its kernels' candidates (part
-    "candidates"), yielded a batch at a time (each call, each kernel's candidates) so that the
-    caller writes them as they come. done: keys already measured (skipped); deadline: a
-    time.monotonic() after which nothing more is started (the log names what was not run),
-    except the calls if `always` (the first target's: a run that starts measures something)."""
+    "lead": the autotuner's choice and the first LEAD_TRIALS trials; "candidates": all),
+    yielded a batch at a time (each call, each kernel's candidates) so that the caller writes
+    them as they come. done: keys already measured or tried (skipped; the candidates tried here
+    are added); deadline: a time.monotonic() after which nothing more is started (the log names
+    what was not run), except the calls if `always` (the first target's: a run that starts
+    measures something)."""
+    done = set() if done is None else done
+
     def late(what):
         if deadline is not None and time.monotonic() > deadline and not always:
             log(f"  budget spent: not run: {what}")
@@ -337,7 +343,14 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=frozenset(), de
     for kernel in t.kernels:
         b, rows = dict(base, mode=mode_of[kernel]), []
         names = {config_name(c): c for c in candidates(kernel, major, t.headdim, ws)}
+        if part == "lead":
+            block_d = ft._table_key(kernel, major, t.headdim)[2]
+            trials = TRIALS.get((kernel, block_d), [])[:LEAD_TRIALS] if major == 9 else []
+            lead = [chosen.get(kernel)] + [config_name(ft._config(c)) for c in trials]
+            # (the autotuner's choice: compiled already, so a check and a timing)
+            names = {n: names[n] for n in lead if n in names}
         todo = [n for n in names if _key(dict(b, kernel=kernel, config=n)) not in done]
+        done.update(_key(dict(b, kernel=kernel, config=n)) for n in todo)
         for i, name in enumerate(todo):
             if late(f"{kernel} {', '.join(todo[i:])}"):
                 break
@@ -416,14 +429,16 @@ def main(argv=None):
                             budget_s=args.budget_s, resume=args.resume,
                             trials={str(k): v for k, v in TRIALS.items()}, device=device),
                        f"{len(targets)} targets on {device}")
-    done = measured_keys(out) if args.resume else set()
+    done = measured_keys(out) if args.resume else set()  # then grows with what is tried
     if done:
         log(f"--resume: {len(done)} measurements already in {out} are not repeated")
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-    # Every target's calls first (host or GPU: a few seconds each), then every target's
-    # candidates (a compile, a check and a timing each): a short run answers the first
-    # question everywhere before it spends the rest on tiles, slowest target first.
-    for part in ("calls", "candidates"):
+    # Every target's calls first (host or GPU: a few seconds each), then every target's lead
+    # candidates (the autotuner's choice, timed as the others, and the first trials: the
+    # largest predicted gains), then every target's other candidates (a compile, a check and a
+    # timing each): a short run answers the first question everywhere and times the likeliest
+    # winners at every shape before it spends the rest on tiles, slowest target first.
+    for part in ("calls", "lead", "candidates"):
         for i, t in enumerate(targets):
             always = part == "calls" and i == 0
             if deadline is not None and time.monotonic() > deadline and not always:

@@ -169,6 +169,35 @@ def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monke
     assert f"budget spent: not run: fwd {', '.join(names[1:])}" in capsys.readouterr().out
 
 
+def test_lead_trials_come_first_at_every_target_and_nothing_runs_twice(tmp_path, monkeypatch):
+    """After every target's calls, every target's lead candidates (the autotuner's choice and
+    the first LEAD_TRIALS trials of each kernel: the largest predicted gains), then the
+    others; each candidate once."""
+    targets = [tuning.Target(32, True, 48, 1, 2, ("fwd", "dkdv")),
+               tuning.Target(32, False, 64, 1, 2, ("dkdv",))]
+    monkeypatch.setattr(tuning, "QUICK_TARGETS", targets)
+    measured = []
+
+    def fake(t_, b, kernel, cfg, *a):
+        measured.append((t_.seqlen, kernel, tuning.config_name(cfg)))
+        return [tuning._row(b, kernel, tuning.config_name(cfg), "time_ms", 1.0)]
+    monkeypatch.setattr(tuning, "candidate_rows", fake)
+    monkeypatch.setattr(tuning, "call_rows", lambda b, make_fn, device: [
+        tuning._row(b, "call", "auto", "time_ms", 2.0)])
+    tuning.main(["--quick", "--out", str(tmp_path / "t.csv")])
+    assert len(measured) == len(set(measured))
+
+    def names(kernel, entries):
+        return [tuning.config_name(ft._config(c)) for c in entries]
+    # the interpreter's autotuner holds one tile, none of the candidates: the trials lead
+    lead = [(t.seqlen, k, n) for t in targets for k in t.kernels
+            for n in names(k, tuning.TRIALS[k, 64][:tuning.LEAD_TRIALS])]
+    assert measured[:len(lead)] == lead
+    rest = [(t.seqlen, k, tuning.config_name(c)) for t in targets for k in t.kernels
+            for c in tuning.candidates(k, 9, t.headdim)]
+    assert measured[len(lead):] == [m for m in rest if m not in lead]
+
+
 def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
     t = tuning.QUICK_TARGETS[0]
     out = tmp_path / "t.csv"
