@@ -38,9 +38,10 @@ Rows: results schema (experiments/results.py), experiment "tuning", provider "lo
 "fwd" or "bwd", key columns `kernel` and `config`. Every target's calls run first, in order
 (TARGETS), then every target's lead candidates (the autotuner's choice and the first
 LEAD_TRIALS trials of each kernel), then every target's other candidates; rows are written
-after each call and each kernel's candidates. After --budget-s nothing more is started (the first target's calls excepted) and
-the log names what was not run; --resume skips what the file already holds with status ok, so
-a rerun measures the rest (a GPU window of 15 minutes is two runs: experiments/GPU.md).
+after each call and each kernel's candidates. After --budget-s nothing more is started (the
+first target's calls excepted) and the log names what was not run; --resume skips what the file
+already holds with status ok, so a rerun measures the rest (a GPU window of 15 minutes is two
+runs: experiments/GPU.md).
 """
 
 import argparse
@@ -130,7 +131,10 @@ QUICK_TARGETS = [Target(32, True, 48, 1, 2, ("fwd", "dkdv")),
 CHECK_SEQLENS = (528, 1040)  # multiples of 16 as every target's, so a candidate compiles once
 FULL_TILE_MULTIPLE = 128      # every tile's BLOCK_M and BLOCK_N divide it
 QUICK_CHECK_SEQLENS = (40, 56)
-LEAD_TRIALS = 2  # per kernel and head dim, timed at every target before the other candidates
+# The first trials of each kernel timed at every target before any other candidate: the
+# largest predicted gains, dK/dV's atomic dQ (which makes dQ's tiles moot where it wins) and
+# one forward tile; about a dozen compiles over the seven targets.
+LEAD_TRIALS = {"dkdv": 2, "fwd": 1, "dq": 0}
 
 log = Log()
 
@@ -345,7 +349,8 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=None, deadline=
         names = {config_name(c): c for c in candidates(kernel, major, t.headdim, ws)}
         if part == "lead":
             block_d = ft._table_key(kernel, major, t.headdim)[2]
-            trials = TRIALS.get((kernel, block_d), [])[:LEAD_TRIALS] if major == 9 else []
+            trials = TRIALS.get((kernel, block_d), [])[:LEAD_TRIALS[kernel]] \
+                if major == 9 else []
             lead = [chosen.get(kernel)] + [config_name(ft._config(c)) for c in trials]
             # (the autotuner's choice: compiled already, so a check and a timing)
             names = {n: names[n] for n in lead if n in names}

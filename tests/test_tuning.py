@@ -191,7 +191,7 @@ def test_lead_trials_come_first_at_every_target_and_nothing_runs_twice(tmp_path,
         return [tuning.config_name(ft._config(c)) for c in entries]
     # the interpreter's autotuner holds one tile, none of the candidates: the trials lead
     lead = [(t.seqlen, k, n) for t in targets for k in t.kernels
-            for n in names(k, tuning.TRIALS[k, 64][:tuning.LEAD_TRIALS])]
+            for n in names(k, tuning.TRIALS[k, 64][:tuning.LEAD_TRIALS[k]])]
     assert measured[:len(lead)] == lead
     rest = [(t.seqlen, k, tuning.config_name(c)) for t in targets for k in t.kernels
             for c in tuning.candidates(k, 9, t.headdim)]
