@@ -3,8 +3,8 @@ headdim 192 and headdim_v 128), which every kernel takes as it is (HEAD_DIM, HEA
 Every entry point against the float64 reference, which computes it directly (its einsums take
 any head dims): output, lse and the gradients of q, k and v by the tolerance rule, with v
 narrower and wider than q, the default softmax scale (from q's headdim) and the options, on
-the Triton kernels' pointer, TMA and warp-specialized paths; then the errors where it is not
-supported.
+the Triton kernels' pointer, TMA and warp-specialized paths (and dQ by atomics); then the
+errors where it is not supported.
 """
 
 import pytest
@@ -18,8 +18,10 @@ from test_variants import kwargs_for, ref_kwargs, tiles_id, use_tiles, use_tma
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # The Triton kernels' pointer, TMA and warp-specialized code paths: each loads v, dO and stores
-# o, dV with the values' head dim (HEAD_DIM_V, BLOCK_DV), a tensor descriptor of its own.
-BACKEND_TILES = [("torch", None)] + ([("triton", None), ("triton", "tma"), ("triton", "ws")]
+# o, dV with the values' head dim (HEAD_DIM_V, BLOCK_DV), a tensor descriptor of its own; and
+# dK/dV adding dQ (the queries' head dim) by atomics, by pointers and by TMA reductions.
+BACKEND_TILES = [("torch", None)] + ([("triton", None), ("triton", "tma"), ("triton", "ws"),
+                                      ("triton", "atomic"), ("triton", "atomic-tma")]
                                      if INTERPRET else [])
 
 # (id, shape (B, Nq, Nk, H, Hkv, D, Dv), keyword arguments)
@@ -52,7 +54,7 @@ def check(fn, ref_fn, q, k, v, do, dlse):
 @pytest.mark.parametrize("shape, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_attention(backend, tiles, dtype, shape, kw, monkeypatch):
     itemsize = torch.finfo(dtype).bits // 8
-    if tiles in ("tma", "ws") and any(d * itemsize % 16 for d in shape[5:]):
+    if tiles in ("tma", "ws", "atomic-tma") and any(d * itemsize % 16 for d in shape[5:]):
         pytest.skip("a TMA copy needs rows of 16-byte multiples (the launcher's _tma_ok)")
     use_tiles(monkeypatch, tiles)
     check_attention(shape, dtype, kw, backend)
