@@ -349,10 +349,10 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=None, deadline=
         names = {config_name(c): c for c in candidates(kernel, major, t.headdim, ws)}
         if part == "lead":
             block_d = ft._table_key(kernel, major, t.headdim)[2]
-            trials = TRIALS.get((kernel, block_d), [])[:LEAD_TRIALS[kernel]] \
-                if major == 9 else []
+            trials = TRIALS.get((kernel, block_d), [])[:LEAD_TRIALS[kernel]]
             lead = [chosen.get(kernel)] + [config_name(ft._config(c)) for c in trials]
-            # (the autotuner's choice: compiled already, so a check and a timing)
+            # (the autotuner's choice: compiled already, so a check and a timing; trials only
+            # where candidates() has them, on sm_90)
             names = {n: names[n] for n in lead if n in names}
         todo = [n for n in names if _key(dict(b, kernel=kernel, config=n)) not in done]
         done.update(_key(dict(b, kernel=kernel, config=n)) for n in todo)

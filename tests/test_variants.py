@@ -24,7 +24,8 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # the interpreter runs them unspecialized), with dK/dV in two passes ("split"), and with dQ
 # added by atomics in dK/dV, no dQ kernel ("atomic": pointer atomics; "atomic-tma": a tensor
 # descriptor's reductions; "split-atomic": in dK's pass).
-TRITON_TILES = ["tma", "ws", "split", "atomic", "atomic-tma", "split-atomic"]
+DKDV_TRIALS = ("split", "atomic", "atomic-tma", "split-atomic")  # use_dkdv_trial
+TRITON_TILES = ["tma", "ws", *DKDV_TRIALS]
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
     ([("triton", None)] + [("triton", tiles) for tiles in TRITON_TILES] if INTERPRET else [])
 VARLEN_BACKENDS = BACKENDS + ([f"triton-{tiles}" for tiles in TRITON_TILES] if INTERPRET else [])
@@ -90,7 +91,7 @@ def tiles_id(backend, tiles):
 def use_tiles(monkeypatch, tiles):
     """A BACKEND_TILES entry's tiles: the blockwise path's (BLOCK_M, BLOCK_N), or the Triton
     kernels' TRITON_TILES code paths (None: the defaults)."""
-    if tiles in TRITON_TILES[2:]:
+    if tiles in DKDV_TRIALS:
         use_dkdv_trial(monkeypatch, tiles)
     elif tiles in ("tma", "ws"):
         use_tma(monkeypatch, ws=tiles == "ws")
@@ -253,7 +254,7 @@ def test_varlen_against_reference(backend, kw, monkeypatch):
     """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
     TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
     backend, _, tiles = backend.partition("-")
-    if tiles in TRITON_TILES[2:]:
+    if tiles in DKDV_TRIALS:
         use_dkdv_trial(monkeypatch, tiles)
     elif tiles:
         use_tma(monkeypatch, ws=tiles == "ws", varlen=True)
