@@ -2,6 +2,8 @@
 
     python -m experiments.codegen                   # full report: results/codegen/sm90a.csv, sm80.csv
     python -m experiments.codegen --quick --check   # CI: a small subset, non-zero exit on a limit
+    python -m experiments.codegen --kernel fwd --headdim 128 --arch sm90a --dtype bfloat16 \
+        --flags plain --config 128/64/8/3/tma/pipe  # a trial of the tuning sweep: printed
 
 Compiles (never runs) every Triton kernel of `longflash.flash_triton` (forward, preprocess,
 dK/dV, dQ) at every config the launcher can choose on that architecture
@@ -38,6 +40,12 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
     setmaxnreg_count   register reallocations between warpgroups in the PTX (setmaxnreg): the
                        sign of a warp-specialized kernel
     compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) on this machine
+    loop_instructions  sm_90a: SASS instructions (nvdisasm) of one trip of the innermost loop
+                       that holds a warpgroup MMA (HGMMA), the kernel's hot loop
+    loop_ex2           its exp2s (MUFU.EX2)
+    ex2_beside_wgmma   of those, the ones issued between the loop's first HGMMA and the first
+                       wait for it: softmax work that runs while the tensor cores do an
+                       asynchronous MMA (the forward's PIPE trial puts them there)
 
 --check exits non-zero when a kernel breaks the limits of issue 14 (`check` below) at a config
 the launcher can choose on sm_90a, when the decoding kernel spills, when a kernel needs more
@@ -98,6 +106,7 @@ class Config:
     headdims: tuple = tuple(HEADDIMS)
     dtypes: tuple = tuple(DTYPES)
     flags: tuple = tuple(FLAGS)
+    configs: tuple = ()  # CONFIGS entries to compile instead of the table's (--config)
     out_dir: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "results", "codegen")
 
@@ -208,7 +217,8 @@ def compile_one(kernel, dtype, flags, headdim, arch, cfg):
                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     compile_s = time.perf_counter() - t0
     ptx = compiled.asm["ptx"]
-    return dict(compile_s=compile_s, shared_mem_bytes=compiled.metadata.shared,
+    return dict(compile_s=compile_s, **loop_profile(compiled.asm["cubin"]),
+                shared_mem_bytes=compiled.metadata.shared,
                 warps=compiled.metadata.num_warps,
                 setmaxnreg_count=len(re.findall(r"\bsetmaxnreg\.", ptx)),
                 **ptxas_report(ptx, arch),
@@ -235,15 +245,60 @@ def ptxas_report(ptx, arch):
                 spill_load_bytes=int(spill.group(2)))
 
 
+def _sass_lines(cubin):
+    """(instructions, {label: index of the instruction after it}) of a cubin, by nvdisasm."""
+    nvdisasm = os.path.join(os.path.dirname(ptxas_path()), "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        code = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if code:
+            instructions.append(code.group(1))
+    return instructions, labels
+
+
+def loop_profile(cubin):
+    """loop_instructions, loop_ex2, ex2_beside_wgmma (the docstring above) of a cubin; {} where
+    no loop holds an HGMMA (sm_80) or nvdisasm is missing."""
+    try:
+        ins, labels = _sass_lines(cubin)
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    loops = []  # [first, last] of each backward branch's range
+    for i, code in enumerate(ins):
+        target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", code)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            loops.append(ins[labels[target.group(1)]:i + 1])
+    loops = [body for body in loops if any("HGMMA" in x for x in body)]
+    if not loops:
+        return {}
+    body = min(loops, key=len)
+    first = next(i for i, x in enumerate(body) if "HGMMA" in x)
+    wait = next((i for i, x in enumerate(body) if i > first and "WARPGROUP.DEPBAR" in x),
+                len(body))
+    ex2 = lambda part: sum("MUFU.EX2" in x for x in part)  # noqa: E731
+    return dict(loop_instructions=len(body), loop_ex2=ex2(body),
+                ex2_beside_wgmma=ex2(body[first:wait]))
+
+
 UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_mem_bytes="B",
              wgmma_count="count", mma_count="count", tma_count="count", cp_async_count="count",
-             warps="count", setmaxnreg_count="count", compile_s="s")
+             warps="count", setmaxnreg_count="count", compile_s="s",
+             loop_instructions="count", loop_ex2="count", ex2_beside_wgmma="count")
 
 
 def config_name(cfg):
     """BLOCK_M/BLOCK_N/warps/stages ("-" for a tile a kernel lacks), with "/tma" for a TMA
-    candidate, "/tma/ws" for a warp-specialized one, "/split" for dK/dV in two passes and
-    "/atomic" for dK/dV adding dQ by atomics;
+    candidate, "/tma/ws" for a warp-specialized one, "/split" for dK/dV in two passes,
+    "/atomic" for dK/dV adding dQ by atomics and "/pipe" for the software-pipelined forward;
     BLOCK_S/warps/stages for the merge kernel."""
     k = cfg.kwargs
     tiles = [k["BLOCK_S"]] if "BLOCK_S" in k else [k.get("BLOCK_M", "-"), k.get("BLOCK_N", "-")]
@@ -251,7 +306,25 @@ def config_name(cfg):
                               *([flash_triton.TMA] if k.get("USE_TMA") else []),
                               *([flash_triton.WS] if k.get("WARP_SPECIALIZE") else []),
                               *([flash_triton.SPLIT] if k.get("SPLIT") else []),
-                              *([flash_triton.ATOMIC] if k.get("ATOMIC_DQ") else [])]))
+                              *([flash_triton.ATOMIC] if k.get("ATOMIC_DQ") else []),
+                              *([flash_triton.PIPE] if k.get("PIPELINE") else [])]))
+
+
+def parse_config(name):
+    """The CONFIGS entry of a config_name ("128/64/8/3/tma/pipe")."""
+    tiles = name.split("/")
+    if len(tiles) < 4 or not all(t.isdigit() for t in tiles[:4]):
+        raise argparse.ArgumentTypeError(f"{name!r}: BLOCK_M/BLOCK_N/warps/stages[/flags]")
+    entry = (*map(int, tiles[:4]), *tiles[4:])
+    try:
+        flash_triton._config(entry)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{name!r}: {e}")
+    unknown = set(tiles[4:]) - {flash_triton.TMA, flash_triton.WS, flash_triton.SPLIT,
+                                flash_triton.ATOMIC, flash_triton.PIPE}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{name!r}: unknown flags {sorted(unknown)}")
+    return entry
 
 
 def sweep(conf, log=print):
@@ -261,7 +334,8 @@ def sweep(conf, log=print):
         rows = []
         for kernel in conf.kernels:
             for headdim in conf.headdims:
-                candidates = configs_for(kernel, ARCHS[arch] // 10, headdim)
+                candidates = ([flash_triton._config(c) for c in conf.configs] or
+                              configs_for(kernel, ARCHS[arch] // 10, headdim))
                 for dtype in conf.dtypes:
                     for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
                         # full_tiles: what the warp-specialized candidates compile to;
@@ -286,7 +360,8 @@ def sweep(conf, log=print):
                                 f"{key['config']:13s} " + " ".join(
                                     f"{m}={metrics[m]:.3g}" for m in
                                     ("registers", "spill_bytes", "wgmma_count", "mma_count",
-                                     "tma_count", "warps", "compile_s")))
+                                     "tma_count", "warps", "compile_s", "loop_instructions",
+                                     "loop_ex2", "ex2_beside_wgmma") if m in metrics))
                             for causal in (False,) if flags == "full_tiles" else (False, True):
                                 for metric, value in metrics.items():
                                     rows.append(dict(key, causal=causal, metric=metric,
@@ -349,6 +424,10 @@ def main(argv=None):
     parser.add_argument("--headdim", nargs="+", type=int, choices=HEADDIMS, help="default: all")
     parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), help="default: all")
     parser.add_argument("--flags", nargs="+", choices=FLAGS, help="default: all")
+    parser.add_argument("--config", nargs="+", type=parse_config,
+                        help="compile these candidates instead of the config table's, as "
+                             "config_name writes them (128/64/8/3/tma/pipe: a trial of the "
+                             "tuning sweep); prints, writes nothing")
     parser.add_argument("--out-dir", help="default: results/codegen (the full report only)")
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
     args = parser.parse_args(argv)
@@ -360,6 +439,8 @@ def main(argv=None):
             conf = dataclasses.replace(conf, **{field: tuple(value)})
     if args.out_dir:
         conf = dataclasses.replace(conf, out_dir=args.out_dir)
+    if args.config:  # trials: the report holds the table's candidates only
+        conf, args.no_write = dataclasses.replace(conf, configs=tuple(args.config)), True
     print(f"triton {triton.__version__}, ptxas {ptxas_path()}", flush=True)
     t0 = time.perf_counter()
     by_arch = {}

@@ -374,10 +374,11 @@ def stage_steps(stage, dry):
         # The second H100 window, 15 minutes of device time (a machine's start, one run of this
         # stage, a short second run of what it did not reach: experiments/GPU.md): what the
         # first window left unmeasured, the paper's results first, then correctness, then
-        # tuning. No preflight: the candidates the launcher may choose compile as those the
-        # first window found exact (TMA on; warp specialization off unless LONGFLASH_WS=1;
-        # since then only that default and dK/dV's SPLIT trial, whose one-pass kernel has the
-        # same ptxas report), and the sweep checks every candidate it forces.
+        # tuning. No preflight: the candidates the launcher may choose are those the first
+        # window found exact (TMA on; warp specialization off unless LONGFLASH_WS=1), the
+        # forward since with its row max taken before the scaling (an arithmetic reorder,
+        # exact under the interpreter; pytest_exact checks it on the GPU, after RQ1's rows),
+        # and the sweep checks every candidate it forces.
         if dry:
             d64 = ["--quick", "--headdims", "16", "--seqlens", "128", "--long-seqlens", "",
                    "--parts", "batch", "--providers", "longflash,standard"]

@@ -84,6 +84,39 @@ def test_forward_uses_wgmma_without_spills_on_sm90a():
     assert ws[5] == 12 and ws[6] > 0, "not warp-specialized: " + out.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
+def test_pipelined_forward_puts_its_exp2s_beside_the_wgmma():
+    """The PIPE trial's point, read from the SASS: most of a trip's exp2s are issued while the
+    next block's q.k wgmma is in flight; in the loop as the table has it, none. At head dim 128
+    (Triton 3.6.0 and 3.9.0; at 64, 3.9.0 waits for the wgmma before the softmax: PERFLOG)."""
+    code = ("from experiments import codegen as cg; from longflash import flash_triton as ft; "
+            "ms = [cg.compile_one('fwd', 'bfloat16', 'plain', 128, 'sm90a', ft._config(c)) "
+            "for c in ((128, 64, 8, 3, ft.TMA), (128, 64, 8, 3, ft.TMA, ft.PIPE))]; "
+            "[print(m['loop_instructions'], m['loop_ex2'], m['ex2_beside_wgmma'], "
+            "m['spill_bytes']) for m in ms]")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain, pipe = ([int(x) for x in line.split()] for line in out.stdout.splitlines()[-2:])
+    assert plain[1] == pipe[1] > 0 and plain[3] == pipe[3] == 0, out.stdout
+    assert plain[2] == 0 and pipe[2] > pipe[1] // 2, out.stdout
+
+
+def test_config_names_parse_back_to_their_entries():
+    import argparse
+    from experiments import codegen
+    from longflash import flash_triton as ft
+    for entry in [(128, 64, 8, 3), (128, 64, 8, 3, ft.TMA, ft.PIPE),
+                  (64, 128, 8, 2, ft.TMA, ft.SPLIT, ft.ATOMIC), (128, 128, 4, 2, ft.TMA, ft.WS)]:
+        assert codegen.parse_config(codegen.config_name(ft._config(entry))) == entry
+    for bad in ("128/64/8", "128/64/x/3", "128/64/8/3/fast", "128/64/4/2/tma/ws/pipe"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            codegen.parse_config(bad)
+
+
 def test_check_flags_a_spilling_forward():
     from experiments import codegen
     row = dict(arch="sm90a", causal=False, kernel="fwd", headdim=128, dtype="bfloat16",

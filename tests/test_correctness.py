@@ -133,20 +133,22 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     check_against_reference(shape, torch.float16, causal, backend="triton")
 
 
-def test_split_and_atomic_candidates_name_their_flags_and_exclude_warp_specialization():
-    """A dK/dV candidate in two passes (SPLIT) or adding dQ by atomics (ATOMIC) maps to its entry
-    and back and is never also warp-specialized (their numbers: test_variants' "split" and
-    "atomic" cases)."""
+def test_trial_candidates_name_their_flags_and_exclude_warp_specialization():
+    """A dK/dV candidate in two passes (SPLIT) or adding dQ by atomics (ATOMIC), and a forward
+    software-pipelined (PIPE), maps to its entry and back and is never also warp-specialized
+    (their numbers: test_variants' "split", "atomic" and "pipe" cases)."""
     from longflash import flash_triton as ft
     for entry in [(32, 64, 8, 3, ft.TMA, ft.SPLIT), (64, 128, 8, 2, ft.TMA, ft.ATOMIC),
-                  (32, 64, 8, 3, ft.TMA, ft.SPLIT, ft.ATOMIC), (64, 64, 4, 2, ft.ATOMIC)]:
+                  (32, 64, 8, 3, ft.TMA, ft.SPLIT, ft.ATOMIC), (64, 64, 4, 2, ft.ATOMIC),
+                  (128, 64, 8, 3, ft.TMA, ft.PIPE), (128, 64, 8, 3, ft.PIPE)]:
         config = ft._config(entry)
         assert ft._entry(config) == entry
         assert config.kwargs.get("SPLIT", False) == (ft.SPLIT in entry)
         assert config.kwargs.get("ATOMIC_DQ", False) == (ft.ATOMIC in entry)
-    plain = ft._config((32, 64, 8, 3, ft.TMA)).kwargs  # the other kernels take neither flag
-    assert "SPLIT" not in plain and "ATOMIC_DQ" not in plain
-    for flag in (ft.SPLIT, ft.ATOMIC):
+        assert config.kwargs.get("PIPELINE", False) == (ft.PIPE in entry)
+    plain = ft._config((32, 64, 8, 3, ft.TMA)).kwargs  # the other kernels take no such flag
+    assert "SPLIT" not in plain and "ATOMIC_DQ" not in plain and "PIPELINE" not in plain
+    for flag in (ft.SPLIT, ft.ATOMIC, ft.PIPE):
         with pytest.raises(ValueError, match="warp-specialized or split/atomic"):
             ft._config((32, 64, 4, 2, ft.TMA, ft.WS, flag))
 

@@ -23,9 +23,10 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # ("ws": everything by descriptor, one loop, every block masked, dK/dV's GQA loop folded into it;
 # the interpreter runs them unspecialized), with dK/dV in two passes ("split"), and with dQ
 # added by atomics in dK/dV, no dQ kernel ("atomic": pointer atomics; "atomic-tma": a tensor
-# descriptor's reductions; "split-atomic": in dK's pass).
+# descriptor's reductions; "split-atomic": in dK's pass), and the forward's key loop
+# software-pipelined by one block ("pipe").
 DKDV_TRIALS = ("split", "atomic", "atomic-tma", "split-atomic")  # use_dkdv_trial
-TRITON_TILES = ["tma", "ws", *DKDV_TRIALS]
+TRITON_TILES = ["tma", "ws", *DKDV_TRIALS, "pipe"]
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
     ([("triton", None)] + [("triton", tiles) for tiles in TRITON_TILES] if INTERPRET else [])
 VARLEN_BACKENDS = BACKENDS + ([f"triton-{tiles}" for tiles in TRITON_TILES] if INTERPRET else [])
@@ -54,6 +55,14 @@ def use_dkdv_trial(monkeypatch, tiles):
     if ATOMIC in flags:  # no dQ kernel may run: a launch of this one fails
         from longflash import flash_triton
         monkeypatch.setattr(flash_triton, "_attn_bwd_dq", None)
+
+
+def use_fwd_trial(monkeypatch):
+    """The tuning sweep's forward trial "pipe" (flash_triton.PIPE): the key loop software-
+    pipelined by one block (the next block's q.k before this block's softmax), tiles by
+    tensor descriptors."""
+    from longflash.flash_triton import _INTERPRET_CONFIG, PIPE, TMA, _config
+    force_configs(monkeypatch, {"fwd": _config((*_INTERPRET_CONFIG, TMA, PIPE))})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
@@ -93,6 +102,8 @@ def use_tiles(monkeypatch, tiles):
     kernels' TRITON_TILES code paths (None: the defaults)."""
     if tiles in DKDV_TRIALS:
         use_dkdv_trial(monkeypatch, tiles)
+    elif tiles == "pipe":
+        use_fwd_trial(monkeypatch)
     elif tiles in ("tma", "ws"):
         use_tma(monkeypatch, ws=tiles == "ws")
     elif tiles:
@@ -256,6 +267,8 @@ def test_varlen_against_reference(backend, kw, monkeypatch):
     backend, _, tiles = backend.partition("-")
     if tiles in DKDV_TRIALS:
         use_dkdv_trial(monkeypatch, tiles)
+    elif tiles == "pipe":
+        use_fwd_trial(monkeypatch)
     elif tiles:
         use_tma(monkeypatch, ws=tiles == "ws", varlen=True)
     kw = kwargs_for(kw)

@@ -128,6 +128,10 @@ SPLIT = "split"
 # deterministic=False (_atomic_dq), and autotunes them among themselves. A trial of the tuning
 # sweep, in no table yet (PERFLOG).
 ATOMIC = "atomic"
+# Forward only, not with WS: the key loop software-pipelined by one block (_attn_fwd_inner):
+# q.k of the next block in flight on the tensor cores while this block's softmax runs. A trial
+# of the tuning sweep, in no table yet (PERFLOG).
+PIPE = "pipe"
 CONFIGS = {
     ("fwd", 9, 64): [(128, 64, 8, 3), (128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA),
                      (128, 128, 4, 2, TMA, WS)],
@@ -164,9 +168,10 @@ def _config(c):
     block_m, block_n, warps, stages, *flags = c
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "USE_TMA": TMA in flags,
               "WARP_SPECIALIZE": WS in flags, **({"SPLIT": True} if SPLIT in flags else {}),
-              **({"ATOMIC_DQ": True} if ATOMIC in flags else {})}
-    if WS in flags and (SPLIT in flags or ATOMIC in flags):
-        raise ValueError(f"a candidate is warp-specialized or split/atomic, not both: {c}")
+              **({"ATOMIC_DQ": True} if ATOMIC in flags else {}),
+              **({"PIPELINE": True} if PIPE in flags else {})}
+    if WS in flags and (SPLIT in flags or ATOMIC in flags or PIPE in flags):
+        raise ValueError(f"a candidate is warp-specialized or split/atomic/pipe, not both: {c}")
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -227,7 +232,8 @@ def _entry(config):
     k = config.kwargs
     return (k["BLOCK_M"], k["BLOCK_N"], config.num_warps, config.num_stages,
             *([TMA] if k.get("USE_TMA") else []), *([WS] if k.get("WARP_SPECIALIZE") else []),
-            *([SPLIT] if k.get("SPLIT") else []), *([ATOMIC] if k.get("ATOMIC_DQ") else []))
+            *([SPLIT] if k.get("SPLIT") else []), *([ATOMIC] if k.get("ATOMIC_DQ") else []),
+            *([PIPE] if k.get("PIPELINE") else []))
 
 
 # Autotuning keys on the longer length rounded up to a power of two, at most this: past 64K
@@ -576,26 +582,44 @@ def _load_rows_tma(base, start, n_rows, BLOCK_ROWS: tl.constexpr):
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
-                   page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
-                   window_left, window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
-                   MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr):
-    """One key block of the forward: scores, online softmax, acc += p v."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    # -- compute scores --
+def _attn_fwd_qk(q, K, stride_kn, TABLE, stride_kp, page_size, start_n, seqlen_k,
+                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                 PAGED: tl.constexpr):
+    """q.k of key block start_n: the first half of a forward step."""
     k = _load_kv(K, TABLE, start_n, stride_kn, stride_kp, page_size, seqlen_k, HEAD_DIM, BLOCK_N,
                  BLOCK_D, not MASKED, USE_TMA, PAGED)
-    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-    qk, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
-                    window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
-                    HAS_SOFTCAP, HAS_ALIBI)
+    return tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_size, offs_m,
+                     start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
+                     qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                     HAS_DROPOUT: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr):
+    """The second half of a forward step, from key block start_n's q.k: scores, online
+    softmax, acc += p v."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    # Scores in log2 units are s * scale. Without softcap or ALiBi, s is q.k masked but not
+    # scaled: its row max times qk_scale (> 0) is the scaled scores' max, and each score's
+    # scaling joins exp2's subtraction in one FFMA (a multiply per score fewer than scaling
+    # first, which the max needs on its own)
+    if HAS_SOFTCAP or HAS_ALIBI:
+        scale = 1.0
+        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                       window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
+                       HAS_SOFTCAP, HAS_ALIBI)
+    else:
+        scale = qk_scale
+        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                       window_right, 1.0, softcap, softmax_scale, slope, MASKED, False, False)
     # -- online softmax: new row max, rescale what was accumulated --
-    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    m_ij = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
-    p = tl.math.exp2(qk - m_safe[:, None])
+    p = tl.math.exp2(s * scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
@@ -616,27 +640,51 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr):
-    """Key blocks [lo, hi) of query block start_m. WARP_SPECIALIZE (Hopper, a kernel with this
-    one loop): Triton gives the loop's TMA copies a warpgroup of their own and splits the
-    query rows between two compute warpgroups (FlashAttention-3's producer/consumer layout)."""
+                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr,
+                    PIPELINE: tl.constexpr):
+    """Key blocks [lo, hi) of query block start_m, a step (_attn_fwd_qk, then
+    _attn_fwd_update) each. WARP_SPECIALIZE (Hopper, a kernel with this one loop): Triton
+    gives the loop's TMA copies a warpgroup of their own and splits the query rows between two
+    compute warpgroups (FlashAttention-3's producer/consumer layout). PIPELINE: the loop is
+    software-pipelined by one block, q.k of block j + 1 issued before block j's softmax, so
+    that on Hopper the asynchronous wgmma of the one runs beside the other's exp2s
+    (FlashAttention-3's intra-warpgroup overlap), at the cost of a second score tile in
+    registers."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    qk_args = (q, K, stride_kn, TABLE, stride_kp, page_size)  # no constexpr in a tuple
+    up_args = (V, stride_vn, TABLE, stride_vp, page_size, offs_m)
+    rest = (bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+            softcap, softmax_scale, slope, dropout_p)
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _attn_fwd_step(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
-                page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+            qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
+                              INPUT_PRECISION, USE_TMA, PAGED)
+            acc, l_i, m_i = _attn_fwd_update(
+                acc, l_i, m_i, qk, *up_args, start_n, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+    elif PIPELINE:
+        if lo < hi:
+            qk = _attn_fwd_qk(*qk_args, lo, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
+                              INPUT_PRECISION, USE_TMA, PAGED)
+            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+                qk_next = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D,
+                                       BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+                acc, l_i, m_i = _attn_fwd_update(
+                    acc, l_i, m_i, qk, *up_args, start_n - BLOCK_N, *rest, MASKED, HAS_SOFTCAP,
+                    HAS_ALIBI, HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION,
+                    USE_TMA, PAGED)
+                qk = qk_next
+            last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N
+            acc, l_i, m_i = _attn_fwd_update(
+                acc, l_i, m_i, qk, *up_args, last, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
     else:
         for start_n in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attn_fwd_step(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
-                page_size, offs_m, start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+            qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
+                              INPUT_PRECISION, USE_TMA, PAGED)
+            acc, l_i, m_i = _attn_fwd_update(
+                acc, l_i, m_i, qk, *up_args, start_n, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
     return acc, l_i, m_i
 
 
@@ -654,7 +702,7 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              FULL_TILES: tl.constexpr):
+              FULL_TILES: tl.constexpr, PIPELINE: tl.constexpr = False):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -696,16 +744,16 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                     HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                    USE_TMA, WARP_SPECIALIZE, PAGED)
+                                    USE_TMA, WARP_SPECIALIZE, PAGED, PIPELINE)
     if not WARP_SPECIALIZE:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                        USE_TMA, False, PAGED)
+                                        USE_TMA, False, PAGED, PIPELINE)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                        USE_TMA, False, PAGED)
+                                        USE_TMA, False, PAGED, PIPELINE)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
