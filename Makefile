@@ -141,11 +141,12 @@ gpu-image-check: $(GPU_IMAGE)/.installed
 # kernel, config, head dim, dtype and variant flag, with this environment's Triton and with
 # triton==3.6.0 (the version on the H100/H200 machines, in a second environment built once):
 # about 40 minutes on a 2-core CPU. The check compiles the quick subset with both.
+# Defined before the rules that name it: make expands a rule's prerequisites as it reads them.
+TRITON36 := .venv-triton36
 codegen: $(ENV_READY) $(TRITON36)/.installed
 	$(PYTHON) -m experiments.codegen
 	$(TRITON36)/bin/python -m experiments.codegen
 
-TRITON36 := .venv-triton36
 $(TRITON36)/.installed:
 	python3 -m venv $(TRITON36)
 	$(TRITON36)/bin/python -m pip install --quiet --upgrade pip
