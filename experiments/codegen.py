@@ -272,9 +272,11 @@ def loop_profile(cubin):
         ins, labels = _sass_lines(cubin)
     except (OSError, subprocess.CalledProcessError):
         return {}
-    loops = []  # [first, last] of each backward branch's range
+    # a loop's back edge: a predicated branch to an earlier label (the unconditional ones that
+    # jump back are out-of-line code after the exit, such as a barrier's retry)
+    loops = []
     for i, code in enumerate(ins):
-        target = re.search(r"\bBRA\b.*?(\.L_x_\d+)", code)
+        target = re.match(r"@!?U?P\w+\s+BRA\b.*?(\.L_x_\d+)", code)
         if target and labels.get(target.group(1), i + 1) <= i:
             loops.append(ins[labels[target.group(1)]:i + 1])
     loops = [body for body in loops if any("HGMMA" in x for x in body)]
