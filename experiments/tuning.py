@@ -86,13 +86,15 @@ PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd
 # pipelined by one key block (PIPE: the next block's q.k wgmma in flight during this block's
 # softmax; first) at the H100's chosen tile, d256 at 32 keys: Triton 3.6.0, no spills, 175 /
 # 200 / 235 registers at d64 / d128 / d256, 21-29 of a loop's 34 exp2s between the q.k
-# wgmma's issue and its wait (PERFLOG). (BLOCK_M, BLOCK_N, warps, stages[, TMA][, SPLIT][,
-# ATOMIC][, PIPE]) as in CONFIGS.
+# wgmma's issue and its wait (PERFLOG); second, the same at 64 x 64 with 4 warps, small
+# enough for two programs per SM (d128: 203-214 registers x 128 threads, 99 KB of shared
+# memory), whose barriers then hold one warpgroup each, not both. (BLOCK_M, BLOCK_N, warps,
+# stages[, TMA][, SPLIT][, ATOMIC][, PIPE]) as in CONFIGS.
 TRIALS = {
-    ("fwd", 64): [(128, 64, 8, 3, TMA, PIPE), (128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA),
-                  (64, 64, 4, 2, TMA)],
-    ("fwd", 128): [(128, 64, 8, 3, TMA, PIPE), (128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA),
-                   (64, 64, 4, 2, TMA)],
+    ("fwd", 64): [(128, 64, 8, 3, TMA, PIPE), (64, 64, 4, 2, TMA, PIPE), (128, 64, 8, 2, TMA),
+                  (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
+    ("fwd", 128): [(128, 64, 8, 3, TMA, PIPE), (64, 64, 4, 2, TMA, PIPE), (128, 64, 8, 2, TMA),
+                   (128, 128, 8, 3, TMA), (64, 64, 4, 2, TMA)],
     ("fwd", 256): [(128, 32, 8, 2, TMA, PIPE), (128, 32, 8, 2, TMA), (64, 64, 4, 2, TMA)],
     ("dkdv", 64): [(64, 64, 8, 3, TMA, ATOMIC), (64, 128, 8, 2, TMA)],
     ("dkdv", 128): [(64, 128, 8, 2, TMA, SPLIT, ATOMIC), (64, 64, 8, 3, TMA, SPLIT, ATOMIC),
@@ -139,8 +141,8 @@ FULL_TILE_MULTIPLE = 128      # every tile's BLOCK_M and BLOCK_N divide it
 QUICK_CHECK_SEQLENS = (40, 56)
 # The first trials of each kernel timed at every target before any other candidate: the
 # largest predicted gains, dK/dV's atomic dQ (which makes dQ's tiles moot where it wins) and
-# one forward tile; about a dozen compiles over the seven targets.
-LEAD_TRIALS = {"dkdv": 2, "fwd": 1, "dq": 0}
+# the pipelined forward (one and two programs per SM); about 17 compiles over the targets.
+LEAD_TRIALS = {"dkdv": 2, "fwd": 2, "dq": 0}
 
 log = Log()
 

@@ -5,7 +5,8 @@ each program owns one block of BLOCK_M query rows of one (batch, head) and walks
 over the key/value blocks of BLOCK_N columns in on-chip memory, keeping the
 running row max m_i, running sum l_i and unnormalized output acc in fp32
 (online softmax). Scores are scaled by softmax_scale * log2(e) once, so every
-exponential is an exp2. Causal attention (bottom-right aligned: query i sees key
+exponential is an exp2 (in the forward without softcap or ALiBi the row max is taken before
+the scaling, which then joins exp2's subtraction in one FFMA per score). Causal attention (bottom-right aligned: query i sees key
 j iff j <= i + seqlen_k - seqlen_q) and sliding windows visit only the key blocks
 that some row can see, and mask only the blocks that straddle a window edge or
 the sequence end. Softcap, ALiBi and dropout (Philox, regenerated in backward)
@@ -19,7 +20,8 @@ over the query heads that share the key head) and one for dQ (a program per
 query block). Neither uses atomics, so gradients are deterministic. A trial of the
 tuning sweep (ATOMIC) computes dQ in the dK/dV kernel instead, as FlashAttention-2 does,
 adding each block pair's share into an fp32 accumulator by atomics (not deterministic; only
-with deterministic=False).
+with deterministic=False); another (PIPE) software-pipelines the forward's key loop by one
+block, so that the next block's q.k runs on the tensor cores during this block's softmax.
 
 `blockwise.py` is the same algorithm in PyTorch ops, with the same names and
 block ranges (`_common.key_range`, `_common.query_range`); read it first.
@@ -36,8 +38,8 @@ Where it was tested and where it breaks:
   Python, torch and NumPy: `make gpu-image-check`) in fp16 and fp32, at every tile of
   CONFIGS as well as a small one (the warp-specialized code paths too, which the interpreter
   runs unspecialized); the GPU tests (marker `gpu`) target H100/H200 with
-  Triton >= 3.0 but have not been run at the time of writing: nothing here has been timed
-  on a GPU.
+  Triton >= 3.0: the first H100 window (Triton 3.6) ran part of them and timed the table's
+  candidates (results/gpu_campaign/, PERFLOG); the sweep's trials are untimed.
 - Code generation is checked offline (`python -m experiments.codegen`, `make codegen-check`
   in CI against Triton 3.6.0, the H100/H200 machines' version, and the newest Triton):
   compiled for sm_90a at every config in CONFIGS, the forward and dQ kernels spill nothing at
