@@ -54,6 +54,16 @@ def test_prune_keeps_tma_candidates_only_where_tma_ok():
         assert any(len(c) == 6 for c in flash_triton.CONFIGS[kernel, 9, 128]), kernel
 
 
+def _compile(code):
+    """Run code (compiles for a GPU target) in a fresh interpreter without TRITON_INTERPRET."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
 def test_forward_uses_wgmma_without_spills_on_sm90a():
@@ -68,11 +78,7 @@ def test_forward_uses_wgmma_without_spills_on_sm90a():
             "for c in (cs[0], tma, ws)]; "
             "[print(m['wgmma_count'], m['mma_count'], m['spill_bytes'], m['cp_async_count'], "
             "m['tma_count'], m['warps'], m['setmaxnreg_count']) for m in ms]")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _compile(code)
     pointer, tma, ws = ([int(x) for x in line.split()]
                         for line in out.stdout.splitlines()[-3:])
     for wgmma, mma, spills, *_ in (pointer, tma, ws):
@@ -95,11 +101,7 @@ def test_pipelined_forward_puts_its_exp2s_beside_the_wgmma():
             "for c in ((128, 64, 8, 3, ft.TMA), (128, 64, 8, 3, ft.TMA, ft.PIPE))]; "
             "[print(m['loop_instructions'], m['loop_ex2'], m['ex2_beside_wgmma'], "
             "m['spill_bytes']) for m in ms]")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _compile(code)
     plain, pipe = ([int(x) for x in line.split()] for line in out.stdout.splitlines()[-2:])
     assert plain[1] == pipe[1] > 0 and plain[3] == pipe[3] == 0, out.stdout
     assert plain[2] == 0 and pipe[2] > pipe[1] // 2, out.stdout
