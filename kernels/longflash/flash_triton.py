@@ -6,8 +6,9 @@ over the key/value blocks of BLOCK_N columns in on-chip memory, keeping the
 running row max m_i, running sum l_i and unnormalized output acc in fp32
 (online softmax). Scores are scaled by softmax_scale * log2(e) once, so every
 exponential is an exp2 (in the forward without softcap or ALiBi the row max is taken before
-the scaling, which then joins exp2's subtraction in one FFMA per score). Causal attention (bottom-right aligned: query i sees key
-j iff j <= i + seqlen_k - seqlen_q) and sliding windows visit only the key blocks
+the scaling, which then joins exp2's subtraction in one FFMA per score). Causal attention
+(bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q) and sliding
+windows visit only the key blocks
 that some row can see, and mask only the blocks that straddle a window edge or
 the sequence end. Softcap, ALiBi and dropout (Philox, regenerated in backward)
 are compile-time flags; packed variable-length batches read each sequence's
@@ -609,15 +610,11 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
     # scaled: its row max times qk_scale (> 0) is the scaled scores' max, and each score's
     # scaling joins exp2's subtraction in one FFMA (a multiply per score fewer than scaling
     # first, which the max needs on its own)
-    if HAS_SOFTCAP or HAS_ALIBI:
-        scale = 1.0
-        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
-                       window_right, qk_scale, softcap, softmax_scale, slope, MASKED,
-                       HAS_SOFTCAP, HAS_ALIBI)
-    else:
-        scale = qk_scale
-        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
-                       window_right, 1.0, softcap, softmax_scale, slope, MASKED, False, False)
+    unscaled: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
+    s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
+                   window_right, 1.0 if unscaled else qk_scale, softcap, softmax_scale, slope,
+                   MASKED, HAS_SOFTCAP, HAS_ALIBI)
+    scale = qk_scale if unscaled else 1.0
     # -- online softmax: new row max, rescale what was accumulated --
     m_ij = tl.maximum(m_i, tl.max(s, 1) * scale)
     m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
