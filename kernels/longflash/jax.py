@@ -440,7 +440,8 @@ def _triton_forward(q, k, v, cfg):
                   jax.ShapeDtypeStruct((batch, nheads, seqlen_q), jnp.float32)),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
         Q=q, K=k, V=v, **_triton_unused(), **_triton_strides("q", q), **_triton_strides("k", k),
-        **_triton_strides("v", v), **_triton_strides("o", o_shape), **launch,
+        **_triton_strides("v", v), **_triton_strides("o", o_shape),
+        **{**flash_triton.constexpr_defaults(flash_triton._attn_fwd), **launch},  # PIPELINE off
         TABLE=_triton_unused()["CU_K"], stride_tb=0, page_size=1, PAGED=False)  # keys not paged
     return o, lse
 
