@@ -25,8 +25,8 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 # added by atomics in dK/dV, no dQ kernel ("atomic": pointer atomics; "atomic-tma": a tensor
 # descriptor's reductions; "split-atomic": in dK's pass), and the forward's key loop
 # software-pipelined by one block ("pipe").
-DKDV_TRIALS = ("split", "atomic", "atomic-tma", "split-atomic")  # use_dkdv_trial
-TRITON_TILES = ["tma", "ws", *DKDV_TRIALS, "pipe"]
+TRIALS = ("split", "atomic", "atomic-tma", "split-atomic", "pipe")  # use_trial
+TRITON_TILES = ["tma", "ws", *TRIALS]
 BACKEND_TILES = [("torch", (16, 32)), ("torch", (32, 16)), ("torch", None)] + \
     ([("triton", None)] + [("triton", tiles) for tiles in TRITON_TILES] if INTERPRET else [])
 VARLEN_BACKENDS = BACKENDS + ([f"triton-{tiles}" for tiles in TRITON_TILES] if INTERPRET else [])
@@ -43,26 +43,22 @@ def use_tma(monkeypatch, ws=False, varlen=False):
         for kernel in KERNEL_FUNCTIONS})
 
 
-def use_dkdv_trial(monkeypatch, tiles):
-    """The tuning sweep's dK/dV trials: "split" (flash_triton.SPLIT): per key block one program
-    accumulates dV, another dK, with tensor descriptors; "atomic" (ATOMIC): dK/dV adds each
-    block pair's dQ into an fp32 accumulator and no dQ kernel runs ("atomic": by pointer
-    atomics, "atomic-tma": by a tensor descriptor's reductions, "split-atomic": both)."""
-    from longflash.flash_triton import _INTERPRET_CONFIG, ATOMIC, SPLIT, TMA, _config
-    flags = {"split": (TMA, SPLIT), "atomic": (ATOMIC,), "atomic-tma": (TMA, ATOMIC),
-             "split-atomic": (TMA, SPLIT, ATOMIC)}[tiles]
-    force_configs(monkeypatch, {"dkdv": _config((*_INTERPRET_CONFIG, *flags))})
+def use_trial(monkeypatch, tiles):
+    """A tuning sweep trial (TRIALS), forced on its kernel. dK/dV's: "split" (flash_triton.SPLIT):
+    per key block one program accumulates dV, another dK, with tensor descriptors; "atomic"
+    (ATOMIC): dK/dV adds each block pair's dQ into an fp32 accumulator and no dQ kernel runs
+    ("atomic": by pointer atomics, "atomic-tma": by a tensor descriptor's reductions,
+    "split-atomic": both). The forward's: "pipe" (PIPE): the key loop software-pipelined by one
+    block (the next block's q.k before this block's softmax), tiles by tensor descriptors."""
+    from longflash.flash_triton import _INTERPRET_CONFIG, ATOMIC, PIPE, SPLIT, TMA, _config
+    kernel, flags = {"split": ("dkdv", (TMA, SPLIT)), "atomic": ("dkdv", (ATOMIC,)),
+                     "atomic-tma": ("dkdv", (TMA, ATOMIC)),
+                     "split-atomic": ("dkdv", (TMA, SPLIT, ATOMIC)),
+                     "pipe": ("fwd", (TMA, PIPE))}[tiles]
+    force_configs(monkeypatch, {kernel: _config((*_INTERPRET_CONFIG, *flags))})
     if ATOMIC in flags:  # no dQ kernel may run: a launch of this one fails
         from longflash import flash_triton
         monkeypatch.setattr(flash_triton, "_attn_bwd_dq", None)
-
-
-def use_fwd_trial(monkeypatch):
-    """The tuning sweep's forward trial "pipe" (flash_triton.PIPE): the key loop software-
-    pipelined by one block (the next block's q.k before this block's softmax), tiles by
-    tensor descriptors."""
-    from longflash.flash_triton import _INTERPRET_CONFIG, PIPE, TMA, _config
-    force_configs(monkeypatch, {"fwd": _config((*_INTERPRET_CONFIG, TMA, PIPE))})
 
 # (id, shape (B, Nq, Nk, H, Hkv, D), keyword arguments)
 CASES = [
@@ -100,10 +96,8 @@ def tiles_id(backend, tiles):
 def use_tiles(monkeypatch, tiles):
     """A BACKEND_TILES entry's tiles: the blockwise path's (BLOCK_M, BLOCK_N), or the Triton
     kernels' TRITON_TILES code paths (None: the defaults)."""
-    if tiles in DKDV_TRIALS:
-        use_dkdv_trial(monkeypatch, tiles)
-    elif tiles == "pipe":
-        use_fwd_trial(monkeypatch)
+    if tiles in TRIALS:
+        use_trial(monkeypatch, tiles)
     elif tiles in ("tma", "ws"):
         use_tma(monkeypatch, ws=tiles == "ws")
     elif tiles:
@@ -265,10 +259,8 @@ def test_varlen_against_reference(backend, kw, monkeypatch):
     """Sequences of different lengths, one empty, seqlen_q != seqlen_k within a sequence (with
     TMA: one descriptor per sequence, so a tile never reads the next sequence's rows)."""
     backend, _, tiles = backend.partition("-")
-    if tiles in DKDV_TRIALS:
-        use_dkdv_trial(monkeypatch, tiles)
-    elif tiles == "pipe":
-        use_fwd_trial(monkeypatch)
+    if tiles in TRIALS:
+        use_trial(monkeypatch, tiles)
     elif tiles:
         use_tma(monkeypatch, ws=tiles == "ws", varlen=True)
     kw = kwargs_for(kw)
