@@ -110,6 +110,7 @@ generate_tokens; jax: max_abs_diff; warm: warm_s); key column `step`.
 """
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -232,7 +233,8 @@ EARLY_TESTS = ("test_kvcache_gpu or test_kvcache_rotary_gpu or test_decoding_ste
 LATE_TESTS = f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})"
 EXACT_TESTS = ("test_variants_gpu or test_learnable_sink_gpu or test_varlen_gpu or "
                "test_paged_varlen_gpu or test_headdim_v_gpu or test_kvcache_headdim_v_gpu or "
-               "test_tma_only_where_a_copy_can_read_gpu or test_warp_specialized_full_tiles_gpu")
+               "test_tma_only_where_a_copy_can_read_gpu or test_warp_specialized_full_tiles_gpu or "
+               "test_compiling_then_running_gpu")
 
 
 def _pytest(name, select, **kw):
@@ -464,6 +466,11 @@ def probe_env(path):
             info[mod] = __import__(mod).__version__
         except Exception as exc:  # noqa: BLE001 - record any import failure as it is
             info[mod] = f"unavailable: {type(exc).__name__}: {exc}"
+    try:  # equal to another machine's: a kernel compiled there (same Python ABI) is one here
+        from triton.runtime.cache import triton_key
+        info["triton_key_sha256"] = hashlib.sha256(triton_key().encode()).hexdigest()
+    except Exception as exc:  # noqa: BLE001
+        info["triton_key_sha256"] = f"unavailable: {type(exc).__name__}: {exc}"
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(device=p.name, capability=f"{p.major}.{p.minor}",

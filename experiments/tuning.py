@@ -364,6 +364,8 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=None, deadline=
             names = {n: names[n] for n in lead if n in names}
         todo = [n for n in names if _key(dict(b, kernel=kernel, config=n)) not in done]
         done.update(_key(dict(b, kernel=kernel, config=n)) for n in todo)
+        if len(todo) > 1 and not (deadline is not None and time.monotonic() > deadline):
+            compile_candidates(kernel, [names[n] for n in todo], qkv, do, t.causal, b["mode"])
         for i, name in enumerate(todo):
             if late(f"{kernel} {', '.join(todo[i:])}"):
                 break
@@ -372,6 +374,25 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=None, deadline=
         if rows:
             log(f"  {kernel}: " + summary(rows, kernel, chosen.get(kernel, "?")))
             yield rows
+
+
+def compile_candidates(kernel, configs, qkv, do, causal, mode):
+    """Compile a target's candidates of `kernel` at once, on threads (flash_triton.compiling()),
+    before each is checked and timed alone: forced one at a time, each would compile where it
+    first runs, one after the other (about 70 compiles in the whole sweep). Each is forced as it
+    will run, at the target's shape (the check's lengths are multiples of 16 like the target's:
+    the same compile). If this fails, each compiles where it runs, as before."""
+    start = time.perf_counter()
+    try:
+        with ft.compiling():
+            for cfg in configs:
+                with ft.forced_configs({kernel: cfg}):
+                    pass_fn(qkv, do, causal, mode)()
+    except Exception as error:  # noqa: BLE001 (only time is at stake)
+        log(f"  {kernel}: compiling the candidates at once failed: {error!r}")
+        return
+    log(f"  {kernel}: {len(configs)} candidates compiled in {time.perf_counter() - start:.1f} s"
+        f" ({ft.compile_workers()} threads)")
 
 
 def candidate_rows(t, b, kernel, cfg, qkv, do, device, dtype, check_seqlens):

@@ -132,3 +132,75 @@ def test_check_flags_a_spilling_forward():
     too_big = [dict(r, value=240 * 1024) if r["metric"] == "shared_mem_bytes" else r
                for r in rows]
     assert any("shared memory" in p for p in codegen.check(too_big))
+
+
+# A Hopper GPU for compiling only (no GPU here): Triton asks its driver for the device, stream
+# and target before it compiles; nothing in these tests launches (a launch fails here).
+_HOPPER_FOR_COMPILING = '''
+import os, torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+class Hopper:
+    def is_active(self): return True
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_active_torch_device(self): return torch.device("cpu")
+driver.set_active(Hopper())
+os.environ["LONGFLASH_COMPILE_WORKERS"] = "2"  # threads even on a 1-CPU machine
+from longflash import flash_triton as ft
+from longflash.interface import _options
+def compiled():
+    return [len(ft.jit_function(kernel).device_caches[0][0]) for kernel in
+            (ft._attn_fwd, ft._attn_bwd_preprocess, ft._attn_bwd_dkdv, ft._attn_bwd_dq)]
+def qkv(headdim):
+    return [torch.randn(2, 160, 4, headdim, dtype=torch.bfloat16) for _ in range(4)]
+def opts(headdim):
+    return _options(None, True, headdim ** -0.5, -1, -1, None, 0.0, 0.0, None, None, None, 0, 0)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
+def test_compiling_compiles_what_a_launch_runs_in_threads():
+    """flash_triton.compiling(): a forward and backward compile every kernel they would launch
+    (the autotuner's pruned candidates; a forced config) and launch nothing; the launch that
+    follows finds its kernel compiled (Triton's jit_cache_hook, called on a miss, is not); and
+    on an autotuning miss the pruned candidates are all compiled before the first is timed.
+    For sm_90 with this Triton, CPU tensors (so no TMA candidate), two threads."""
+    code = _HOPPER_FOR_COMPILING + '''
+from triton import knobs
+q, k, v, do = qkv(128)
+with ft.compiling(2):
+    o, lse = ft.forward(q, k, v, opts(128))
+    ft.backward(do, q, k, v, o, lse, None, opts(128))
+    pipe = ft._config((128, 64, 8, 3, ft.PIPE))
+    with ft.forced_configs({"fwd": pipe}):
+        ft.forward(q, k, v, opts(128))
+print(*compiled())
+misses = []
+knobs.runtime.jit_cache_hook = lambda *args, **kwargs: misses.append(kwargs["key"]) or False
+for config in ft.configs_for("fwd", 9, 128)[:1] + [pipe]:
+    try:
+        with ft.forced_configs({"fwd": config}):
+            ft.forward(q, k, v, opts(128))
+    except Exception as e:  # the launch itself: no GPU
+        print(type(e).__name__)
+print(len(misses))
+q, k, v, do = qkv(256)  # a new specialization, not within compiling(): the autotuner's miss
+try:
+    ft.forward(q, k, v, opts(256))
+except Exception as e:  # timing the first candidate: no GPU
+    print(type(e).__name__)
+print(*compiled())
+'''
+    out = _compile(code).stdout.splitlines()
+    from longflash import flash_triton as ft
+    pointer = {kernel: sum(len(c) == 4 for c in ft.CONFIGS[kernel, 9, 128])
+               for kernel in ("fwd", "dkdv", "dq")}
+    first = [int(x) for x in out[-6].split()]
+    assert first == [pointer["fwd"] + 1, 1, pointer["dkdv"], pointer["dq"]], out
+    assert out[-3] == "0", "a launch after compiling() compiled again: " + "\n".join(out)
+    d256 = sum(len(c) == 4 for c in ft.CONFIGS["fwd", 9, 256])
+    assert d256 > 1
+    assert [int(x) for x in out[-1].split()] == [first[0] + d256, *first[1:]], out

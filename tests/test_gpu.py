@@ -108,6 +108,26 @@ def test_triton_gpu(dtype, shape, causal):
     check_against_reference(shape, dtype, causal, backend="triton", device="cuda")
 
 
+def test_compiling_then_running_gpu(monkeypatch):
+    """flash_triton.compiling(): a forward and backward there compile every kernel they would
+    launch and run nothing; the checked call that follows (its autotuning included) compiles
+    nothing more (Triton's jit_cache_hook is called on each compile) and is exact. A shape no
+    other test compiles (head dim 72)."""
+    from triton import knobs
+    from longflash import flash_triton
+    from test_correctness import make_inputs
+    shape = (2, 333, 333, 3, 1, 72)
+    q, k, v, do = make_inputs(shape, torch.bfloat16, device="cuda")
+    with flash_triton.compiling():
+        o = longflash.attention(q, k, v, causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook",
+                        lambda *args, **kwargs: compiled.append(kwargs.get("key")) and False)
+    check_against_reference(shape, torch.bfloat16, True, backend="triton", device="cuda")
+    assert compiled == []
+
+
 def test_auto_uses_triton_on_cuda():
     from longflash import interface
     assert interface._resolve_backend("auto", torch.empty(1, device="cuda")) == "triton"

@@ -70,8 +70,11 @@ Where it was tested and where it breaks:
 """
 
 import contextlib
+import contextvars
 import inspect
 import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -215,7 +218,11 @@ def _prune(kernel):
         """Keep this GPU's and head dim's candidates (CONFIGS); the TMA ones only where the
         launcher found the inputs fit (tma_ok), the warp-specialized ones only where it found
         that they may run (ws_ok); in dK/dV those that compute dQ (ATOMIC) only, or none of
-        them, as the launcher chose (atomic_dq)."""
+        them, as the launcher chose (atomic_dq). A single config (forced_configs) as it is, as
+        the autotuner runs it. Then compile the kept ones at once (_compile_candidates): the
+        autotuner prunes only on a miss, just before it compiles and times each."""
+        if len(configs) == 1:
+            return configs
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
         arg = lambda name: kwargs.get(name, named_args.get(name, 0))  # noqa: E731
@@ -225,8 +232,9 @@ def _prune(kernel):
         pointers = [c for c in configs if not c.kwargs["USE_TMA"]]
         usable = [c for c in configs if (not c.kwargs["USE_TMA"] or arg("tma_ok"))
                   and (not c.kwargs.get("WARP_SPECIALIZE") or arg("ws_ok"))]
-        kept = [c for c in usable if _entry(c) in wanted]
-        return kept or pointers[:1]
+        kept = [c for c in usable if _entry(c) in wanted] or pointers[:1]
+        _compile_candidates(kernel, kept, named_args, kwargs)
+        return kept
     return prune
 
 
@@ -1329,12 +1337,11 @@ def forward(q, k, v, opts):
     if table is not None:  # pointer loads only: a TMA tile may span pages
         scalars.update(tma_ok=0, ws_ok=0)
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
-    _attn_fwd[grid](q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"],
-                    pointers["CU_K"] if table is None else table,
-                    *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                    stride_tb=0 if table is None else table.stride(0),
-                    page_size=1 if table is None else k.shape[1], PAGED=table is not None,
-                    **scalars)
+    _launch(_attn_fwd, grid, q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"],
+            pointers["CU_K"], pointers["CU_K"] if table is None else table,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            stride_tb=0 if table is None else table.stride(0),
+            page_size=1 if table is None else k.shape[1], PAGED=table is not None, **scalars)
     return o, lse
 
 
@@ -1356,10 +1363,10 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     # -- preprocess: delta = rowsum(do * o) over the values' head dim; a gradient of lse
     # enters as -dlse --
     block_m = 32 if _INTERPRET else PREPROCESS_BLOCK_M
-    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-        o, do, delta, pointers["CU_Q"], *_strides(o), *_strides(do), scalars["stride_lb"],
-        scalars["stride_lh"], nheads, seqlen_q, IS_VARLEN=opts.varlen,
-        HEAD_DIM=scalars["HEAD_DIM_V"], BLOCK_D=scalars["BLOCK_DV"], BLOCK_M=block_m)
+    _launch(_attn_bwd_preprocess, (triton.cdiv(seqlen_q, block_m), batch * nheads),
+            o, do, delta, pointers["CU_Q"], *_strides(o), *_strides(do), scalars["stride_lb"],
+            scalars["stride_lh"], nheads, seqlen_q, IS_VARLEN=opts.varlen,
+            HEAD_DIM=scalars["HEAD_DIM_V"], BLOCK_D=scalars["BLOCK_DV"], BLOCK_M=block_m)
     if dlse is not None:
         delta -= dlse
     tensors = (q, k, v, do, lse, delta)
@@ -1373,14 +1380,14 @@ def backward(do, q, k, v, o, lse, dlse, opts):
         dq_acc, dq_strides = delta.new_empty(0), (0, 0, 0)
     grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv,  # noqa: E731
                             2 if META.get("SPLIT") else 1)
-    _attn_bwd_dkdv[grid_kv](*tensors, dk, dv, dq_acc, *extra, *strides, *_strides(dk),
-                            *_strides(dv), *dq_strides, atomic_dq=int(atomic), **scalars)
+    _launch(_attn_bwd_dkdv, grid_kv, *tensors, dk, dv, dq_acc, *extra, *strides, *_strides(dk),
+            *_strides(dv), *dq_strides, atomic_dq=int(atomic), **scalars)
     if atomic:
         return dq.copy_(dq_acc[..., :q.shape[-1]].mul_(opts.softmax_scale)), dk, dv
     # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized dQ.
     scalars["ws_ok"] = int(scalars["ws_ok"] and not opts.varlen)
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
-    _attn_bwd_dq[grid_q](*tensors, dq, *extra, *strides, *_strides(dq), **scalars)
+    _launch(_attn_bwd_dq, grid_q, *tensors, dq, *extra, *strides, *_strides(dq), **scalars)
     return dq, dk, dv
 
 
@@ -1399,3 +1406,73 @@ def forced_configs(configs):
     finally:
         for name, old in saved.items():
             kernels[name].configs = old
+
+
+# ----------------------------------------------------------------------------- compilation
+
+# Triton's autotuner compiles each candidate just before timing it, one at a time: on a new
+# specialization (head dims, dtype, flags, alignments) three kernels of three or four
+# candidates each, most of a first call's seconds. Its compiler releases the GIL in its passes
+# and runs ptxas as a process, so the candidates compile in threads at once
+# (triton.AsyncCompileMode, Triton >= 3.4); the timing then finds them compiled.
+_compile_only = contextvars.ContextVar("longflash_compile_only", default=False)
+
+
+def compile_workers():
+    """Threads that compile candidates at once: LONGFLASH_COMPILE_WORKERS if set (1 compiles
+    them one at a time, as Triton does), else this process's CPUs, at most 8."""
+    env = os.environ.get("LONGFLASH_COMPILE_WORKERS")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"LONGFLASH_COMPILE_WORKERS must be a positive integer, got {env!r}")
+        return int(env)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, 8))
+
+
+@contextlib.contextmanager
+def compiling(workers=None):
+    """Within the block, a launch of the forward, preprocessing, dK/dV or dQ kernel compiles
+    (for this GPU and these arguments: the autotuner's candidates after pruning, or a forced
+    config) and runs nothing, leaving its outputs unwritten; the compiles run on `workers`
+    threads (default compile_workers()), and the block's end waits for them. A later call of
+    the same specialization finds them compiled. A compile that fails is left to the launch
+    that needs it (which raises, or the autotuner skips the candidate). Under the interpreter
+    launches do nothing. The tuning sweep compiles a target's candidates this way before
+    checking and timing them one at a time (forced_configs)."""
+    token = _compile_only.set(True)
+    try:
+        if _INTERPRET or not hasattr(triton, "AsyncCompileMode"):
+            yield  # (an older Triton: each launch compiles where it is, one at a time)
+        else:
+            with ThreadPoolExecutor(workers or compile_workers()) as pool, \
+                    triton.AsyncCompileMode(pool, ignore_errors=True):
+                yield
+    finally:
+        _compile_only.reset(token)
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), or within compiling() its compile only."""
+    if not _compile_only.get():
+        return kernel[grid](*args, **kwargs)
+    if not _INTERPRET:
+        kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def _compile_candidates(kernel, configs, named_args, kwargs):
+    """The autotuner's pruned candidates of one launch (named_args, kwargs: its arguments),
+    compiled at once (compiling()) before the autotuner times them. Not within compiling()
+    (the launch's own warmup compiles them there), nor with a single thread; if it fails, the
+    autotuner compiles them one at a time as it would have, after a warning."""
+    if len(configs) < 2 or _compile_only.get() or _INTERPRET or compile_workers() < 2:
+        return
+    tuner = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}[kernel]
+    call = {k: v for k, v in {**named_args, **kwargs}.items() if k not in ("grid", "warmup")}
+    try:
+        with compiling(min(len(configs), compile_workers())):
+            for config in configs:
+                tuner.fn.warmup(grid=(1,), **call, **config.all_kwargs())
+    except Exception as error:  # noqa: BLE001 (only time is at stake)
+        warnings.warn(f"longflash: compiling the {kernel} kernel's autotuning candidates at once "
+                      f"failed ({error!r}); the autotuner compiles them one at a time")
