@@ -394,8 +394,10 @@ def compile_candidates(kernel, configs, qkv, do, causal, mode):
     except Exception as error:  # noqa: BLE001 (only time is at stake)
         log(f"  {kernel}: compiling the candidates at once failed: {error!r}")
         return
+    how = "the interpreter: nothing to compile" if ft._INTERPRET else \
+        f"{ft.compile_workers()} threads"
     log(f"  {kernel}: {len(configs)} candidates compiled in {time.perf_counter() - start:.1f} s"
-        f" ({ft.compile_workers()} threads)")
+        f" ({how})")
 
 
 def candidate_rows(t, b, kernel, cfg, qkv, do, device, dtype, check_seqlens):
