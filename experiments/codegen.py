@@ -4,6 +4,8 @@
     python -m experiments.codegen --quick --check   # CI: a small subset, non-zero exit on a limit
     python -m experiments.codegen --kernel fwd --headdim 128 --arch sm90a --dtype bfloat16 \
         --flags plain --config 128/64/8/3/tma/pipe  # a trial of the tuning sweep: printed
+    python -m experiments.codegen --kernel fwd --headdim 128 --arch sm90a --dtype bfloat16 \
+        --flags plain --launch      # as a launch compiles them (compile_launch): printed
 
 Compiles (never runs) every Triton kernel of `longflash.flash_triton` (forward, preprocess,
 dK/dV, dQ) at every config the launcher can choose on that architecture
@@ -72,6 +74,7 @@ if __name__ == "__main__":  # before triton is imported; importers (tests) keep 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="longflash-codegen-")
     atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -107,6 +110,7 @@ class Config:
     dtypes: tuple = tuple(DTYPES)
     flags: tuple = tuple(FLAGS)
     configs: tuple = ()  # CONFIGS entries to compile instead of the table's (--config)
+    launch: bool = False  # compile_launch instead of compile_one (--launch)
     out_dir: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "results", "codegen")
 
@@ -215,7 +219,73 @@ def compile_one(kernel, dtype, flags, headdim, arch, cfg):
     t0 = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    compile_s = time.perf_counter() - t0
+    return _metrics(compiled, arch, time.perf_counter() - t0)
+
+
+class StandInGPU:
+    """Triton's driver for compiling with no GPU: device 0 of the given compute capability.
+    Enough for a launch within flash_triton.compiling(), which compiles and runs nothing."""
+
+    def __init__(self, capability):
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def is_active(self):
+        return True
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+# The launch compile_launch makes: (batch, tokens, heads), as RQ1 at 4K tokens (lengths and
+# head count multiples of 16, no GQA), non-causal, no variant.
+LAUNCH_SHAPE = (1, 4096, 16)
+LAUNCHED = {"fwd": "_attn_fwd", "preprocess": "_attn_bwd_preprocess", "dkdv": "_attn_bwd_dkdv",
+            "dq": "_attn_bwd_dq"}
+
+
+def compile_launch(kernel, dtype, headdim, arch, cfg):
+    """One config compiled as a launch compiles it, where compile_one builds the signature by
+    hand: flash_triton's launcher called on CPU tensors of LAUNCH_SHAPE inside
+    flash_triton.compiling(), with Triton's driver a StandInGPU of the target, so that each
+    argument is specialized as at that launch (the lengths and head count known multiples of 16,
+    group_size = 1 folded). The pass's other kernels forced to their first candidate (nothing
+    is timed). compile_s: the whole pass's compiles (a kernel compiled before in this run loads
+    from Triton's cache)."""
+    from triton.runtime.driver import driver
+    from longflash.interface import _options
+    driver.set_active(StandInGPU(ARCHS[arch]))
+    batch, tokens, heads = LAUNCH_SHAPE
+    q, k, v, do = (torch.randn(batch, tokens, heads, headdim, dtype=getattr(torch, dtype))
+                   for _ in range(4))
+    o, lse = torch.empty_like(q), torch.empty(batch, heads, tokens)
+    opts = _options(q, False, headdim ** -0.5, -1, -1, None, 0.0, 0.0, None, None, None, 0, 0)
+    forced = {name: configs_for(name, ARCHS[arch] // 10, headdim)[0]
+              for name in ("fwd", "dkdv", "dq")}
+    if kernel != "preprocess":
+        forced[kernel] = cfg
+    cache = flash_triton.jit_function(getattr(flash_triton, LAUNCHED[kernel])).device_caches[0][0]
+    cache.clear()  # so that this config compiles here, whatever this process compiled before
+    t0 = time.perf_counter()
+    with flash_triton.compiling(1), flash_triton.forced_configs(forced):
+        if kernel == "fwd":
+            flash_triton.forward(q, k, v, opts)
+        else:
+            flash_triton.backward(do, q, k, v, o, lse, None, opts)
+    (compiled,) = cache.values()
+    return _metrics(compiled, arch, time.perf_counter() - t0)
+
+
+def _metrics(compiled, arch, compile_s):
+    """The report's metrics of one compiled kernel."""
     ptx = compiled.asm["ptx"]
     return dict(compile_s=compile_s, **loop_profile(compiled.asm["cubin"]),
                 shared_mem_bytes=compiled.metadata.shared,
@@ -352,8 +422,10 @@ def sweep(conf, log=print):
                                        batch="", seqlen_q="", seqlen_k="", nheads="",
                                        nheads_kv="", headdim=headdim, p20="", p80="")
                             try:
-                                metrics, status = compile_one(kernel, dtype, flags, headdim,
-                                                              arch, cfg), "ok"
+                                metrics, status = (
+                                    compile_launch(kernel, dtype, headdim, arch, cfg)
+                                    if conf.launch else
+                                    compile_one(kernel, dtype, flags, headdim, arch, cfg)), "ok"
                             except Exception as e:  # a failed compile is a row, not a crash
                                 log(f"{arch} {kernel} d={headdim} {dtype} {flags} "
                                     f"{key['config']}: error {str(e).splitlines()[0][:200]}")
@@ -430,6 +502,10 @@ def main(argv=None):
                         help="compile these candidates instead of the config table's, as "
                              "config_name writes them (128/64/8/3/tma/pipe: a trial of the "
                              "tuning sweep); prints, writes nothing")
+    parser.add_argument("--launch", action="store_true",
+                        help="compile as a launch does (compile_launch: the launcher on an RQ1 "
+                             "shape, plain, kernels fwd/preprocess/dkdv/dq); prints, writes "
+                             "nothing")
     parser.add_argument("--out-dir", help="default: results/codegen (the full report only)")
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
     args = parser.parse_args(argv)
@@ -443,6 +519,10 @@ def main(argv=None):
         conf = dataclasses.replace(conf, out_dir=args.out_dir)
     if args.config:  # trials: the report holds the table's candidates only
         conf, args.no_write = dataclasses.replace(conf, configs=tuple(args.config)), True
+    if args.launch:
+        if set(conf.flags) != {"plain"} or not set(conf.kernels) <= set(LAUNCHED):
+            parser.error(f"--launch compiles --flags plain of the kernels {sorted(LAUNCHED)}")
+        conf, args.no_write = dataclasses.replace(conf, launch=True), True
     print(f"triton {triton.__version__}, ptxas {ptxas_path()}", flush=True)
     t0 = time.perf_counter()
     by_arch = {}

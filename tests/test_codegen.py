@@ -138,15 +138,9 @@ def test_check_flags_a_spilling_forward():
 # and target before it compiles; nothing in these tests launches (a launch fails here).
 _HOPPER_FOR_COMPILING = '''
 import os, torch
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
-class Hopper:
-    def is_active(self): return True
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_active_torch_device(self): return torch.device("cpu")
-driver.set_active(Hopper())
+from experiments.codegen import StandInGPU
+driver.set_active(StandInGPU(90))
 os.environ["LONGFLASH_COMPILE_WORKERS"] = "2"  # threads even on a 1-CPU machine
 from longflash import flash_triton as ft
 from longflash.interface import _options
@@ -167,7 +161,8 @@ def test_compiling_compiles_what_a_launch_runs_in_threads():
     (the autotuner's pruned candidates; a forced config) and launch nothing; the launch that
     follows finds its kernel compiled (Triton's jit_cache_hook, called on a miss, is not); and
     on an autotuning miss the pruned candidates are all compiled before the first is timed.
-    For sm_90 with this Triton, CPU tensors (so no TMA candidate), two threads."""
+    For sm_90 with this Triton (codegen.StandInGPU), CPU tensors (so no TMA candidate), two
+    threads."""
     code = _HOPPER_FOR_COMPILING + '''
 from triton import knobs
 q, k, v, do = qkv(128)
@@ -204,3 +199,26 @@ print(*compiled())
     d256 = sum(len(c) == 4 for c in ft.CONFIGS["fwd", 9, 256])
     assert d256 > 1
     assert [int(x) for x in out[-1].split()] == [first[0] + d256, *first[1:]], out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
+def test_report_compiles_about_what_a_launch_compiles():
+    """The report's hand-built signature (compile_one) against a launch's own specialization
+    (compile_launch: the launcher on an RQ1 shape, codegen.StandInGPU): the same hot loop
+    within 5% of its instructions and the same exp2s, registers within 10, no spills either
+    way, for the forward's chosen tile and the pipelined trial at head dim 128 (PERFLOG: they
+    differ a little, the report folds fewer arguments)."""
+    code = ("from experiments import codegen as cg; from longflash import flash_triton as ft; "
+            "cs = [ft._config(c) for c in ((128, 64, 8, 3, ft.TMA), "
+            "(128, 64, 8, 3, ft.TMA, ft.PIPE))]; "
+            "ms = [f('fwd', 'bfloat16', *a, 128, 'sm90a', c) for c in cs for f, a in "
+            "((cg.compile_one, ('plain',)), (cg.compile_launch, ()))]; "
+            "[print(m['registers'], m['spill_bytes'], m['loop_instructions'], m['loop_ex2']) "
+            "for m in ms]")
+    out = _compile(code)
+    rows = [[int(x) for x in line.split()] for line in out.stdout.splitlines()[-4:]]
+    for report, launch in (rows[0:2], rows[2:4]):
+        assert abs(report[0] - launch[0]) <= 10 and report[1] == launch[1] == 0, out.stdout
+        assert abs(report[2] - launch[2]) <= 0.05 * launch[2], out.stdout
+        assert report[3] == launch[3] > 0, out.stdout
