@@ -257,8 +257,9 @@ def compile_launch(kernel, dtype, headdim, arch, cfg):
     hand: flash_triton's launcher called on CPU tensors of LAUNCH_SHAPE inside
     flash_triton.compiling(), with Triton's driver a StandInGPU of the target, so that each
     argument is specialized as at that launch (the lengths and head count known multiples of 16,
-    group_size = 1 folded). The pass's other kernels forced to their first candidate (nothing
-    is timed). compile_s: the whole pass's compiles (a kernel compiled before in this run loads
+    group_size = 1 folded; a warp-specialized config then compiles without masks, FULL_TILES,
+    as it runs there). The pass's other kernels forced to their first candidate (nothing is
+    timed). compile_s: the whole pass's compiles (a kernel compiled before in this run loads
     from Triton's cache)."""
     from triton.runtime.driver import driver
     from longflash.interface import _options
