@@ -222,3 +222,15 @@ def test_report_compiles_about_what_a_launch_compiles():
         assert abs(report[0] - launch[0]) <= 10 and report[1] == launch[1] == 0, out.stdout
         assert abs(report[2] - launch[2]) <= 0.05 * launch[2], out.stdout
         assert report[3] == launch[3] > 0, out.stdout
+
+
+def test_compile_workers_reads_its_variable(monkeypatch):
+    from longflash import flash_triton as ft
+    monkeypatch.setenv("LONGFLASH_COMPILE_WORKERS", "3")
+    assert ft.compile_workers() == 3
+    for bad in ("0", "two", "-1", ""):
+        monkeypatch.setenv("LONGFLASH_COMPILE_WORKERS", bad)
+        with pytest.raises(ValueError, match="LONGFLASH_COMPILE_WORKERS"):
+            ft.compile_workers()
+    monkeypatch.delenv("LONGFLASH_COMPILE_WORKERS")
+    assert 1 <= ft.compile_workers() <= 8
