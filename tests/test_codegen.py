@@ -234,3 +234,24 @@ def test_compile_workers_reads_its_variable(monkeypatch):
             ft.compile_workers()
     monkeypatch.delenv("LONGFLASH_COMPILE_WORKERS")
     assert 1 <= ft.compile_workers() <= 8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
+def test_a_new_dropout_seed_compiles_nothing_new():
+    """The dropout seed changes every call; Triton specializes integer arguments on their
+    divisibility by 16, so the seed's halves are not specialized (flash_triton._SEED): one
+    compile of each kernel serves seeds of every such class."""
+    code = _HOPPER_FOR_COMPILING + '''
+q, k, v, do = qkv(64)
+o, lse = torch.empty_like(q), torch.empty(2, 4, 160)
+forced = {name: ft.configs_for(name, 9, 64)[0] for name in ("fwd", "dkdv", "dq")}
+for seed in (16, 17, 2 ** 32 + 5, 3 * 2 ** 32 + 112):
+    o_ = _options(None, False, 0.125, -1, -1, None, 0.0, 0.1, seed, None, None, 0, 0)
+    with ft.compiling(1), ft.forced_configs(forced):
+        ft.forward(q, k, v, o_)
+        ft.backward(do, q, k, v, o, lse, None, o_)
+    print(*compiled())
+'''
+    out = _compile(code).stdout.splitlines()
+    assert out[-1] == out[-4] == "1 1 1 1", out

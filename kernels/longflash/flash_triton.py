@@ -695,9 +695,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     return acc, l_i, m_i
 
 
+# The dropout seed's halves: a new seed per call (per training step) must not compile anew.
+# Triton specializes integer arguments on their value (1) and divisibility (by 16), so a seed
+# left to it would compile each kernel again for each of four such classes as they appear.
+_SEED = ["seed_lo", "seed_hi"]
+
+
 @_autotune("fwd")
 @triton.heuristics({"FULL_TILES": _full_tiles})
-@triton.jit
+@triton.jit(do_not_specialize=_SEED)
 def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
               stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
@@ -975,7 +981,7 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
 
 @_autotune("dkdv")
 @triton.heuristics({"FULL_TILES": _full_tiles})
-@triton.jit
+@triton.jit(do_not_specialize=_SEED)
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                    stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
@@ -1120,7 +1126,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
 
 @_autotune("dq")
 @triton.heuristics({"FULL_TILES": _full_tiles})
-@triton.jit
+@triton.jit(do_not_specialize=_SEED)
 def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_don, stride_doh,
