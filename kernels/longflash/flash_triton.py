@@ -1397,21 +1397,25 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     return dq, dk, dv
 
 
+def _tuned(kernel):
+    """The autotuned kernel of a name: "fwd" | "dkdv" | "dq"."""
+    return {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}[kernel]
+
+
 @contextlib.contextmanager
 def forced_configs(configs):
     """Within the block, each kernel named in `configs` ({"fwd" | "dkdv" | "dq": triton.Config})
     launches with that config alone (the autotuner runs a single config as it is, with neither
     benchmarking nor its cache); the others autotune as usual. For checking and timing one
     candidate: the GPU campaign's preflight and tuning sweep."""
-    kernels = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}
-    saved = {name: kernels[name].configs for name in configs}
+    saved = {name: _tuned(name).configs for name in configs}
     try:
         for name, config in configs.items():
-            kernels[name].configs = [config]
+            _tuned(name).configs = [config]
         yield
     finally:
         for name, old in saved.items():
-            kernels[name].configs = old
+            _tuned(name).configs = old
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -1473,7 +1477,7 @@ def _compile_candidates(kernel, configs, named_args, kwargs):
     autotuner compiles them one at a time as it would have, after a warning."""
     if len(configs) < 2 or _compile_only.get() or _INTERPRET or compile_workers() < 2:
         return
-    tuner = {"fwd": _attn_fwd, "dkdv": _attn_bwd_dkdv, "dq": _attn_bwd_dq}[kernel]
+    tuner = _tuned(kernel)
     call = {k: v for k, v in {**named_args, **kwargs}.items() if k not in ("grid", "warmup")}
     try:
         with compiling(min(len(configs), compile_workers())):
