@@ -4,8 +4,6 @@
     python -m experiments.codegen --quick --check   # CI: a small subset, non-zero exit on a limit
     python -m experiments.codegen --kernel fwd --headdim 128 --arch sm90a --dtype bfloat16 \
         --flags plain --config 128/64/8/3/tma/pipe  # a trial of the tuning sweep: printed
-    python -m experiments.codegen --kernel fwd --headdim 128 --arch sm90a --dtype bfloat16 \
-        --flags plain --launch      # as a launch compiles them (compile_launch): printed
 
 Compiles (never runs) every Triton kernel of `longflash.flash_triton` (forward, preprocess,
 dK/dV, dQ) at every config the launcher can choose on that architecture
@@ -13,18 +11,25 @@ dK/dV, dQ) at every config the launcher can choose on that architecture
 split-KV, "decode_merge", "decode_append": the append and rotary embedding) at the config the
 launcher chooses for a decoding step of a Llama-like shape (one query, 4 query heads per KV
 head; the merge for the split count chosen at batch 1, 8 KV heads, 128K keys on a 132-SM
-H100), for head dims 64/128/256, bf16 and fp16, and each compile-time variant flag of the
-kernel (softcap, alibi, dropout, varlen; paged for the forward (packed sequences whose keys
-are read from a paged cache through a block table); paged and leftpad (cache_leftpad) for the
-decoding kernel, paged and rotary (half-split, queries in order) for the append; "plain" is none of them; "full_tiles" is the
-warp-specialized candidates compiled without masks, as they run when no block needs one,
-flash_triton._full_tiles), then reads the ptxas report (`ptxas -v`, the ptxas shipped in the
-triton package) and the PTX.
+H100), for head dims 64/128/256, bf16 and fp16, and each variant flag of the kernel, then
+reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
 
-Causal attention is a runtime argument of the kernels (window_right = 0), so one binary
-serves causal and non-causal attention: each compile is written as two rows (causal True and
-False) with the same numbers; "full_tiles" compiles serve non-causal attention only (one row,
-causal False).
+The flash kernels compile as a launch compiles them (compile_launch): their launcher is called
+on CPU tensors with Triton's driver a stand-in of the target GPU, so Triton specializes every
+argument as at that call. The flags of a flash kernel are launches (launch_inputs): "plain" is
+RQ1's call (batch 1, 16 heads, 4000 tokens, non-causal, no variant); "gqa" the same with 4 KV
+heads (grouped query heads); "softcap", "alibi", "dropout" that variant; "varlen" packed
+sequences; "paged" (forward) packed sequences whose keys are read from a paged cache through a
+block table; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
+candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
+every block). The decoding kernels' signatures are built by hand (compile_one): "plain", and
+paged and leftpad (cache_leftpad) for the split-KV kernel, paged and rotary (half-split,
+queries in order) for the append.
+
+Causal attention is a runtime argument of the kernels (window_right = 0); a causal launch
+compiles the same code (checked: registers, spills and hot loop alike), so each compile is
+written as two rows (causal True and False) with the same numbers; "full_tiles" compiles serve
+non-causal attention only (one row, causal False).
 
 Rows (results schema of experiments/results.py, provider "longflash", mode "fwd" for the
 forward and decoding kernels and "bwd" for the three backward kernels, extra key columns
@@ -41,7 +46,10 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
                        the compute warpgroups: 12 from the WS candidates' 4)
     setmaxnreg_count   register reallocations between warpgroups in the PTX (setmaxnreg): the
                        sign of a warp-specialized kernel
-    compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) on this machine
+    ws_offset_twice    places in the TTGIR where a compute partition's row index adds the
+                       partition's row offset twice (a Triton bug: ws_offset_twice below)
+    compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) of this kernel on
+                       this machine (never a cache hit)
     loop_instructions  sm_90a: SASS instructions (nvdisasm) of one trip of the innermost loop
                        that holds a warpgroup MMA (HGMMA), the kernel's hot loop
     loop_ex2           its exp2s (MUFU.EX2)
@@ -52,13 +60,14 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
 --check exits non-zero when a kernel breaks the limits of issue 14 (`check` below) at a config
 the launcher can choose on sm_90a, when the decoding kernel spills, when a kernel needs more
 shared memory than an H100 block can have, or when a warp-specialized candidate ("/ws") did not
-compile to a warp-specialized kernel (Triton's pass can leave a loop as it is, silently). Must
-run without TRITON_INTERPRET=1.
+compile to a warp-specialized kernel (Triton's pass can leave a loop as it is, silently) or
+indexes a partition's rows twice offset (ws_offset_twice). Must run without TRITON_INTERPRET=1.
 """
 
 import argparse
 import atexit
 import dataclasses
+import itertools
 import os
 import re
 import shutil
@@ -80,13 +89,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from longflash import decode_triton, flash_triton  # noqa: E402
+from longflash._common import empty_outputs  # noqa: E402
 
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
-FLASH_FLAGS = ["plain", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
+FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
 FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary"]
-KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"],
+KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"], "preprocess": ["plain", "varlen"],
                 "decode": ["plain", "softcap", "alibi", "paged", "leftpad"],
                 "decode_merge": ["plain"], "decode_append": ["plain", "paged", "rotary"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
@@ -110,7 +120,6 @@ class Config:
     dtypes: tuple = tuple(DTYPES)
     flags: tuple = tuple(FLAGS)
     configs: tuple = ()  # CONFIGS entries to compile instead of the table's (--config)
-    launch: bool = False  # compile_launch instead of compile_one (--launch)
     out_dir: str = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "results", "codegen")
 
@@ -136,15 +145,14 @@ def _signature(fn, pointers, constexprs):
     return sig
 
 
-# Strides that are not multiples of 16 elements in a launch: the ALiBi slopes' and the block
-# table's (max_pages); in a decoding step also the per-query log-sum-exps' (seqlen_q = 1) and
-# the rotary table's (rotary_dim / 2, any). The flash kernels' log-sum-exp head stride is the
-# sequence length: a multiple of 16 in RQ1.
-UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb")
-DECODE_UNALIGNED_STRIDES = UNALIGNED_STRIDES + ("stride_lh", "stride_qsh", "stride_cos")
+# Strides of a decoding step that are not multiples of 16 elements: the ALiBi slopes', the
+# block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1) and the rotary
+# table's (rotary_dim / 2, any).
+DECODE_UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb", "stride_lh", "stride_qsh",
+                            "stride_cos")
 
 
-def _divisibility(fn, pointers, unaligned=UNALIGNED_STRIDES):
+def _divisibility(fn, pointers, unaligned=DECODE_UNALIGNED_STRIDES):
     """What Triton's launcher specializes for contiguous inputs at head dims 64/128/256:
     pointers 16-byte aligned, (batch, seqlen, head) strides multiples of 16 elements. Without
     it the compiler cannot vectorize loads, so it would not pipeline them with cp.async."""
@@ -170,8 +178,9 @@ def configs_for(kernel, major, headdim):
     return flash_triton.configs_for(kernel, major, headdim)
 
 
-def kernel_spec(kernel, dtype, flags, headdim, arch):
-    """(jit function, signature pointers, constexprs) of one kernel, as the launcher calls it."""
+def kernel_spec(kernel, dtype, flags, headdim):
+    """(jit function, signature pointers, constexprs) of a decoding kernel, as its launcher
+    calls it."""
     p = "*" + DTYPES[dtype]
     if kernel == "decode_append":  # with an int cache_seqlens unless paged (as decode)
         tensors = dict(Q=p, Q_ROT=p, K_NEW=p, V_NEW=p, K_CACHE=p, V_CACHE=p,
@@ -193,29 +202,17 @@ def kernel_spec(kernel, dtype, flags, headdim, arch):
             SPLIT=True, HAS_LEFTPAD=flags == "leftpad", HAS_SOFTCAP=flags == "softcap",
             HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, HEAD_DIM_V=headdim,
             INPUT_PRECISION="tf32")
-    stats = {"LSE": "*fp32", "Delta": "*fp32", "ALIBI": "*fp32", "CU_Q": "*i32", "CU_K": "*i32"}
-    tensors = dict(Q=p, K=p, V=p, O=p, DO=p, DQ=p, DK=p, DV=p, TABLE="*i32", DQ_ACC="*fp32",
-                   **stats)
-    meta = flash_triton.constexprs(headdim, dtype_is_fp32=False,
-                                   varlen=flags in ("varlen", "paged"),
-                                   softcap=flags == "softcap", alibi=flags == "alibi",
-                                   dropout=flags == "dropout")
-    fn = {"fwd": flash_triton._attn_fwd, "preprocess": flash_triton._attn_bwd_preprocess,
-          "dkdv": flash_triton._attn_bwd_dkdv, "dq": flash_triton._attn_bwd_dq}[kernel]
-    fn = flash_triton.jit_function(fn)
-    meta = {k: v for k, v in meta.items() if k in fn.arg_names}
-    return fn, tensors, dict(meta, FULL_TILES=flags == "full_tiles", PAGED=flags == "paged")
 
 
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
-    """Compile one kernel at one config; returns a dict of metrics."""
-    fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim, arch)
+    """Compile one decoding kernel at one config, its signature built by hand (kernel_spec);
+    returns a dict of metrics. The flash kernels compile as launched: compile_launch."""
+    fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim)
     meta = {**flash_triton.constexpr_defaults(fn), **meta, **cfg.kwargs}
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     src = ASTSource(fn=fn, signature=_signature(fn, tensors, meta),
                     constexprs={(fn.arg_names.index(k),): v for k, v in meta.items()},
-                    attrs=_divisibility(fn, tensors, DECODE_UNALIGNED_STRIDES
-                                        if kernel.startswith("decode") else UNALIGNED_STRIDES))
+                    attrs=_divisibility(fn, tensors))
     t0 = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32),
                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
@@ -245,44 +242,121 @@ class StandInGPU:
         return torch.device("cpu")
 
 
-# The launch compile_launch makes: (batch, tokens, heads), as RQ1 at 4K tokens (lengths and
-# head count multiples of 16, no GQA), non-causal, no variant.
-LAUNCH_SHAPE = (1, 4096, 16)
+# The launches compile_launch makes, as RQ1 calls the kernels (lengths and head counts multiples
+# of 16, the inputs contiguous): batch 1, 16 query heads, non-causal, 4000 tokens (not a multiple
+# of the tiles, so a warp-specialized loop masks every block, as at most lengths and in causal
+# attention) or, for "full_tiles", 4096 (a multiple of every tile: the warp-specialized loops
+# compile without masks, as at RQ1's non-causal calls). "gqa": 4 KV heads. "varlen": two
+# packed sequences of 1000 and 3000 tokens; "paged" the same with the keys and values in a
+# paged cache of 256-token pages read through the block table (forward only).
+LAUNCH_TOKENS, LAUNCH_TOKENS_FULL, LAUNCH_HEADS, LAUNCH_KV_HEADS_GQA = 4000, 4096, 16, 4
+LAUNCH_SEQLENS, LAUNCH_PAGE = (1000, 3000), 256
 LAUNCHED = {"fwd": "_attn_fwd", "preprocess": "_attn_bwd_preprocess", "dkdv": "_attn_bwd_dkdv",
             "dq": "_attn_bwd_dq"}
 
 
-def compile_launch(kernel, dtype, headdim, arch, cfg):
-    """One config compiled as a launch compiles it, where compile_one builds the signature by
-    hand: flash_triton's launcher called on CPU tensors of LAUNCH_SHAPE inside
-    flash_triton.compiling(), with Triton's driver a StandInGPU of the target, so that each
-    argument is specialized as at that launch (the lengths and head count known multiples of 16,
-    group_size = 1 folded; a warp-specialized config then compiles without masks, FULL_TILES,
-    as it runs there). The pass's other kernels forced to their first candidate (nothing is
-    timed). compile_s: the whole pass's compiles (a kernel compiled before in this run loads
-    from Triton's cache)."""
+def launch_inputs(flags, dtype, headdim):
+    """(q, k, v, Options) of the launch a flag stands for (above); the tensors on the CPU,
+    unwritten (nothing runs)."""
+    from longflash._common import Options
+    dt = getattr(torch, dtype)
+    tokens = LAUNCH_TOKENS_FULL if flags == "full_tiles" else LAUNCH_TOKENS
+    kv_heads = LAUNCH_KV_HEADS_GQA if flags == "gqa" else LAUNCH_HEADS
+    opts = dict(softmax_scale=headdim ** -0.5)
+    if flags in ("varlen", "paged"):
+        cu = torch.tensor([0, *itertools.accumulate(LAUNCH_SEQLENS)], dtype=torch.int32)
+        opts.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(LAUNCH_SEQLENS),
+                    max_seqlen_k=max(LAUNCH_SEQLENS))
+        q = torch.empty(tokens, LAUNCH_HEADS, headdim, dtype=dt)
+        kv_shape = (tokens, kv_heads, headdim)
+        if flags == "paged":  # each sequence's keys in pages of its own
+            pages = [-(-n // LAUNCH_PAGE) for n in LAUNCH_SEQLENS]
+            table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+            for b, n in enumerate(pages):
+                table[b, :n] = torch.arange(sum(pages[:b]), sum(pages[:b + 1]))
+            opts.update(block_table=table)
+            kv_shape = (sum(pages), LAUNCH_PAGE, kv_heads, headdim)
+    else:
+        q = torch.empty(1, tokens, LAUNCH_HEADS, headdim, dtype=dt)
+        kv_shape = (1, tokens, kv_heads, headdim)
+    if flags == "softcap":
+        opts.update(softcap=30.0)
+    if flags == "alibi":  # (nheads,) broadcast over the batch, as interface.py passes it
+        opts.update(alibi_slopes=torch.empty(LAUNCH_HEADS).expand(1, LAUNCH_HEADS))
+    if flags == "dropout":
+        opts.update(dropout_p=0.1, seed=1234)
+    k, v = (torch.empty(kv_shape, dtype=dt) for _ in range(2))
+    return q, k, v, Options(**opts)
+
+
+_stand_in_capability = []  # the StandInGPU's that compile_launch made Triton's driver
+
+
+def _stand_in(capability):
+    """Triton's driver a StandInGPU of this capability; on a change, the flash kernels forget
+    what they compiled for the previous one (their caches are made for one target)."""
     from triton.runtime.driver import driver
-    from longflash.interface import _options
-    driver.set_active(StandInGPU(ARCHS[arch]))
-    batch, tokens, heads = LAUNCH_SHAPE
-    q, k, v, do = (torch.randn(batch, tokens, heads, headdim, dtype=getattr(torch, dtype))
-                   for _ in range(4))
-    o, lse = torch.empty_like(q), torch.empty(batch, heads, tokens)
-    opts = _options(q, False, headdim ** -0.5, -1, -1, None, 0.0, 0.0, None, None, None, 0, 0)
-    forced = {name: configs_for(name, ARCHS[arch] // 10, headdim)[0]
-              for name in ("fwd", "dkdv", "dq")}
+    if _stand_in_capability == [capability]:
+        return
+    driver.set_active(StandInGPU(capability))
+    _stand_in_capability[:] = [capability]
+    for name in LAUNCHED.values():
+        flash_triton.jit_function(getattr(flash_triton, name)).device_caches.clear()
+
+
+def compile_launch(kernel, dtype, flags, headdim, arch, cfg):
+    """One config of a flash kernel compiled as a launch compiles it: flash_triton's launcher
+    called on the inputs of launch_inputs(flags) inside flash_triton.compiling(), with
+    Triton's driver a StandInGPU of the target, so that Triton specializes every argument as at
+    that launch (lengths and head counts known multiples of 16, group_size = 1 folded without
+    "gqa", the ALiBi slopes' head stride 1, FULL_TILES). The pass's other kernels run their
+    first candidate that computes no dQ (nothing is timed). compile_s: this kernel's compile
+    alone, never a cache hit (a fresh cache directory each call); the others stay compiled in
+    memory from one call to the next."""
+    q, k, v, opts = launch_inputs(flags, dtype, headdim)
+    forced = {name: next(c for c in configs_for(name, ARCHS[arch] // 10, headdim)
+                         if not c.kwargs.get("ATOMIC_DQ")) for name in ("fwd", "dkdv", "dq")}
     if kernel != "preprocess":
         forced[kernel] = cfg
-    cache = flash_triton.jit_function(getattr(flash_triton, LAUNCHED[kernel])).device_caches[0][0]
+    _stand_in(ARCHS[arch])
+    fn = flash_triton.jit_function(getattr(flash_triton, LAUNCHED[kernel]))
+    cache = fn.device_caches[0][0]  # (made on first use, for the active driver's target)
+    saved, compiles, original = dict(cache), [], fn.compile
     cache.clear()  # so that this config compiles here, whatever this process compiled before
-    t0 = time.perf_counter()
-    with flash_triton.compiling(1), flash_triton.forced_configs(forced):
-        if kernel == "fwd":
-            flash_triton.forward(q, k, v, opts)
-        else:
-            flash_triton.backward(do, q, k, v, o, lse, None, opts)
-    (compiled,) = cache.values()
-    return _metrics(compiled, arch, time.perf_counter() - t0)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        except Exception as e:
+            compiles.append(e)
+            raise
+        finally:
+            compiles.append(time.perf_counter() - t0)
+
+    fn.compile = timed
+    with tempfile.TemporaryDirectory(prefix="longflash-codegen-") as cache_dir:
+        old_dir, os.environ["TRITON_CACHE_DIR"] = os.environ.get("TRITON_CACHE_DIR"), cache_dir
+        try:
+            with flash_triton.compiling(1), flash_triton.forced_configs(forced):
+                if kernel == "fwd":
+                    flash_triton.forward(q, k, v, opts)
+                else:
+                    o, lse = empty_outputs(q, opts.cu_seqlens_q is not None)
+                    flash_triton.backward(torch.empty_like(o), q, k, v, o, lse, None, opts)
+            compiled = list(cache.values())
+        finally:
+            fn.compile = original
+            cache.clear()
+            cache.update(saved)
+            if old_dir is None:
+                os.environ.pop("TRITON_CACHE_DIR")
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old_dir
+    errors = [c for c in compiles if isinstance(c, Exception)]
+    if len(compiled) != 1 or errors:
+        raise RuntimeError(f"{kernel} did not compile: {errors[0] if errors else compiled}")
+    return _metrics(compiled[0], arch, sum(c for c in compiles if not isinstance(c, Exception)))
 
 
 def _metrics(compiled, arch, compile_s):
@@ -292,6 +366,7 @@ def _metrics(compiled, arch, compile_s):
                 shared_mem_bytes=compiled.metadata.shared,
                 warps=compiled.metadata.num_warps,
                 setmaxnreg_count=len(re.findall(r"\bsetmaxnreg\.", ptx)),
+                ws_offset_twice=ws_offset_twice(compiled.asm["ttgir"]),
                 **ptxas_report(ptx, arch),
                 wgmma_count=len(re.findall(r"\bwgmma\.mma_async", ptx)),
                 mma_count=len(re.findall(r"\bmma\.sync", ptx)),
@@ -362,9 +437,54 @@ def loop_profile(cubin):
                 ex2_beside_wgmma=ex2(body[first:wait]))
 
 
+_DEF = re.compile(r"^\s*(%[\w.]+) = (\S+) (.*)$")
+
+
+def ws_offset_twice(ttgir):
+    """How often a warp-specialized kernel's TTGIR adds a compute partition's row offset twice
+    to its row index: tt.splat(start + K) + tt.make_range(start = K). Triton's Hopper pass
+    (3.6.0 and 3.9.0) splits a program's 128 rows into two partitions of 64; for the second it
+    shifts the held tile's TMA coordinate by 64 (right) and the row range by 64 (right), and
+    where the row index was built from the same SSA value as the coordinate, it splats the
+    shifted coordinate (wrong): that partition then masks, stores and indexes rows 64 too far
+    (causal masks off by 64, its last 64 rows never stored). flash_triton._held_start keeps the
+    two values apart. A line-by-line reading of the printed IR: a name printed again (another
+    region) replaces the earlier one."""
+    consts, shifted, splats, ranges, found = {}, {}, {}, {}, 0
+    for line in ttgir.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        rest = re.sub(r"\s+loc\(.*\)$", "", rest)
+        for table in (consts, shifted, splats, ranges):
+            table.pop(name, None)  # a name printed again in another region
+        operands = re.findall(r"%[\w.]+", rest.split(":")[0].split("{")[0])
+        if op == "arith.constant":
+            value = re.search(r"(?:^|\s|\})\s*(-?\d+) : i32\b", rest)
+            if value:
+                consts[name] = int(value.group(1))
+        elif op == "arith.addi" and len(operands) == 2 and rest.endswith(": i32"):
+            k = [consts[o] for o in operands if o in consts]
+            if len(k) == 1 and k[0] > 0:
+                shifted[name] = k[0]
+        elif op == "tt.splat" and operands and operands[0] in shifted:
+            splats[name] = shifted[operands[0]]
+        elif op == "tt.make_range":
+            start = re.search(r"start = (\d+) : i32", rest)
+            if start:
+                ranges[name] = int(start.group(1))
+        elif op == "arith.addi" and len(operands) == 2:
+            a, b = operands
+            for s, r in ((a, b), (b, a)):
+                if s in splats and ranges.get(r) == splats[s]:
+                    found += 1
+    return found
+
+
 UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_mem_bytes="B",
              wgmma_count="count", mma_count="count", tma_count="count", cp_async_count="count",
-             warps="count", setmaxnreg_count="count", compile_s="s",
+             warps="count", setmaxnreg_count="count", ws_offset_twice="count", compile_s="s",
              loop_instructions="count", loop_ex2="count", ex2_beside_wgmma="count")
 
 
@@ -422,11 +542,11 @@ def sweep(conf, log=print):
                                        mode=mode, dtype=dtype,
                                        batch="", seqlen_q="", seqlen_k="", nheads="",
                                        nheads_kv="", headdim=headdim, p20="", p80="")
+                            compile_config = (compile_one if kernel.startswith("decode")
+                                              else compile_launch)
                             try:
-                                metrics, status = (
-                                    compile_launch(kernel, dtype, headdim, arch, cfg)
-                                    if conf.launch else
-                                    compile_one(kernel, dtype, flags, headdim, arch, cfg)), "ok"
+                                metrics, status = compile_config(
+                                    kernel, dtype, flags, headdim, arch, cfg), "ok"
                             except Exception as e:  # a failed compile is a row, not a crash
                                 log(f"{arch} {kernel} d={headdim} {dtype} {flags} "
                                     f"{key['config']}: error {str(e).splitlines()[0][:200]}")
@@ -469,7 +589,10 @@ def check(rows):
             problems.append(f"{where}: a warp-specialized candidate compiled without warp "
                             f"specialization (warps {m.get('warps', ('?',))[0]}, setmaxnreg "
                             f"{m.get('setmaxnreg_count', ('?',))[0]})")
-        if flags not in ("plain", "full_tiles") or headdim == 256:
+        if m.get("ws_offset_twice", (0,))[0] > 0:
+            problems.append(f"{where}: a compute partition's row index adds its offset twice "
+                            f"(ws_offset_twice {m['ws_offset_twice'][0]:.0f}: rows 64 too far)")
+        if flags not in ("plain", "gqa", "full_tiles") or headdim == 256:
             continue  # variants and d=256: reported, no limit (d=256 must compile)
         if kernel == "fwd" and (spills > 0 or wgmma == 0 or mma > 0):
             problems.append(f"{where}: forward must be spill-free with wgmma "
@@ -503,10 +626,6 @@ def main(argv=None):
                         help="compile these candidates instead of the config table's, as "
                              "config_name writes them (128/64/8/3/tma/pipe: a trial of the "
                              "tuning sweep); prints, writes nothing")
-    parser.add_argument("--launch", action="store_true",
-                        help="compile as a launch does (compile_launch: the launcher on an RQ1 "
-                             "shape, plain, kernels fwd/preprocess/dkdv/dq); prints, writes "
-                             "nothing")
     parser.add_argument("--out-dir", help="default: results/codegen (the full report only)")
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
     args = parser.parse_args(argv)
@@ -520,10 +639,6 @@ def main(argv=None):
         conf = dataclasses.replace(conf, out_dir=args.out_dir)
     if args.config:  # trials: the report holds the table's candidates only
         conf, args.no_write = dataclasses.replace(conf, configs=tuple(args.config)), True
-    if args.launch:
-        if set(conf.flags) != {"plain"} or not set(conf.kernels) <= set(LAUNCHED):
-            parser.error(f"--launch compiles --flags plain of the kernels {sorted(LAUNCHED)}")
-        conf, args.no_write = dataclasses.replace(conf, launch=True), True
     print(f"triton {triton.__version__}, ptxas {ptxas_path()}", flush=True)
     t0 = time.perf_counter()
     by_arch = {}

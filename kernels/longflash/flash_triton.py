@@ -560,12 +560,28 @@ def _load_kv(tiles, TABLE, start, stride, stride_page, page_size, n_rows, HEAD_D
 
 
 @triton.jit
+def _held_start(start, n_rows):
+    """The first row of a held tile's TMA copy: start, as a value of its own. Triton's Hopper
+    warp specialization (3.6.0, 3.9.0) splits the program's rows between two compute
+    partitions and shifts the copy's coordinate for the second by its 64 rows; where the
+    program's row index (start + arange, for masks, stores and statistics) was built from the
+    same SSA value, the pass shifted that too, on top of the second partition's arange(64,
+    128): rows 64 too far (causal masks off by 64, the last 64 rows of a sequence never
+    stored, statistics stored 64 rows off), which fits the NaN the first H100 window found in
+    these kernels (not yet rerun on a GPU). A copy past the end reads zeros either way.
+    experiments/codegen.py's ws_offset_twice finds the pattern in the compiled IR."""
+    return tl.minimum(start, n_rows)
+
+
+@triton.jit
 def _load_held(base, start, stride, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                BLOCK_D: tl.constexpr, BY_TMA: tl.constexpr):
     """The tile a program holds across its loop (q in the forward, q and dO in dQ, k and v in
     dK/dV): with BY_TMA one TMA copy through a fresh descriptor, as a warp-specialized loop
     needs (Triton's Hopper pass rejects a pointer load there), else pointer loads."""
     tiles = _tiles(base, n_rows, stride, HEAD_DIM, BLOCK_ROWS, BLOCK_D, BY_TMA)
+    if BY_TMA:
+        start = _held_start(start, n_rows)
     return _load_tile(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D, False, BY_TMA)
 
 
@@ -587,7 +603,7 @@ def _load_rows_tma(base, start, n_rows, BLOCK_ROWS: tl.constexpr):
     specialized kernel holds across its loop must come so (Triton's Hopper pass rejects a
     pointer load there)."""
     rows = tl.make_tensor_descriptor(base, shape=[n_rows], strides=[1], block_shape=[BLOCK_ROWS])
-    return rows.load([start])
+    return rows.load([_held_start(start, n_rows)])
 
 
 # ----------------------------------------------------------------------------- forward
