@@ -75,8 +75,11 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      speedup_d256  RQ1 part batch at head dim 256, 4K, 8K, 16K, then 2K, 1K, resumed
      pytest_exact  of stage 3's pytest_late (the GPU tests no window has run), those that
                 check kernels against float64: variants, sinks, varlen, head-dim v, TMA routing
-     tuning     stage 4's sweep without the warp-specialized candidates, resumed (--resume),
-                within what is left
+     preflight_ws  the preflight of the warp-specialized candidates alone (head dims 64, 128,
+                256), since the workaround for Triton's partition row offset (flash_triton.
+                _held_start); the stage's steps keep them off whatever it finds
+     tuning     stage 4's sweep, resumed (--resume), within what is left; the warp-specialized
+                candidates last in each target
      pytest_triton  test_triton_gpu (stage 1 stopped it at half), with what is left
      pytest_compile  the rest of pytest_late (torch.compile, CUDA graphs, routing)
      scaling_exact  stage 2's (its first window's run failed), with what is left
@@ -407,9 +410,19 @@ def stage_steps(stage, dry):
             # without LONGFLASH_WS=1): 15 tests, about a minute
             _pytest("pytest_exact", f"{LATE_TESTS} and ({EXACT_TESTS})", estimate_s=30,
                     timeout_s=120, reserve_s=60),
-            # the sweep with what is left (per candidate: a compile, a check, a timing); rows
-            # written as they come, so the second run's --steps tuning resumes it
-            Step("tuning", _py("experiments.tuning", *tune, "--resume", "--budget-s",
+            # the warp-specialized candidates since flash_triton._held_start (Triton's Hopper
+            # pass had indexed their second partition's rows 64 too far: codegen's
+            # ws_offset_twice), each forced in turn against float64, masked and not, at the
+            # head dims where the first window found NaN (64, 256) and at 128: about 30 s of
+            # compiles and runs. The stage's steps keep them off either way
+            Step("preflight_ws", _py("experiments.gpu_campaign", "--probe", "preflight",
+                                     "--probe-out", "{pre}-preflight_ws.json", "--",
+                                     "64" if dry else "64,128,256", "ws"),
+                 files=["preflight_ws.json"], estimate_s=30, timeout_s=150, reserve_s=60),
+            # the sweep with what is left (per candidate: a compile, a check, a timing), the
+            # warp-specialized candidates last in each target (each checked before it is
+            # timed); rows written as they come, so the second run's --steps tuning resumes it
+            Step("tuning", _py("experiments.tuning", *tune, "--ws", "--resume", "--budget-s",
                                "{budget}", "--out", "{out}"),
                  rq="tuning", estimate_s=60, timeout_s=300, reserve_s=30, tail_s=40),
             # test_triton_gpu: stage 1 stopped it at half (the fp16 and odd head-dim cases)
@@ -632,13 +645,15 @@ PREFLIGHT_TIMEOUT_S = 120
 PREFLIGHT_TOLERANCE = RELATIVE_ERROR_LIMIT
 
 
-def probe_preflight(path, headdims):
-    """Each kind of Hopper-only candidate in a subprocess of its own (a hang or an illegal
-    address ends that subprocess only); a kind that fails is switched off for the stage's
-    later steps through the JSON's "env" (run_stage applies it)."""
+def probe_preflight(path, headdims, kinds=",".join(PREFLIGHT_KINDS)):
+    """Each kind of Hopper-only candidate (of `kinds`) in a subprocess of its own (a hang or an
+    illegal address ends that subprocess only); a kind that fails is switched off for the
+    stage's later steps through the JSON's "env" (run_stage applies it)."""
     rows, env = [], {}
     kill_children_on_sigterm()
     for kind, switch in PREFLIGHT_KINDS.items():
+        if kind not in kinds.split(","):
+            continue
         metric = f"preflight_{kind}"
         if env:  # TMA is off, and the warp-specialized candidates need it
             rows.append(_row(metric, float("nan"), "", "unsupported", "TMA switched off"))

@@ -105,6 +105,29 @@ def test_preflight_row_is_an_error_when_a_candidate_is_wrong(monkeypatch, capsys
     assert row["status"] == "error", row
 
 
+def test_preflight_of_one_kind_checks_that_kind_alone(monkeypatch, tmp_path):
+    """Stage 5's preflight_ws: only the warp-specialized kind's subprocess, turned on in it; a
+    failure switches the kind off for the later steps (it is off by default anyway)."""
+    import json
+    calls = []
+
+    def fake_run(argv, timeout, cwd, started, env):
+        calls.append((argv[-2], env.get("LONGFLASH_WS")))
+        row = gc._row(f"preflight_{argv[-2]}", status, "", "ok" if status < 0.03 else "error",
+                      "")
+        return 0, "PREFLIGHT " + json.dumps(row), ""
+
+    monkeypatch.setattr(gc, "run_group", fake_run)
+    monkeypatch.setattr(gc, "kill_children_on_sigterm", lambda: None)
+    for status, env in ((1e-3, {}), (0.5, {"LONGFLASH_WS": "0"})):
+        calls.clear()
+        gc.probe_preflight(str(tmp_path / "p.json"), "64,128", "ws")
+        found = json.loads((tmp_path / "p.json").read_text())
+        assert calls == [("ws", "1")], calls
+        assert [r["metric"] for r in found["rows"]] == ["preflight_ws"]
+        assert found["env"] == env, found
+
+
 def test_parse_ncu_csv_sums_kernels_in_bytes():
     text = ('==PROF== Connected\n"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
             '"0","a","dram__bytes_read.sum","Mbyte","1.5"\n'
@@ -239,20 +262,24 @@ def test_stage4_is_the_tuning_sweep_within_the_budget():
 def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
     """Stage 5 (a 15-minute window on the H100 that ran stages 1-3): no preflight; the goal
     rows never measured first (d64 causal 16K, then d256 from 4K), then the GPU tests no window
-    ran that check kernels against float64, then the sweep (resumable), then test_triton_gpu,
-    then the torch.compile tests; the estimates fit the stage, and each reserve leaves its
-    step its estimate and keeps the next one's."""
+    ran that check kernels against float64, then the warp-specialized candidates' preflight
+    (since the partition row fix), then the sweep (resumable, the warp-specialized candidates
+    last), then test_triton_gpu, then the torch.compile tests; the estimates fit the stage,
+    and each reserve leaves its step its estimate and keeps the next one's."""
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     for dry in (False, True):
         steps = gc.stage_steps(5, dry)
         assert [s.name for s in steps] == ["env", "speedup_d64", "speedup_d256", "pytest_exact",
-                                           "tuning", "pytest_triton", "pytest_compile",
-                                           "scaling_exact"]
+                                           "preflight_ws", "tuning", "pytest_triton",
+                                           "pytest_compile", "scaling_exact"]
         assert steps[-1].argv[-4:-2] == ["--parts", "exactness"] and steps[-1].rq == "scaling"
         assert sum(s.estimate_s for s in steps) <= usable
-        tune = steps[4]
+        ws = steps[4]
+        assert ws.argv[ws.argv.index("--probe") + 1] == "preflight" and ws.argv[-1] == "ws"
+        assert ws.files == ["preflight_ws.json"] and ws.name not in gc.ALWAYS
+        tune = steps[5]
         assert tune.argv[:2] == ["-m", "experiments.tuning"] and "--resume" in tune.argv
-        assert "--ws" not in tune.argv and "{budget}" in tune.argv and tune.tail_s > 0
+        assert "--ws" in tune.argv and "{budget}" in tune.argv and tune.tail_s > 0
         for s in steps:
             assert s.estimate_s <= usable and s.reserve_s < usable
     full = {s.name: s for s in gc.stage_steps(5, False)}
@@ -282,6 +309,7 @@ def test_steps_rest_are_those_an_earlier_run_did_not_finish(tmp_path):
                dict(name="speedup_d64", status="ok", wall_s=40.0, note=""),
                dict(name="speedup_d256", status="ok", wall_s=200.0, note=""),
                dict(name="pytest_exact", status="error", wall_s=80.0, note="exit 1: 1 failed"),
+               dict(name="preflight_ws", status="ok", wall_s=30.0, note=""),
                dict(name="tuning", status="error", wall_s=150.0, note="timeout after 150 s"),
                dict(name="pytest_triton", status="skipped", wall_s=0.0, note="budget spent")]
     write_results(gc.campaign_rows(records, {}), str(camp), key_columns=gc.KEY_COLUMNS)
