@@ -267,8 +267,8 @@ def launch_inputs(flags, dtype, headdim):
         cu = torch.tensor([0, *itertools.accumulate(LAUNCH_SEQLENS)], dtype=torch.int32)
         opts.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(LAUNCH_SEQLENS),
                     max_seqlen_k=max(LAUNCH_SEQLENS))
-        q = torch.empty(tokens, LAUNCH_HEADS, headdim, dtype=dt)
-        kv_shape = (tokens, kv_heads, headdim)
+        q = torch.empty(sum(LAUNCH_SEQLENS), LAUNCH_HEADS, headdim, dtype=dt)
+        kv_shape = (sum(LAUNCH_SEQLENS), kv_heads, headdim)
         if flags == "paged":  # each sequence's keys in pages of its own
             pages = [-(-n // LAUNCH_PAGE) for n in LAUNCH_SEQLENS]
             table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
