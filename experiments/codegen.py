@@ -75,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 if __name__ == "__main__":  # before triton is imported; importers (tests) keep their set-up
     os.environ.pop("TRITON_INTERPRET", None)  # compile for real
@@ -89,7 +90,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from longflash import decode_triton, flash_triton  # noqa: E402
-from longflash._common import empty_outputs  # noqa: E402
+from longflash._common import Options, empty_outputs  # noqa: E402
 
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
@@ -152,12 +153,13 @@ DECODE_UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb", "stride_lh", 
                             "stride_cos")
 
 
-def _divisibility(fn, pointers, unaligned=DECODE_UNALIGNED_STRIDES):
+def _divisibility(fn, pointers):
     """What Triton's launcher specializes for contiguous inputs at head dims 64/128/256:
     pointers 16-byte aligned, (batch, seqlen, head) strides multiples of 16 elements. Without
     it the compiler cannot vectorize loads, so it would not pipeline them with cp.async."""
     aligned = [i for i, name in enumerate(fn.arg_names)
-               if name in pointers or (name.startswith("stride_") and name not in unaligned)]
+               if name in pointers or (name.startswith("stride_")
+                                       and name not in DECODE_UNALIGNED_STRIDES)]
     return {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
@@ -258,7 +260,6 @@ LAUNCHED = {"fwd": "_attn_fwd", "preprocess": "_attn_bwd_preprocess", "dkdv": "_
 def launch_inputs(flags, dtype, headdim):
     """(q, k, v, Options) of the launch a flag stands for (above); the tensors on the CPU,
     unwritten (nothing runs)."""
-    from longflash._common import Options
     dt = getattr(torch, dtype)
     tokens = LAUNCH_TOKENS_FULL if flags == "full_tiles" else LAUNCH_TOKENS
     kv_heads = LAUNCH_KV_HEADS_GQA if flags == "gqa" else LAUNCH_HEADS
@@ -335,8 +336,8 @@ def compile_launch(kernel, dtype, flags, headdim, arch, cfg):
             compiles.append(time.perf_counter() - t0)
 
     fn.compile = timed
-    with tempfile.TemporaryDirectory(prefix="longflash-codegen-") as cache_dir:
-        old_dir, os.environ["TRITON_CACHE_DIR"] = os.environ.get("TRITON_CACHE_DIR"), cache_dir
+    with tempfile.TemporaryDirectory(prefix="longflash-codegen-") as cache_dir, \
+            mock.patch.dict(os.environ, TRITON_CACHE_DIR=cache_dir):
         try:
             with flash_triton.compiling(1), flash_triton.forced_configs(forced):
                 if kernel == "fwd":
@@ -349,10 +350,6 @@ def compile_launch(kernel, dtype, flags, headdim, arch, cfg):
             fn.compile = original
             cache.clear()
             cache.update(saved)
-            if old_dir is None:
-                os.environ.pop("TRITON_CACHE_DIR")
-            else:
-                os.environ["TRITON_CACHE_DIR"] = old_dir
     errors = [c for c in compiles if isinstance(c, Exception)]
     if len(compiled) != 1 or errors:
         raise RuntimeError(f"{kernel} did not compile: {errors[0] if errors else compiled}")
