@@ -311,17 +311,27 @@ def test_learnable_sink_gpu():
 
 
 def test_varlen_gpu():
+    """attention_varlen in bf16 on packed causal sequences (one empty, seqlen_q != seqlen_k),
+    GQA, forward and backward through the Triton kernels, against the float64 reference of
+    each sequence (tolerance rule). (It compared the packed output with per-sequence launches
+    at bf16's default tolerance: two kernels autotuned on their own keys round differently, by
+    6e-4 at most on the H100, and that failed; both are approximations of the reference.)"""
+    from conftest import check_with_grads
     from test_variants import packed
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([1000, 0, 3000, 17], [1200, 9, 2999, 17],
                                                  nheads=8, nheads_kv=2, headdim=128,
                                                  dtype=torch.bfloat16)
     q, k, v = (x.detach().cuda().requires_grad_() for x in (q, k, v))
     cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
-    o = longflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
-    for b in range(4):
-        rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        ob = longflash.attention(q[None, rows], k[None, cols], v[None, cols], causal=True)
-        torch.testing.assert_close(o[rows], ob[0])
+    gen = torch.Generator("cuda").manual_seed(2)
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
+    dlse = torch.randn(q.shape[1], q.shape[0], device="cuda", generator=gen)
+    check_with_grads(
+        lambda q, k, v: longflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                   causal=True, return_lse=True),
+        lambda q, k, v, **r: longflash.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True,
+                                                            **r),
+        (q, k, v), ("q", "k", "v"), do, dlse)
 
 
 def test_paged_varlen_gpu():
