@@ -99,9 +99,9 @@ variants: $(ENV_READY) $(QUICK_TREE)  # sliding-window cost against sequence len
 	$(PYTHON) -m experiments.variants $(call size,--quick,--full,)
 
 # The GPU campaign (experiments/GPU.md): three stages of under 9 minutes each, a tuning stage and
-# the second H100 window's stage, each leaving OUT/stageN.tar.gz to unpack at the repository root.
-# gpu-dry: all five on CPU, tiny (about 7 minutes on a busy 2-core machine), archives checked; CI
-# runs it.
+# the second and third H100 windows' stages, each leaving OUT/stageN.tar.gz to unpack at the
+# repository root. gpu-dry: all six on CPU, tiny (about 8 minutes on a busy 2-core machine),
+# archives checked; CI runs it.
 STAGE ?= 1
 OUT ?= gpu-out
 gpu: $(ENV_READY)
@@ -109,9 +109,9 @@ gpu: $(ENV_READY)
 
 gpu-dry: $(ENV_READY)
 	set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
-	for s in 1 2 3 4 5; do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
+	for s in 1 2 3 4 5 6; do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
 	$(PYTHON) -m experiments.gpu_campaign --check "$$d"/stage1.tar.gz "$$d"/stage2.tar.gz "$$d"/stage3.tar.gz \
-	    "$$d"/stage4.tar.gz "$$d"/stage5.tar.gz
+	    "$$d"/stage4.tar.gz "$$d"/stage5.tar.gz "$$d"/stage6.tar.gz
 
 # The GPU machines' software on this CPU (BENCHMARKING.md: Python 3.12, torch 2.11, triton 3.6,
 # NumPy 2.5, transformers 5.17, JAX 0.11; no Jupyter): the test suite and the four dry stages

@@ -83,6 +83,13 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      pytest_triton  test_triton_gpu (stage 1 stopped it at half), with what is left
      pytest_compile  the rest of pytest_late (torch.compile, CUDA graphs, routing)
      scaling_exact  stage 2's (its first window's run failed), with what is left
+  6  env        as in stage 1
+     pytest_configs  as in stage 1: every candidate forced, the backward's new tiles among them
+     speedup_d128  RQ1 part batch at head dim 128, 4K-16K, LongFlash, SDPA flash and cuDNN,
+                measured again where measured before the tiles changed (TILES_CHANGED)
+     speedup_d256  the same at head dim 256
+     pytest_exact  as in stage 5, with the new tiles and the fixed varlen test
+     pytest_triton, pytest_compile, scaling_exact  as in stage 5, with what is left
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -223,6 +230,9 @@ def _speedup(name, argv, **kw):
 # first, in a step of its own, and the rest of the file after it.
 KEY_COLUMNS = ("step",)  # the campaign's own rows: one per step (beside results')
 EVERY_CONFIG_TEST = "test_every_config_gpu"
+# When the backward's tiles last changed (flash_triton.CONFIGS): RQ1's rows measured before
+# are measured again by stage 6 (speedup --resume-after).
+TILES_CHANGED = "2026-11-26T17:00:00"
 # The GPU tests stage 1 runs after the candidates (the decoding kernels' and test_triton_gpu);
 # stage 3 runs the others. On the H100 (2026-11-25) the whole rest took more than stage 1's
 # 141 s: it stopped in test_triton_gpu, about halfway.
@@ -436,7 +446,47 @@ def stage_steps(stage, dry):
             # window's failed: forked after CUDA; ranks now start from a forkserver there)
             _scaling_exact(dry, estimate_s=20, timeout_s=90),
         ]
-    raise ValueError(f"stage must be 1, 2, 3, 4 or 5, got {stage!r}")
+    if stage == 6:
+        # The third H100 window (15 minutes): the backward's tiles that the second window's
+        # sweep found faster (flash_triton.CONFIGS since TILES_CHANGED; PERFLOG "Backward tiles
+        # from the H100's sweep") checked against float64 on odd shapes, then RQ1's rows at d128
+        # and d256 measured again with them (rows from before TILES_CHANGED count as
+        # unmeasured: --resume-after), beside SDPA's FlashAttention-2 and cuDNN backends in
+        # the same run; then the GPU tests the second window did not finish.
+        if dry:
+            d128 = ["--quick", "--headdims", "16", "--seqlens", "128", "--long-seqlens", "",
+                    "--parts", "batch", "--providers", "longflash,standard"]
+            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", "",
+                    "--parts", "batch", "--providers", "longflash,standard"]
+        else:
+            rq1 = ["--full", "--long-seqlens", "", "--parts", "batch",
+                   "--providers", "longflash,sdpa_flash,sdpa_cudnn"]
+            d128 = rq1 + ["--headdims", "128", "--seqlens", "4096,8192,16384"]
+            d256 = rq1 + ["--headdims", "256", "--seqlens", "4096,8192,16384"]
+        again = ["--resume-after", TILES_CHANGED]
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            # every candidate of the tables forced (12 tests, the new tiles at d80 with GQA,
+            # 1025 x 2049 queries and keys, and at d256): stage 1 ran it in about a minute
+            _pytest("pytest_configs", EVERY_CONFIG_TEST, estimate_s=40, timeout_s=150,
+                    reserve_s=330),
+            # the goals' head dim first, then d256: 6 groups each (3 providers x 3 modes, the
+            # new tiles' autotuning on the first), about 10 s a group
+            _speedup("speedup_d128", d128 + again, estimate_s=40, timeout_s=130, reserve_s=280),
+            _speedup("speedup_d256", d256 + again, estimate_s=40, timeout_s=130, reserve_s=150),
+            # the float64 checks of the variants, varlen (its test fixed since the second
+            # window), sinks, head-dim v: each runs the new backward tiles
+            _pytest("pytest_exact", f"{LATE_TESTS} and ({EXACT_TESTS})", estimate_s=30,
+                    timeout_s=150, reserve_s=60),
+            # the second window stopped test_triton_gpu at 15 of 24, at its fp16 d64 case
+            _pytest("pytest_triton", "test_triton_gpu", estimate_s=30, timeout_s=300,
+                    reserve_s=30),
+            _pytest("pytest_compile", f"{LATE_TESTS} and not ({EXACT_TESTS})", estimate_s=30,
+                    timeout_s=300, reserve_s=60),
+            # the second window's was cut at 30 s, after its 1-8 rank rows at 256-2048 tokens
+            _scaling_exact(dry, estimate_s=60, timeout_s=150),
+        ]
+    raise ValueError(f"stage must be 1, 2, 3, 4, 5 or 6, got {stage!r}")
 
 
 # ----------------------------------------------------------------------------- probes
@@ -1011,7 +1061,7 @@ def check_archive(tar_path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Stages and outputs: see the module docstring.")
-    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4, 5))
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4, 5, 6))
     parser.add_argument("--out", help="folder for stageN.tar.gz")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the Triton "
                         "interpreter; rows labelled 'dry run', files named dryrun.csv")

@@ -95,6 +95,7 @@ import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime
 
 import torch
 import torch.nn.functional as F
@@ -467,15 +468,18 @@ def _warm_up(device):
 log = Log()  # the raw log beside the results; set log.path in main
 
 
-def _existing_keys(path):
+def _existing_keys(path, after=None):
     """(done, failed): keys of the time_ms rows already in path (for --resume), those with
     status error apart. A failure of the harness or a kernel is measured again (once fixed),
-    an oom or an unsupported configuration is not."""
+    an oom or an unsupported configuration is not. after (an ISO time): rows measured before
+    it count as never measured (a kernel changed since)."""
     if not os.path.exists(path):
         return set(), set()
     import pandas as pd
     df = pd.read_csv(path)
     df = df[df["metric"] == "time_ms"]
+    if after:
+        df = df[pd.to_datetime(df["timestamp"], utc=True) >= pd.Timestamp(after, tz="UTC")]
     cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]
     keys = lambda d: {tuple(str(x) for x in row)  # noqa: E731
                       for row in d[cols].itertuples(index=False)}
@@ -511,7 +515,7 @@ def _never_measured_first(cfg, plan, measured):
     return sorted(plan, key=lambda g: not unmeasured(g))  # stable
 
 
-def run(cfg, device, out, resume=False):
+def run(cfg, device, out, resume=False, resume_after=None):
     dtype = getattr(torch, cfg.dtype)
     start = time.perf_counter()
     if device == "cpu" and cfg.threads:
@@ -526,7 +530,7 @@ def run(cfg, device, out, resume=False):
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = measure_ceilings(cfg, device, machine, "start")
     write_results(ceiling_rows, out)
-    done, failed = _existing_keys(out) if resume else (set(), set())
+    done, failed = _existing_keys(out, resume_after) if resume else (set(), set())
 
     plan = [g for g in groups(cfg) if g[0] in cfg.parts]
     if resume:
@@ -678,6 +682,9 @@ def main():
                         "seconds (default: none on CPU, 570 with --full)")
     parser.add_argument("--resume", action="store_true", help="skip measurements whose "
                         "time_ms row is already in the output file")
+    parser.add_argument("--resume-after", metavar="TIME", help="with --resume: rows measured "
+                        "before this ISO time (UTC) count as unmeasured, so a kernel changed "
+                        "since is measured again (its new rows replace the old ones)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.full and device != "cuda":
@@ -716,7 +723,14 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     out, _ = start_run("speedup", args.out, log, dict(asdict(cfg), device=device),
                        f"speedup on {name}, torch {torch.__version__}\n{cfg}")
-    run(cfg, device, out, resume=args.resume)
+    if args.resume_after and not args.resume:
+        parser.error("--resume-after needs --resume")
+    if args.resume_after:
+        try:
+            datetime.fromisoformat(args.resume_after)
+        except ValueError:
+            parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
+    run(cfg, device, out, resume=args.resume, resume_after=args.resume_after)
     summary(out, device)
     log(f"wrote {out}")
 

@@ -92,6 +92,10 @@ PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd
 # pipelined (250 registers, no spills, 44 of 66 exp2s beside the wgmma, 504 instructions a trip
 # of 128 keys against 322 a trip of 64). (BLOCK_M, BLOCK_N, warps, stages[, TMA][, SPLIT][,
 # ATOMIC][, PIPE]) as in CONFIGS.
+# Moved to CONFIGS after the H100's sweep (2026-11-26, PERFLOG "Backward tiles from the H100's
+# sweep"): dK/dV (64, 128, 8, 2) TMA at d128 and (64, 64, 8, 2) TMA at d256, dQ (128, 64, 8,
+# 3) TMA at d128 and (128, 32, 8, 1) TMA at d256; the table's TMA tiles they replaced, which
+# lost, are gone, dQ d128's (128, 64, 8, 2) TMA (the autotuner's choice there) kept here.
 TRIALS = {
     ("fwd", 64): [(128, 64, 8, 3, TMA, PIPE), (64, 64, 4, 2, TMA, PIPE),
                   (128, 128, 8, 3, TMA, PIPE), (128, 64, 8, 2, TMA), (128, 128, 8, 3, TMA),
@@ -102,13 +106,12 @@ TRIALS = {
     ("dkdv", 64): [(64, 64, 8, 3, TMA, ATOMIC), (64, 128, 8, 2, TMA)],
     ("dkdv", 128): [(64, 128, 8, 2, TMA, SPLIT, ATOMIC), (64, 64, 8, 3, TMA, SPLIT, ATOMIC),
                     (64, 64, 8, 3, TMA, ATOMIC), (32, 128, 8, 2, TMA), (64, 64, 8, 3, TMA),
-                    (32, 64, 4, 3, TMA),
-                    (64, 128, 8, 2, TMA), (64, 128, 8, 2, TMA, SPLIT), (64, 64, 8, 3, TMA, SPLIT)],
+                    (32, 64, 4, 3, TMA), (64, 128, 8, 2, TMA, SPLIT), (64, 64, 8, 3, TMA, SPLIT)],
     ("dkdv", 256): [(16, 64, 8, 2, TMA, SPLIT, ATOMIC), (32, 64, 8, 2, TMA, SPLIT, ATOMIC),
-                    (32, 64, 8, 2, TMA), (32, 64, 8, 3, TMA), (64, 64, 8, 2, TMA),
+                    (32, 64, 8, 2, TMA), (32, 64, 8, 3, TMA),
                     (32, 64, 8, 3, TMA, SPLIT), (64, 64, 8, 2, TMA, SPLIT)],
-    ("dq", 128): [(128, 64, 8, 3, TMA), (128, 128, 8, 2, TMA)],
-    ("dq", 256): [(64, 64, 8, 2, TMA), (128, 32, 8, 1, TMA)],
+    ("dq", 128): [(128, 64, 8, 2, TMA), (128, 128, 8, 2, TMA)],
+    ("dq", 256): [(64, 64, 8, 2, TMA)],
 }
 
 

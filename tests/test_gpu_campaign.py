@@ -299,6 +299,38 @@ def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
     assert triton[triton.index("-k") + 1] == "test_triton_gpu"
 
 
+def test_stage6_checks_the_new_tiles_then_measures_rq1_again_with_them():
+    """Stage 6 (the third window): every candidate forced first (the backward's new tiles),
+    then RQ1 at d128 and d256 with rows from before TILES_CHANGED measured again, SDPA's
+    FlashAttention-2 and cuDNN backends in the same run; then the tests left over. The
+    estimates fit, and each reserve leaves its step its estimate and keeps the next one's."""
+    usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
+    for dry in (False, True):
+        steps = gc.stage_steps(6, dry)
+        assert [s.name for s in steps] == ["env", "pytest_configs", "speedup_d128",
+                                           "speedup_d256", "pytest_exact", "pytest_triton",
+                                           "pytest_compile", "scaling_exact"]
+        assert sum(s.estimate_s for s in steps) <= usable
+        for name in ("speedup_d128", "speedup_d256"):
+            argv = _argv(6, dry, name)
+            assert "--resume" in argv
+            assert argv[argv.index("--resume-after") + 1] == gc.TILES_CHANGED
+    for name, headdim in (("speedup_d128", "128"), ("speedup_d256", "256")):
+        argv = _argv(6, False, name)
+        assert argv[argv.index("--headdims") + 1] == headdim
+        assert argv[argv.index("--seqlens") + 1] == "4096,8192,16384"
+        assert set(argv[argv.index("--providers") + 1].split(",")) >= {
+            "longflash", "sdpa_flash", "sdpa_cudnn"}
+    full = list(gc.stage_steps(6, False))
+    left = usable - full[0].estimate_s
+    for i, s in enumerate(full[1:], 1):
+        assert left - s.reserve_s >= s.estimate_s, s.name
+        assert s.reserve_s >= sum(t.estimate_s for t in full[i + 1:i + 2]), s.name
+        left -= s.estimate_s
+    configs = _argv(6, False, "pytest_configs")
+    assert configs[configs.index("-k") + 1] == gc.EVERY_CONFIG_TEST
+
+
 def test_steps_rest_are_those_an_earlier_run_did_not_finish(tmp_path):
     """--steps rest (a window's second run): the steps not run, skipped for the budget or cut
     by a timeout, and the resumable ones (their own budget, --resume); not those that ended,

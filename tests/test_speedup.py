@@ -157,6 +157,28 @@ def test_resume_measures_error_rows_again(quick, tmp_path):
     assert measured and all("longflash" in ln for ln in measured), measured
 
 
+def test_resume_after_measures_older_rows_again(quick, tmp_path):
+    """--resume-after TIME: a row measured before TIME (a kernel changed since) is measured
+    again and replaced; the rows measured after it are kept."""
+    out, df, _ = quick
+    copy = tmp_path / "cpu.csv"
+    old = df.copy()
+    hit = (old["provider"] == "longflash") & (old["metric"] == "time_ms") & \
+        (old["mode"] == "fwd") & (old["part"] == "batch")
+    first = old[hit].index[0]
+    old.loc[first, "timestamp"] = "2020-01-01T00:00:00+00:00"
+    old.to_csv(copy, index=False)
+    proc = run_quick(copy, "--resume", "--resume-after", "2021-01-01T00:00:00")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = pd.read_csv(copy)
+    key = old.loc[first, KEY_COLUMNS]
+    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
+    assert len(row) == 1 and row["timestamp"].item() > "2021", row
+    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert measured and all("longflash" in ln for ln in measured), measured
+    assert len(again) == len(df)
+
+
 @pytest.mark.parametrize("message, provider, status", [
     ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "standard",
      "oom"),

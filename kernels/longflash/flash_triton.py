@@ -61,7 +61,8 @@ Where it was tested and where it breaks:
   Triton 3.6 they returned NaN (results/gpu_campaign/h100-stage1*, PERFLOG); not dK/dV
   at head dim 256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA
   copy cannot read).
-- The configs (CONFIGS) were chosen from ptxas evidence, not timed: see the comment there.
+- The configs (CONFIGS) were chosen from ptxas evidence, then the backward's TMA tiles at
+  head dims 128 and 256 from the H100's tuning sweep: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
   counter-based stream of `_common.dropout_uniform`, the same on every backend);
   split-KV decoding lives in decode_triton.py, and paged keys are read by pointer loads only
@@ -98,6 +99,12 @@ if _INTERPRET:
 # its tiles have 8 warps over BLOCK_N = 128 (64 at d256) and short query blocks (BLOCK_M 16/32),
 # which spill 0-276 B where (64, 128, 8, 2) spilled 0.9-2 KB at d128; at d64 the larger
 # (64, 128) tile (0.2 KB) stays beside a spill-free one for the autotuner to judge.
+# Timed on the H100 (tuning sweep, 2026-11-26, results/tuning/h100.csv, PERFLOG "Backward
+# tiles from the H100's sweep"): the backward's TMA candidates at d128 and d256 are the sweep's
+# winners, each timed as the whole backward call with that kernel's tile forced: dK/dV d256
+# (64, 64, 8, 2) 1.54x / 1.62x the autotuner's (16, 64, 8, 3) (1K non-causal / 4K causal),
+# d128 (64, 128, 8, 2) 1.16x (4K); dQ d256 (128, 32, 8, 1) 1.13x / 1.11x, d128 (128, 64, 8, 3)
+# 1.06x beside (128, 64, 8, 2).
 # TMA (sm_90 only): the loop's tiles (K/V; Q/dO in dK/dV) come by TMA copies through a tensor
 # descriptor instead of cp.async with computed addresses: no address registers, so fewer
 # registers (d128 forward 153-178 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
@@ -150,17 +157,17 @@ CONFIGS = {
     ("fwd", 8, 256): [(64, 64, 4, 2), (64, 32, 4, 2)],
     ("dkdv", 9, 64): [(64, 128, 8, 3), (32, 128, 8, 3), (32, 128, 8, 3, TMA),
                       (64, 128, 4, 2, TMA, WS)],
-    ("dkdv", 9, 128): [(32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2, TMA),
+    ("dkdv", 9, 128): [(32, 128, 8, 2), (16, 128, 8, 2), (64, 128, 8, 2, TMA),
                        (32, 128, 4, 3, TMA, WS)],
-    ("dkdv", 9, 256): [(16, 64, 8, 3), (16, 64, 8, 3, TMA)],
+    ("dkdv", 9, 256): [(16, 64, 8, 3), (64, 64, 8, 2, TMA)],
     ("dkdv", 8, 64): [(64, 64, 4, 3), (32, 128, 4, 3)],
     ("dkdv", 8, 128): [(64, 64, 4, 2), (32, 64, 4, 3)],
     ("dkdv", 8, 256): [(32, 64, 8, 2), (16, 32, 4, 2)],
     ("dq", 9, 64): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, TMA),
                     (128, 128, 4, 2, TMA, WS)],
-    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2, TMA),
+    ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3, TMA),
                      (128, 128, 4, 2, TMA, WS)],
-    ("dq", 9, 256): [(64, 32, 8, 2), (64, 32, 8, 2, TMA), (128, 32, 4, 2, TMA, WS)],
+    ("dq", 9, 256): [(64, 32, 8, 2), (128, 32, 8, 1, TMA), (128, 32, 4, 2, TMA, WS)],
     ("dq", 8, 64): [(64, 64, 4, 3), (128, 32, 4, 3)],
     ("dq", 8, 128): [(64, 64, 4, 2), (64, 32, 4, 3)],
     ("dq", 8, 256): [(64, 32, 4, 2), (32, 32, 4, 2)],
