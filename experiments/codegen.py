@@ -48,6 +48,9 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
                        sign of a warp-specialized kernel
     ws_offset_twice    places in the TTGIR where a compute partition's row index adds the
                        partition's row offset twice (a Triton bug: ws_offset_twice below)
+    ws_freed_before_read  warpgroup MMAs in the TTGIR that read a copied tile (through a
+                       reshape) after its buffer was released to the copy warpgroup (a Triton
+                       bug: ws_freed_before_read below)
     compile_s          wall seconds of triton.compile (Python -> PTX -> cubin) of this kernel on
                        this machine (never a cache hit)
     loop_instructions  sm_90a: SASS instructions (nvdisasm) of one trip of the innermost loop
@@ -61,7 +64,8 @@ forward and decoding kernels and "bwd" for the three backward kernels, extra key
 the launcher can choose on sm_90a, when the decoding kernel spills, when a kernel needs more
 shared memory than an H100 block can have, or when a warp-specialized candidate ("/ws") did not
 compile to a warp-specialized kernel (Triton's pass can leave a loop as it is, silently) or
-indexes a partition's rows twice offset (ws_offset_twice). Must run without TRITON_INTERPRET=1.
+indexes a partition's rows twice offset (ws_offset_twice) or reads a tile after releasing its
+buffer (ws_freed_before_read). Must run without TRITON_INTERPRET=1.
 """
 
 import argparse
@@ -364,6 +368,7 @@ def _metrics(compiled, arch, compile_s):
                 warps=compiled.metadata.num_warps,
                 setmaxnreg_count=len(re.findall(r"\bsetmaxnreg\.", ptx)),
                 ws_offset_twice=ws_offset_twice(compiled.asm["ttgir"]),
+                ws_freed_before_read=ws_freed_before_read(compiled.asm["ttgir"]),
                 **ptxas_report(ptx, arch),
                 wgmma_count=len(re.findall(r"\bwgmma\.mma_async", ptx)),
                 mma_count=len(re.findall(r"\bmma\.sync", ptx)),
@@ -435,6 +440,36 @@ def loop_profile(cubin):
 
 
 _DEF = re.compile(r"^\s*(%[\w.]+) = (\S+) (.*)$")
+
+
+def ws_freed_before_read(ttgir):
+    """How often a warp-specialized kernel's TTGIR reads a copied tile in a warpgroup MMA after
+    it released the tile's buffer: a ttng.warp_group_dot operand that is a memdesc_reshape of
+    a buffer (or a memdesc_trans of one), with a ttng.arrive_barrier (the consumer's "buffer
+    free" signal to the copy warpgroup) between the reshape and the dot. Triton's Hopper pass
+    (3.6.0) places the release after a buffer's last consumer but does not follow a
+    memdesc_reshape to the dots that read through it, so the copy warpgroup may refill the
+    buffer under them (dK/dV's three-dimensional q and dO copies; flash_triton._load_head_tile
+    goes through registers instead). Line by line, as ws_offset_twice."""
+    origin, arrived, found = {}, set(), 0
+    for line in ttgir.splitlines():
+        if re.match(r"^\s*ttng\.arrive_barrier\b", line):
+            arrived |= set(origin.values())
+            continue
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        origin.pop(name, None)  # a name printed again in another region
+        operands = re.findall(r"%[\w.]+", rest.split(":")[0].split("{")[0])
+        if op == "ttg.memdesc_reshape":
+            origin[name] = name
+            arrived.discard(name)
+        elif op == "ttg.memdesc_trans" and operands and operands[0] in origin:
+            origin[name] = origin[operands[0]]
+        elif op == "ttng.warp_group_dot":
+            found += sum(origin.get(o) in arrived for o in operands[:2])
+    return found
 
 
 def ws_offset_twice(ttgir):
@@ -586,6 +621,10 @@ def check(rows):
             problems.append(f"{where}: a warp-specialized candidate compiled without warp "
                             f"specialization (warps {m.get('warps', ('?',))[0]}, setmaxnreg "
                             f"{m.get('setmaxnreg_count', ('?',))[0]})")
+        if m.get("ws_freed_before_read", (0,))[0] > 0:
+            problems.append(f"{where}: a warpgroup MMA reads a copied tile after its buffer was "
+                            f"released (ws_freed_before_read "
+                            f"{m['ws_freed_before_read'][0]:.0f}: the copy may overwrite it)")
         if m.get("ws_offset_twice", (0,))[0] > 0:
             problems.append(f"{where}: a compute partition's row index adds its offset twice "
                             f"(ws_offset_twice {m['ws_offset_twice'][0]:.0f}: rows 64 too far)")

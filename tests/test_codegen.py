@@ -136,6 +136,49 @@ def test_ws_offset_twice_finds_a_partition_indexed_twice_offset():
     assert ws_offset_twice(_PARTITION_ROWS + again) == 1
 
 
+# A compute partition of dK/dV's warp-specialized loop as Triton 3.6.0's Hopper pass wrote it
+# before flash_triton._load_head_tile went through registers (abridged TTGIR): q's buffer is
+# released right after its reshape, then two warpgroup MMAs read it.
+_FREED_EARLY = """
+        %x_122 = ttg.memdesc_reshape %121 {async_task_id = array<i32: 1>} : \
+!ttg.memdesc<32x1x128xbf16, #shared2, #smem> -> !ttg.memdesc<32x128xbf16, #shared1, #smem>
+        %qkT = ttg.memdesc_trans %x_122 {async_task_id = array<i32: 1>, order = array<i32: 1, \
+0>} : !ttg.memdesc<32x128xbf16, #shared1, #smem> -> !ttg.memdesc<128x32xbf16, #shared3, #smem>
+        ttng.arrive_barrier %122, 128 {async_task_id = array<i32: 1>} : !ttg.memdesc<1xi64>
+        %qkT_128 = ttng.warp_group_dot %84, %qkT, %cst_29 {async_task_id = array<i32: 1>} : \
+!ttg.memdesc<64x128xbf16> * !ttg.memdesc<128x32xbf16> -> tensor<64x32xf32>
+        %dk = ttng.warp_group_dot %dsT_151, %x_122, %arg94 {async_task_id = array<i32: 1>} : \
+tensor<64x32xbf16> * !ttg.memdesc<32x128xbf16> -> tensor<64x128xf32>
+""".replace("\\\n", "")
+
+
+def test_ws_freed_before_read_finds_a_tile_read_after_its_release():
+    from experiments.codegen import ws_freed_before_read
+    assert ws_freed_before_read(_FREED_EARLY) == 2
+    lines = _FREED_EARLY.strip("\n").split("\n")
+    released_last = "\n".join(lines[:2] + lines[3:] + lines[2:3])  # the release after the dots
+    assert ws_freed_before_read(released_last) == 0
+    # a tile in registers (local_alloc after a load, no reshape of the buffer): nothing to find
+    in_registers = _FREED_EARLY.replace("ttg.memdesc_reshape", "ttg.local_alloc")
+    assert ws_freed_before_read(in_registers) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
+def test_warp_specialized_dkdv_reads_q_and_do_before_releasing_them():
+    """dK/dV's warp-specialized loop with grouped query heads (its 3-D q and dO copies): no MMA
+    reads a tile after its buffer went back to the copy warpgroup (Triton 3.6.0's pass put the
+    release before the dots where a reshape sat between: 8 such reads; PERFLOG)."""
+    code = ("from experiments import codegen as cg; from longflash import flash_triton as ft; "
+            "c = ft._config((64, 128, 4, 2, ft.TMA, ft.WS)); "
+            "m = cg.compile_launch('dkdv', 'bfloat16', 'gqa', 64, 'sm90a', c); "
+            "print(m['ws_freed_before_read'], m['ws_offset_twice'], m['warps'], m['spill_bytes'])")
+    out = _compile(code)
+    freed, twice, warps, _ = (int(x) for x in out.stdout.split()[-4:])
+    assert freed == 0 and twice == 0, out.stdout
+    assert warps == 12, "not warp-specialized: " + out.stdout
+
+
 def test_config_names_parse_back_to_their_entries():
     import argparse
     from experiments import codegen

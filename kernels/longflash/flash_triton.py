@@ -58,9 +58,11 @@ Where it was tested and where it breaks:
   warpgroups; one loop over every visible block, all masked unless no block needs a mask
   (FULL_TILES: no causal mask or window, lengths multiples of the tiles), which in dK/dV also
   runs over the query heads of a GQA group; `_ws_ok`; opt-in, LONGFLASH_WS=1: on an H100 with
-  Triton 3.6 they returned NaN (results/gpu_campaign/h100-stage1*, PERFLOG); not dK/dV
-  at head dim 256, whose tiles spilled 4 KB, nor dQ for packed sequences, whose lse rows a TMA
-  copy cannot read).
+  Triton 3.6 they returned NaN (results/gpu_campaign/h100-stage1*, PERFLOG); since the
+  workarounds of two bugs of Triton's pass (`_held_start`, `_load_head_tile`) the forward's
+  were exact there, dK/dV's not yet checked; not dK/dV at head dim 256, whose tiles spilled
+  4 KB, nor dQ at 256, which returned NaN on the H100 (cause not found), nor dQ for packed
+  sequences, whose lse rows a TMA copy cannot read).
 - The configs (CONFIGS) were chosen from ptxas evidence, then the backward's TMA tiles at
   head dims 128 and 256 from the H100's tuning sweep: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
@@ -124,8 +126,9 @@ if _INTERPRET:
 # there, it silently does nothing or fails to compile), so a WS candidate masks every block
 # (a second compile masks none where no block needs a mask: FULL_TILES, _full_tiles), and
 # dK/dV folds its GQA loop into its query loop. Spill-free in bf16 at these tiles with Triton
-# 3.6.0 (forward d64/128/256, dK/dV d64/128, dQ d64/128/256; 3.9.0 the same but dQ d256, 80 B);
-# dK/dV at d256 has none (every tile tried spilled 4 KB). One per kernel and head dim.
+# 3.6.0 (forward d64/128/256, dK/dV d64/128, dQ d64/128); dK/dV at d256 has none (every tile
+# tried spilled 4 KB), dQ at d256 none since its (128, 32, 4, 2) returned NaN on the H100
+# (results/gpu_campaign/h100-stage5*). One per kernel and head dim.
 TMA = "tma"  # a candidate's 5th element: tiles by TMA copies
 WS = "ws"    # its 6th: the kernel's loop warp-specialized (needs TMA)
 # dK/dV only, not with WS: two programs per key block, one accumulating dV (q.k^T, p^T dO), one
@@ -167,7 +170,7 @@ CONFIGS = {
                     (128, 128, 4, 2, TMA, WS)],
     ("dq", 9, 128): [(128, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 3, TMA),
                      (128, 128, 4, 2, TMA, WS)],
-    ("dq", 9, 256): [(64, 32, 8, 2), (128, 32, 8, 1, TMA), (128, 32, 4, 2, TMA, WS)],
+    ("dq", 9, 256): [(64, 32, 8, 2), (128, 32, 8, 1, TMA)],
     ("dq", 8, 64): [(64, 64, 4, 3), (128, 32, 4, 3)],
     ("dq", 8, 128): [(64, 64, 4, 2), (64, 32, 4, 3)],
     ("dq", 8, 256): [(64, 32, 4, 2), (32, 32, 4, 2)],
@@ -828,7 +831,13 @@ def _load_head_tile(tiles, start, g, stride, n_rows, HEAD_DIM: tl.constexpr,
     """_load_tile of query head g of a GQA group: with GROUPED from a (rows, group, HEAD_DIM)
     tensor descriptor of the group's heads (_attn_bwd_dkdv_ws), else from tiles of that head."""
     if GROUPED:
-        x = tiles.load([start, g, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+        # + 0.0: the tile through registers (exact but for a zero's sign). Triton's Hopper
+        # pass (3.6.0) releases a copied tile's buffer after its last reader but does not
+        # follow a reshape of the buffer (memdesc_reshape) to the dots that read through it:
+        # it released q's and dO's right after the reshape, and the copy warpgroup could
+        # refill them under the running wgmmas (dK/dV wrong on an H100; codegen's
+        # ws_freed_before_read counts such reads: 8 per kernel before, 0 since).
+        x = tiles.load([start, g, 0]).reshape(BLOCK_ROWS, BLOCK_D) + 0.0
     else:
         x = _load_tile(tiles, start, stride, n_rows, HEAD_DIM, BLOCK_ROWS, BLOCK_D,
                        ROWS_IN_BOUNDS, USE_TMA)
