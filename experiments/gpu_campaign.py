@@ -89,6 +89,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 measured again where measured before the tiles changed (TILES_CHANGED)
      speedup_d256  the same at head dim 256
      pytest_exact  as in stage 5, with the new tiles and the fixed varlen test
+     preflight_ws  as in stage 5, at head dims 64 and 128, since dK/dV's q and dO tiles go
+                through registers (flash_triton._load_head_tile)
      pytest_triton, pytest_compile, scaling_exact  as in stage 5, with what is left
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
@@ -478,6 +480,13 @@ def stage_steps(stage, dry):
             # window), sinks, head-dim v: each runs the new backward tiles
             _pytest("pytest_exact", f"{LATE_TESTS} and ({EXACT_TESTS})", estimate_s=30,
                     timeout_s=150, reserve_s=60),
+            # the warp-specialized candidates since dK/dV's q and dO go through registers
+            # (flash_triton._load_head_tile; the second window: dK/dV's wrong with GQA, the
+            # forward's exact), at the head dims that have a dK/dV one: about a minute
+            Step("preflight_ws", _py("experiments.gpu_campaign", "--probe", "preflight",
+                                     "--probe-out", "{pre}-preflight_ws.json", "--",
+                                     "64" if dry else "64,128", "ws"),
+                 files=["preflight_ws.json"], estimate_s=30, timeout_s=120, reserve_s=30),
             # the second window stopped test_triton_gpu at 15 of 24, at its fp16 d64 case
             _pytest("pytest_triton", "test_triton_gpu", estimate_s=30, timeout_s=300,
                     reserve_s=30),

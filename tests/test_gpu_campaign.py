@@ -308,8 +308,8 @@ def test_stage6_checks_the_new_tiles_then_measures_rq1_again_with_them():
     for dry in (False, True):
         steps = gc.stage_steps(6, dry)
         assert [s.name for s in steps] == ["env", "pytest_configs", "speedup_d128",
-                                           "speedup_d256", "pytest_exact", "pytest_triton",
-                                           "pytest_compile", "scaling_exact"]
+                                           "speedup_d256", "pytest_exact", "preflight_ws",
+                                           "pytest_triton", "pytest_compile", "scaling_exact"]
         assert sum(s.estimate_s for s in steps) <= usable
         for name in ("speedup_d128", "speedup_d256"):
             argv = _argv(6, dry, name)
