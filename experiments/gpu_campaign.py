@@ -259,6 +259,20 @@ def _pytest(name, select, **kw):
                           "-p", "no:cacheprovider", "tests/test_gpu.py"), **kw)
 
 
+def _dry_batch(headdim):
+    """A dry run's RQ1 part batch: one tiny group, LongFlash and standard attention."""
+    return ["--quick", "--headdims", str(headdim), "--seqlens", "128", "--long-seqlens", "",
+            "--parts", "batch", "--providers", "longflash,standard"]
+
+
+def _preflight_ws(headdims, dry, **kw):
+    """The warp-specialized candidates' preflight alone, at these head dims (d64 dry)."""
+    return Step("preflight_ws", _py("experiments.gpu_campaign", "--probe", "preflight",
+                                    "--probe-out", "{pre}-preflight_ws.json", "--",
+                                    "64" if dry else headdims, "ws"),
+                files=["preflight_ws.json"], **kw)
+
+
 def _scaling_exact(dry, **kw):
     """RQ3 part exactness (experiments.scaling): ring steps on gloo ranks of this machine's
     CPU against one-rank attention."""
@@ -397,11 +411,7 @@ def stage_steps(stage, dry):
         # exact under the interpreter; pytest_exact checks it on the GPU, after RQ1's rows),
         # and the sweep checks every candidate it forces.
         if dry:
-            d64 = ["--quick", "--headdims", "16", "--seqlens", "128", "--long-seqlens", "",
-                   "--parts", "batch", "--providers", "longflash,standard"]
-            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", "",
-                    "--parts", "batch", "--providers", "longflash,standard"]
-            tune = ["--quick", "--targets", "0"]
+            d64, d256, tune = _dry_batch(16), _dry_batch(32), ["--quick", "--targets", "0"]
         else:
             # d64 causal at 16K, a goal row never measured (--resume: then the flex bwd retry
             # of non-causal 16K); d256 at the goals' lengths (N >= 4K) first
@@ -427,10 +437,7 @@ def stage_steps(stage, dry):
             # ws_offset_twice), each forced in turn against float64, masked and not, at the
             # head dims where the first window found NaN (64, 256) and at 128: about 30 s of
             # compiles and runs. The stage's steps keep them off either way
-            Step("preflight_ws", _py("experiments.gpu_campaign", "--probe", "preflight",
-                                     "--probe-out", "{pre}-preflight_ws.json", "--",
-                                     "64" if dry else "64,128,256", "ws"),
-                 files=["preflight_ws.json"], estimate_s=30, timeout_s=150, reserve_s=60),
+            _preflight_ws("64,128,256", dry, estimate_s=30, timeout_s=150, reserve_s=60),
             # the sweep with what is left (per candidate: a compile, a check, a timing), the
             # warp-specialized candidates last in each target (each checked before it is
             # timed); rows written as they come, so the second run's --steps tuning resumes it
@@ -456,10 +463,7 @@ def stage_steps(stage, dry):
         # unmeasured: --resume-after), beside SDPA's FlashAttention-2 and cuDNN backends in
         # the same run; then the GPU tests the second window did not finish.
         if dry:
-            d128 = ["--quick", "--headdims", "16", "--seqlens", "128", "--long-seqlens", "",
-                    "--parts", "batch", "--providers", "longflash,standard"]
-            d256 = ["--quick", "--headdims", "32", "--seqlens", "128", "--long-seqlens", "",
-                    "--parts", "batch", "--providers", "longflash,standard"]
+            d128, d256 = _dry_batch(16), _dry_batch(32)
         else:
             rq1 = ["--full", "--long-seqlens", "", "--parts", "batch",
                    "--providers", "longflash,sdpa_flash,sdpa_cudnn"]
@@ -483,10 +487,7 @@ def stage_steps(stage, dry):
             # the warp-specialized candidates since dK/dV's q and dO go through registers
             # (flash_triton._load_head_tile; the second window: dK/dV's wrong with GQA, the
             # forward's exact), at the head dims that have a dK/dV one: about a minute
-            Step("preflight_ws", _py("experiments.gpu_campaign", "--probe", "preflight",
-                                     "--probe-out", "{pre}-preflight_ws.json", "--",
-                                     "64" if dry else "64,128", "ws"),
-                 files=["preflight_ws.json"], estimate_s=30, timeout_s=120, reserve_s=30),
+            _preflight_ws("64,128", dry, estimate_s=30, timeout_s=120, reserve_s=30),
             # the second window stopped test_triton_gpu at 15 of 24, at its fp16 d64 case
             _pytest("pytest_triton", "test_triton_gpu", estimate_s=30, timeout_s=300,
                     reserve_s=30),
