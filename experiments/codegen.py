@@ -516,7 +516,8 @@ def ws_offset_twice(ttgir):
 
 UNITS = dict(registers="count", spill_bytes="B", spill_load_bytes="B", shared_mem_bytes="B",
              wgmma_count="count", mma_count="count", tma_count="count", cp_async_count="count",
-             warps="count", setmaxnreg_count="count", ws_offset_twice="count", compile_s="s",
+             warps="count", setmaxnreg_count="count", ws_offset_twice="count",
+             ws_freed_before_read="count", compile_s="s",
              loop_instructions="count", loop_ex2="count", ex2_beside_wgmma="count")
 
 
