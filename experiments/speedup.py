@@ -686,6 +686,13 @@ def main():
                         "before this ISO time (UTC) count as unmeasured, so a kernel changed "
                         "since is measured again (its new rows replace the old ones)")
     args = parser.parse_args()
+    if args.resume_after and not args.resume:
+        parser.error("--resume-after needs --resume")
+    if args.resume_after:
+        try:
+            datetime.fromisoformat(args.resume_after)
+        except ValueError:
+            parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.full and device != "cuda":
         parser.error("--full is the GPU sweep, and there is no CUDA device here")
@@ -723,13 +730,6 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
     out, _ = start_run("speedup", args.out, log, dict(asdict(cfg), device=device),
                        f"speedup on {name}, torch {torch.__version__}\n{cfg}")
-    if args.resume_after and not args.resume:
-        parser.error("--resume-after needs --resume")
-    if args.resume_after:
-        try:
-            datetime.fromisoformat(args.resume_after)
-        except ValueError:
-            parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
     run(cfg, device, out, resume=args.resume, resume_after=args.resume_after)
     summary(out, device)
     log(f"wrote {out}")

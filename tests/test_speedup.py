@@ -157,6 +157,16 @@ def test_resume_measures_error_rows_again(quick, tmp_path):
     assert measured and all("longflash" in ln for ln in measured), measured
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--resume-after", "2021-01-01"], "--resume-after needs --resume"),
+    (["--resume", "--resume-after", "yesterday"], "--resume-after: not an ISO time")])
+def test_resume_after_rejects_bad_input_before_any_work(tmp_path, args, message):
+    out = tmp_path / "cpu.csv"
+    proc = run_quick(out, *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()
+
+
 def test_resume_after_measures_older_rows_again(quick, tmp_path):
     """--resume-after TIME: a row measured before TIME (a kernel changed since) is measured
     again and replaced; the rows measured after it are kept."""

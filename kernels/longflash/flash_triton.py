@@ -106,7 +106,7 @@ if _INTERPRET:
 # winners, each timed as the whole backward call with that kernel's tile forced: dK/dV d256
 # (64, 64, 8, 2) 1.54x / 1.62x the autotuner's (16, 64, 8, 3) (1K non-causal / 4K causal),
 # d128 (64, 128, 8, 2) 1.16x (4K); dQ d256 (128, 32, 8, 1) 1.13x / 1.11x, d128 (128, 64, 8, 3)
-# 1.06x beside (128, 64, 8, 2).
+# 1.06x the autotuner's (128, 64, 8, 2). The TMA tiles they replaced lost to them.
 # TMA (sm_90 only): the loop's tiles (K/V; Q/dO in dK/dV) come by TMA copies through a tensor
 # descriptor instead of cp.async with computed addresses: no address registers, so fewer
 # registers (d128 forward 153-178 instead of 219-221) and fewer spills (dK/dV d128 (16, 128) 0 B
