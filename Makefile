@@ -31,8 +31,11 @@ NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/sca
 
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
         scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check
+# The suite runs on the machine's cores, at most TEST_WORKERS processes, with pytest-xdist (in
+# the test extra) where it is installed, else in one process.
+TEST_WORKERS ?= 4
 test: $(ENV_READY)
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest $$($(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n auto --maxprocesses $(TEST_WORKERS)")
 
 # One experiment after the other (timings must not share the machine), then the notebooks,
 # then the paper. LaTeX is installed first if missing (so an install that needs you shows
@@ -100,18 +103,18 @@ variants: $(ENV_READY) $(QUICK_TREE)  # sliding-window cost against sequence len
 
 # The GPU campaign (experiments/GPU.md): three stages of under 9 minutes each, a tuning stage and
 # the second and third H100 windows' stages, each leaving OUT/stageN.tar.gz to unpack at the
-# repository root. gpu-dry: all six on CPU, tiny (about 8 minutes on a busy 2-core machine),
-# archives checked; CI runs it.
+# repository root. gpu-dry: the stages of GPU_DRY_STAGES (default all six) on CPU, tiny (about
+# 7 minutes for all six on a 2-core machine), archives checked; CI runs some (.ci/run says which).
 STAGE ?= 1
 OUT ?= gpu-out
+GPU_DRY_STAGES ?= 1 2 3 4 5 6
 gpu: $(ENV_READY)
 	$(PYTHON) -m experiments.gpu_campaign --stage $(STAGE) --out $(OUT)
 
 gpu-dry: $(ENV_READY)
 	set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
-	for s in 1 2 3 4 5 6; do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
-	$(PYTHON) -m experiments.gpu_campaign --check "$$d"/stage1.tar.gz "$$d"/stage2.tar.gz "$$d"/stage3.tar.gz \
-	    "$$d"/stage4.tar.gz "$$d"/stage5.tar.gz "$$d"/stage6.tar.gz
+	for s in $(GPU_DRY_STAGES); do $(PYTHON) -m experiments.gpu_campaign --stage $$s --out "$$d" --dry-run; done; \
+	$(PYTHON) -m experiments.gpu_campaign --check $(foreach s,$(GPU_DRY_STAGES),"$$d"/stage$(s).tar.gz)
 
 # The GPU machines' software on this CPU (BENCHMARKING.md: Python 3.12, torch 2.11, triton 3.6,
 # NumPy 2.5, transformers 5.17, JAX 0.11; no Jupyter): the test suite and the four dry stages
@@ -155,9 +158,13 @@ $(TRITON36)/.installed:
 	$(TRITON36)/bin/python -m pip install --quiet triton==3.6.0 numpy pandas
 	touch $@
 
+# The two Tritons' checks side by side (each compiles on one core); 3.6.0's output after.
 codegen-check: $(ENV_READY) $(TRITON36)/.installed
-	$(PYTHON) -m experiments.codegen --quick --check
-	$(TRITON36)/bin/python -m experiments.codegen --quick --check
+	log=$$(mktemp); rc=0; \
+	$(TRITON36)/bin/python -m experiments.codegen --quick --check >"$$log" 2>&1 & pid=$$!; \
+	$(PYTHON) -m experiments.codegen --quick --check || rc=$$?; \
+	wait $$pid || rc=$$?; echo "== triton==3.6.0, run beside the above:"; cat "$$log"; rm -f "$$log"; \
+	exit $$rc
 
 figures: $(ENV_READY) $(QUICK_TREE)  # notebooks, headless, in this order: results/ -> figures/, paper/generated/, README table
 	$(PYTHON) notebooks/run_notebooks.py $(if $(QUICK),--out-dir $(QUICK_DIR)/notebooks) $(NOTEBOOKS)

@@ -6,7 +6,7 @@ a fourth for tuning, and a fifth for the second H100 window (what the first did 
         python3 -m experiments.gpu_campaign --stage 1 --out $OUT     # on the GPU machine
     python3 -m experiments.gpu_campaign --stage 1 --out /tmp/c --dry-run  # CPU, tiny, in CI
     python3 -m experiments.gpu_campaign --stage 2 --out $OUT --steps speedup_long  # a rerun
-    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all five stages dry, archives checked)
+    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all six stages dry, archives checked)
 
 A GPU window here is 15 minutes of device time (the first was 30), the machine's start
 included, in runs of at most 10 minutes, on a bare machine that returns at most 8 files of

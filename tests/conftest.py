@@ -16,6 +16,13 @@ from longflash.reference import error_bound  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# Under pytest-xdist (make test) each worker takes its share of the cores for torch's threads;
+# each taking all of them oversubscribes the machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (_CPUS or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

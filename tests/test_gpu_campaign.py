@@ -1,6 +1,6 @@
 """experiments.gpu_campaign: the budget stops starting work near the limit, a failing or
 hanging step becomes an error row, and a dry stage 1 leaves an archive that mirrors the
-repository (what `make gpu-dry` checks for all three stages in CI)."""
+repository (what `make gpu-dry` checks for every stage)."""
 
 import json
 import os
