@@ -32,10 +32,11 @@ NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/sca
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
         scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check
 # The suite runs on the machine's cores, at most TEST_WORKERS processes, with pytest-xdist (in
-# the test extra) where it is installed, else in one process.
+# the test extra; worksteal: idle workers take queued tests from busy ones) where it is
+# installed, else in one process.
 TEST_WORKERS ?= 4
 test: $(ENV_READY)
-	$(PYTHON) -m pytest $$($(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n auto --maxprocesses $(TEST_WORKERS)")
+	$(PYTHON) -m pytest $$($(PYTHON) -c 'import xdist' 2>/dev/null && echo "-n auto --maxprocesses $(TEST_WORKERS) --dist worksteal")
 
 # One experiment after the other (timings must not share the machine), then the notebooks,
 # then the paper. LaTeX is installed first if missing (so an install that needs you shows
