@@ -92,6 +92,17 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      preflight_ws  as in stage 5, at head dims 64 and 128, since dK/dV's q and dO tiles go
                 through registers (flash_triton._load_head_tile)
      pytest_triton, pytest_compile, scaling_exact  as in stage 5, with what is left
+  7  env        as in stage 1
+     speedup_short  RQ1 part batch at head dims 128 and 256, 1K and 2K tokens, LongFlash,
+                SDPA flash and cuDNN, measured again where measured before TILES_CHANGED
+                (stage 6 did 4K-16K; results.superseded leaves the old rows out meanwhile)
+     speedup_long  the same for part long (d128, 32K-128K tokens, batch 1)
+     pytest_triton  test_triton_gpu's cases stage 6 did not reach (fp16 at d96 and d40)
+     pytest_compile  as in stage 5 (no window has reached it)
+     tuning     stage 4's sweep at d256's backward targets (the worst case against
+                FlashAttention-2 since stage 6), measured again where measured before
+                TILES_CHANGED: the new tiles against the other candidates and TRIALS
+     scaling_exact  as in stage 5, with what is left
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -138,6 +149,9 @@ from dataclasses import asdict, dataclass, field
 from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors
 from experiments.ncu import probe_ncu
 from experiments.process_groups import kill_children_on_sigterm, run_group, track_child
+from experiments.results import TILES_CHANGED  # rows before it measured the old backward tiles
+# experiments.tuning.TARGETS's indices of d256's backward (non-causal 1K, causal 4K)
+D256_BACKWARD_TARGETS = (0, 5)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTED = time.monotonic()  # this process's start, near enough: a probe's budget counts from it
@@ -232,9 +246,6 @@ def _speedup(name, argv, **kw):
 # first, in a step of its own, and the rest of the file after it.
 KEY_COLUMNS = ("step",)  # the campaign's own rows: one per step (beside results')
 EVERY_CONFIG_TEST = "test_every_config_gpu"
-# When the backward's tiles last changed (flash_triton.CONFIGS): RQ1's rows measured before
-# are measured again by stage 6 (speedup --resume-after).
-TILES_CHANGED = "2026-11-26T17:00:00"
 # The GPU tests stage 1 runs after the candidates (the decoding kernels' and test_triton_gpu);
 # stage 3 runs the others. On the H100 (2026-11-25) the whole rest took more than stage 1's
 # 141 s: it stopped in test_triton_gpu, about halfway.
@@ -496,7 +507,44 @@ def stage_steps(stage, dry):
             # the second window's was cut at 30 s, after its 1-8 rank rows at 256-2048 tokens
             _scaling_exact(dry, estimate_s=60, timeout_s=150),
         ]
-    raise ValueError(f"stage must be 1, 2, 3, 4, 5 or 6, got {stage!r}")
+    if stage == 7:
+        # The fourth window (15 minutes; GPU.md "The next window"): what stage 6 left. RQ1's
+        # rows that still time the old backward tiles (1K-2K, part long), the GPU tests no
+        # window has finished, then the sweep at the worst case against FlashAttention-2.
+        if dry:
+            short = _dry_batch(16)
+            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
+                     "--parts", "long", "--providers", "longflash,standard"]
+            tune = ["--quick", "--targets", "1"]  # the decoding target: call rows only, fast
+        else:
+            providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
+            short = ["--full", "--headdims", "128,256", "--seqlens", "1024,2048",
+                     "--long-seqlens", "", "--parts", "batch", *providers]
+            long_ = ["--full", "--headdims", "128", "--seqlens", "",
+                     "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
+            tune = ["--full", "--targets", ",".join(str(i) for i in D256_BACKWARD_TARGETS)]
+        again = ["--resume-after", TILES_CHANGED]
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            # 8 groups of 3 providers x 3 modes (stage 6: 6 groups in 44-49 s, autotuning)
+            _speedup("speedup_short", short + again, estimate_s=40, timeout_s=130,
+                     reserve_s=250),
+            # 3 groups at 32K-128K (stage 2: 183 s with flex's compiles, here without flex)
+            _speedup("speedup_long", long_ + again, estimate_s=60, timeout_s=200,
+                     reserve_s=190),
+            # the four cases stage 6 did not reach (each compiles 3 kernels: about 15 s each)
+            _pytest("pytest_triton", "test_triton_gpu and fp16 and (D96 or D40)",
+                    estimate_s=30, timeout_s=120, reserve_s=160),
+            _pytest("pytest_compile", f"{LATE_TESTS} and not ({EXACT_TESTS})", estimate_s=30,
+                    timeout_s=240, reserve_s=100),
+            # the sweep's d256 targets with the new tiles (rows before the change measured
+            # again); rows written as they come, so the second run's --steps rest resumes it
+            Step("tuning", _py("experiments.tuning", *tune, "--resume", *again, "--budget-s",
+                               "{budget}", "--out", "{out}"),
+                 rq="tuning", estimate_s=60, timeout_s=300, reserve_s=60, tail_s=40),
+            _scaling_exact(dry, estimate_s=60, timeout_s=150),
+        ]
+    raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6 or 7, got {stage!r}")
 
 
 # ----------------------------------------------------------------------------- probes
@@ -1071,7 +1119,7 @@ def check_archive(tar_path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Stages and outputs: see the module docstring.")
-    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4, 5, 6))
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4, 5, 6, 7))
     parser.add_argument("--out", help="folder for stageN.tar.gz")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the Triton "
                         "interpreter; rows labelled 'dry run', files named dryrun.csv")

@@ -419,6 +419,30 @@ def read_results(paths):
                      ignore_index=True)
 
 
+# -- Rows of kernels no longer in the package -------------------------------------------------
+
+# When flash_triton.CONFIGS's backward tiles for Hopper (sm_90) last changed: the second H100
+# window's sweep found faster ones at head dims 128 and 256 (experiments/PERFLOG.md, "Backward
+# tiles from the H100's sweep"). LongFlash's backward and forward+backward rows of those head
+# dims measured on a Hopper GPU before then time tiles the package no longer has: the campaign
+# measures them again (speedup --resume-after) and the notebooks leave the rest out.
+TILES_CHANGED = "2026-11-26T17:00:00"
+HOPPER = r"H100|H200|H800|H20\b|GH200"  # device names of sm_90 GPUs
+
+
+def superseded(df):
+    """Boolean mask of df's rows that measured a kernel the package has replaced since (the
+    backward tiles of TILES_CHANGED), so a figure or a claim does not mix old and current code."""
+    for column in ("experiment", "provider", "mode", "headdim", "device", "timestamp"):
+        if column not in df:
+            return pd.Series(False, index=df.index)
+    return ((df["experiment"] == "speedup") & (df["provider"] == "longflash")
+            & df["mode"].isin(["bwd", "fwd_bwd"]) & df["headdim"].isin([128, 256])
+            & df["device"].astype(str).str.contains(HOPPER)
+            & (pd.to_datetime(df["timestamp"], utc=True, format="ISO8601")
+               < pd.Timestamp(TILES_CHANGED, tz="UTC")))
+
+
 # -- FLOPs -------------------------------------------------------------------------------------
 
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}  # backward = 2.5x forward

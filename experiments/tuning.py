@@ -45,6 +45,7 @@ runs: experiments/GPU.md).
 """
 
 import argparse
+import datetime
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -304,14 +305,18 @@ def _key(row):
                                        "causal", "mode", "kernel", "config"))
 
 
-def measured_keys(path):
+def measured_keys(path, after=None):
     """Keys of the time_ms rows with status ok already in path (--resume): what a later run
-    need not measure again. An error (a wrong tile, a crash) is measured again."""
+    need not measure again. An error (a wrong tile, a crash) is measured again, and so is a
+    row measured before `after` (an ISO time: the kernels' tables changed since)."""
     if not os.path.exists(path):
         return set()
     import pandas as pd
     df = pd.read_csv(path)
     ok = df[(df["metric"] == "time_ms") & (df["status"] == "ok")]
+    if after:
+        ok = ok[pd.to_datetime(ok["timestamp"], utc=True, format="ISO8601")
+                >= pd.Timestamp(after, tz="UTC")]
     return {_key(row) for row in ok.to_dict("records")}
 
 
@@ -455,8 +460,18 @@ def main(argv=None):
                         "first target's calls excepted)")
     parser.add_argument("--resume", action="store_true", help="skip what the results file "
                         "already holds with status ok (a rerun measures only the rest)")
+    parser.add_argument("--resume-after", metavar="ISO_TIME", default=None,
+                        help="with --resume: rows measured before this time are measured "
+                        "again (the config tables changed since)")
     parser.add_argument("--out", default=None, help="CSV (default results/tuning/<device>.csv)")
     args = parser.parse_args(argv)
+    if args.resume_after is not None:
+        if not args.resume:
+            parser.error("--resume-after needs --resume")
+        try:
+            datetime.datetime.fromisoformat(args.resume_after)
+        except ValueError:
+            parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         parser.error("the sweep times Triton kernels on a GPU; on a CPU use --quick (the "
@@ -471,7 +486,7 @@ def main(argv=None):
                             budget_s=args.budget_s, resume=args.resume,
                             trials={str(k): v for k, v in TRIALS.items()}, device=device),
                        f"{len(targets)} targets on {device}")
-    done = measured_keys(out) if args.resume else set()  # then grows with what is tried
+    done = measured_keys(out, args.resume_after) if args.resume else set()  # grows as tried
     if done:
         log(f"--resume: {len(done)} measurements already in {out} are not repeated")
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s

@@ -35,7 +35,8 @@ import pandas as pd  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # notebooks run from notebooks/; the shared writer lives in experiments/
-from experiments.results import atomic_write, device_class, device_tag, read_results  # noqa: E402
+from experiments.results import (atomic_write, device_class, device_tag, read_results,  # noqa: E402
+                                 superseded)
 RESULTS = os.environ.get("LONGFLASH_RESULTS") or os.path.join(ROOT, "results")
 FIGURES = os.environ.get("LONGFLASH_FIGURES") or os.path.join(ROOT, "figures")
 GENERATED = os.environ.get("LONGFLASH_GENERATED") or os.path.join(ROOT, "paper", "generated")
@@ -87,7 +88,8 @@ def device_classes(rq):
 
 def load(rq, device=None):
     """The rows of one machine for experiment rq: the selected results file of device class
-    `device` (default DEVICE), with a `source` column naming the file. NotApplicable if there
+    `device` (default DEVICE), with a `source` column naming the file, less the rows that
+    measured a kernel since replaced (experiments.results.superseded). NotApplicable if there
     is none. The schema is in experiments/results.py."""
     device = device or DEVICE
     runs = select_runs(rq)
@@ -96,7 +98,12 @@ def load(rq, device=None):
                             f"(found {sorted(runs) or 'none'})")
     print(f"{rq}: drawing {os.path.relpath(runs[device], ROOT)} (device class {device}; "
           f"other classes: {sorted(set(runs) - {device}) or 'none'})")
-    return read_results(runs[device])
+    df = read_results(runs[device])
+    old = superseded(df)
+    if old.any():  # measured a kernel the package has replaced since: not drawn, not claimed
+        print(f"left out: {int(old.sum())} rows that time replaced kernels "
+              f"(experiments.results.superseded)")
+    return df[~old].reset_index(drop=True)
 
 
 def results_file(rq, device=None):

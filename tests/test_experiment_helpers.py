@@ -275,3 +275,19 @@ def test_start_run_appends_the_log_and_keeps_every_runs_config(tmp_path):
         ["a", "b", "c"]
     (tmp_path / "broken.json").write_text("{not json")
     assert earlier_runs(str(tmp_path / "broken.json"))[0]["text"] == "{not json"
+
+
+def test_superseded_rows_are_the_old_backward_tiles_on_hopper():
+    """results.superseded: LongFlash's bwd/fwd_bwd rows at d128/d256 measured on a Hopper GPU
+    before TILES_CHANGED, and nothing else (forward, other head dims, other devices, later)."""
+    from experiments.results import TILES_CHANGED, superseded
+    before, after = "2026-11-25T15:48:34+00:00", "2026-11-27T02:24:10+00:00"
+    assert before < TILES_CHANGED < after
+    base = dict(experiment="speedup", provider="longflash", mode="bwd", headdim=128,
+                device="NVIDIA H100 80GB HBM3", timestamp=before)
+    rows = [base, dict(base, mode="fwd_bwd", headdim=256), dict(base, device="NVIDIA H200"),
+            dict(base, mode="fwd"), dict(base, headdim=64), dict(base, provider="sdpa_flash"),
+            dict(base, device="NVIDIA A100-SXM4-80GB"), dict(base, device="AMD EPYC 7B13"),
+            dict(base, timestamp=after), dict(base, experiment="scaling")]
+    assert superseded(pd.DataFrame(rows)).tolist() == [True] * 3 + [False] * 7
+    assert not superseded(pd.DataFrame([{"experiment": "speedup"}])).any()  # columns missing

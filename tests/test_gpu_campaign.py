@@ -549,3 +549,35 @@ def test_pytest_steps_run_every_gpu_test_once():
                           "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
                          capture_output=True, text=True, cwd=gc.ROOT, timeout=120)
     assert sorted(picked) == sorted(ln for ln in out.stdout.splitlines() if "::" in ln)
+
+
+def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d256():
+    """Stage 7 (the fourth window): RQ1's rows that still time the old backward tiles (1K-2K,
+    part long) measured again, the GPU tests no window finished, the sweep at d256's backward
+    targets with rows from before TILES_CHANGED measured again. The estimates fit, and each
+    reserve leaves its step its estimate and keeps the next one's."""
+    from experiments import tuning
+    usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
+    names = ["env", "speedup_short", "speedup_long", "pytest_triton", "pytest_compile",
+             "tuning", "scaling_exact"]
+    for dry in (False, True):
+        steps = gc.stage_steps(7, dry)
+        assert [s.name for s in steps] == names
+        assert sum(s.estimate_s for s in steps) <= usable
+        for name in ("speedup_short", "speedup_long", "tuning"):
+            argv = _argv(7, dry, name)
+            assert "--resume" in argv
+            assert argv[argv.index("--resume-after") + 1] == gc.TILES_CHANGED
+    short, long_ = _argv(7, False, "speedup_short"), _argv(7, False, "speedup_long")
+    assert short[short.index("--headdims") + 1] == "128,256"
+    assert short[short.index("--seqlens") + 1] == "1024,2048"
+    assert long_[long_.index("--parts") + 1] == "long"
+    tune = _argv(7, False, "tuning")
+    picked = [tuning.TARGETS[int(i)] for i in tune[tune.index("--targets") + 1].split(",")]
+    assert picked and all(t.headdim == 256 and "dkdv" in t.kernels for t in picked), picked
+    full = list(gc.stage_steps(7, False))
+    left = usable - full[0].estimate_s
+    for i, s in enumerate(full[1:], 1):
+        assert left - s.reserve_s >= s.estimate_s, s.name
+        assert s.reserve_s >= sum(t.estimate_s for t in full[i + 1:i + 2]), s.name
+        left -= s.estimate_s

@@ -323,3 +323,24 @@ def test_resume_of_decode_rows_skips_all_but_errors(tmp_path):
     path = tmp_path / "h100.csv"
     rows.to_csv(path, index=False)
     assert {k[0] for k in decode.existing_keys(str(path))} == {"longflash", "sdpa_math"}
+
+
+def test_resume_keeps_the_best_ceiling_of_the_file(quick, tmp_path):
+    """--resume: the file's rows come from several runs and one ceiling row serves them all, the
+    best any run measured; a run that measures more keeps its own."""
+    out, df, _ = quick
+    copy = tmp_path / "cpu.csv"
+    old = df.copy()
+    matmul = (old["provider"] == "ceiling") & (old["metric"] == "matmul_tflops")
+    copy_bw = (old["provider"] == "ceiling") & (old["metric"] == "copy_gbps")
+    assert matmul.sum() == 1 and copy_bw.sum() == 1
+    old.loc[matmul, "value"] = 1e9  # an earlier run far above what this machine measures
+    old.loc[copy_bw, "value"] = 1e-9  # and one far below
+    old.to_csv(copy, index=False)
+    proc = run_quick(copy, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = pd.read_csv(copy)
+    ceil = again[again["provider"] == "ceiling"].set_index("metric")["value"]
+    assert ceil["matmul_tflops"] == 1e9 and 1e-9 < ceil["copy_gbps"] < 1e9, ceil
+    assert "ceiling kept from an earlier run" in proc.stdout + proc.stderr
+    assert len(again) == len(df)

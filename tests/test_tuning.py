@@ -226,3 +226,15 @@ def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
     measured.clear()
     tuning.main(argv)  # planted: without --resume everything again
     assert measured == first
+    # --resume-after: a row measured before it (the tables changed since) counts as missing
+    df = read_results(str(out))
+    old = (df["kernel"] == first[0][0]) & (df["config"] == first[0][1])
+    df.loc[old, "timestamp"] = "2020-01-01T00:00:00+00:00"
+    df.drop(columns="source").to_csv(out, index=False)
+    measured.clear()
+    tuning.main(argv + ["--resume", "--resume-after", "2021-01-01T00:00:00"])
+    assert measured == [first[0]]
+    for bad, message in ((["--resume-after", "2021-01-01"], "needs --resume"),
+                         (["--resume", "--resume-after", "soon"], "not an ISO time")):
+        with pytest.raises(SystemExit):
+            tuning.main(argv + bad)
