@@ -299,6 +299,17 @@ def test_stage5_is_the_second_windows_gaps_in_order_within_the_budget():
     assert triton[triton.index("-k") + 1] == "test_triton_gpu"
 
 
+def _assert_shares_fit(stage):
+    """Each step's share: after env and the estimates before it, its reserve leaves the step
+    at least its estimate, and keeps the next step's."""
+    full = list(gc.stage_steps(stage, False))
+    left = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S - full[0].estimate_s
+    for i, s in enumerate(full[1:], 1):
+        assert left - s.reserve_s >= s.estimate_s, s.name
+        assert s.reserve_s >= sum(t.estimate_s for t in full[i + 1:i + 2]), s.name
+        left -= s.estimate_s
+
+
 def test_stage6_checks_the_new_tiles_then_measures_rq1_again_with_them():
     """Stage 6 (the third window): every candidate forced first (the backward's new tiles),
     then RQ1 at d128 and d256 with rows from before TILES_CHANGED measured again, SDPA's
@@ -321,12 +332,7 @@ def test_stage6_checks_the_new_tiles_then_measures_rq1_again_with_them():
         assert argv[argv.index("--seqlens") + 1] == "4096,8192,16384"
         assert set(argv[argv.index("--providers") + 1].split(",")) >= {
             "longflash", "sdpa_flash", "sdpa_cudnn"}
-    full = list(gc.stage_steps(6, False))
-    left = usable - full[0].estimate_s
-    for i, s in enumerate(full[1:], 1):
-        assert left - s.reserve_s >= s.estimate_s, s.name
-        assert s.reserve_s >= sum(t.estimate_s for t in full[i + 1:i + 2]), s.name
-        left -= s.estimate_s
+    _assert_shares_fit(6)
     configs = _argv(6, False, "pytest_configs")
     assert configs[configs.index("-k") + 1] == gc.EVERY_CONFIG_TEST
 
@@ -575,9 +581,4 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     tune = _argv(7, False, "tuning")
     picked = [tuning.TARGETS[int(i)] for i in tune[tune.index("--targets") + 1].split(",")]
     assert picked and all(t.headdim == 256 and "dkdv" in t.kernels for t in picked), picked
-    full = list(gc.stage_steps(7, False))
-    left = usable - full[0].estimate_s
-    for i, s in enumerate(full[1:], 1):
-        assert left - s.reserve_s >= s.estimate_s, s.name
-        assert s.reserve_s >= sum(t.estimate_s for t in full[i + 1:i + 2]), s.name
-        left -= s.estimate_s
+    _assert_shares_fit(7)
