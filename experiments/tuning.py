@@ -19,7 +19,9 @@ no faster than non-causal's 0.682 ms) and in the d64 forward at 1K (0.681 ms, as
      kernel_ms      per kernel (kernel "fwd", "preprocess", "dkdv", "dq"; config "auto"): its
                     GPU time per call from torch.profiler
    time_ms well above time_ms_graph means RQ1 timed the host there, not the kernels; the
-   log then has the host's cProfile of the call (where host_ms goes). One target is a decoding
+   log then has the host's cProfile of the call (where host_ms goes). Config "auto-again"
+   (CALL_AGAIN): time_ms of the same call after the target's lead candidates, to tell a
+   forced tile's time from what the sweep changed meanwhile. One target is a decoding
    step (RQ1's part decode: per call 0.13-0.29 ms, as graph replays 0.01-0.07 ms on the H100).
 2. Does another tile do better? Kernel "fwd", "dkdv" or "dq", config "BLOCK_M/BLOCK_N/warps/
    stages[/tma[/ws]]" (codegen.config_name): each candidate of flash_triton.CONFIGS for this
@@ -67,6 +69,7 @@ from experiments.results import Log, default_out, start_run, write_results  # no
 KEY_COLUMNS = ("kernel", "config")  # beside experiments.results.KEY_COLUMNS
 KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}  # their jit names
 HOST_CALLS = 50
+CALL_AGAIN = "auto-again"  # the call timed again after its lead candidates (kernel "call")
 PROFILED = {"_attn_fwd": "fwd", "_attn_bwd_preprocess": "preprocess", "_attn_bwd_dkdv": "dkdv",
             "_attn_bwd_dq": "dq", "_fwd_splitkv": "decode", "_merge_splits": "decode_merge"}
 
@@ -388,6 +391,19 @@ def sweep_target(t, device, dtype, check_seqlens, ws=False, done=None, deadline=
         if rows:
             log(f"  {kernel}: " + summary(rows, kernel, chosen.get(kernel, "?")))
             yield rows
+    if part == "lead":
+        # The call timed again, none forced, after the candidates' checks and timings: the
+        # H100's sweep timed the autotuner's own forward tile, forced, 0.1-0.27 ms above the
+        # call at 1K-2K (equal at 4K). Slow here too: something the sweep leaves behind (clocks
+        # after the float64 checks, memory); fast: the forcing itself.
+        for mode in modes:
+            b = dict(base, mode=mode, kernel="call", config=CALL_AGAIN)
+            if _key(b) not in done and not late(f"call {mode} again"):
+                done.add(_key(b))
+                rows = _measured(b, "call", CALL_AGAIN, "time_ms", lambda: time_ms(
+                    pass_fn(qkv, do, t.causal, mode), device))
+                log(f"  call {mode} again: time_ms {rows[0]['value']:.4g}")
+                yield rows
 
 
 def compile_candidates(kernel, configs, qkv, do, causal, mode):

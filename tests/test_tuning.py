@@ -74,6 +74,8 @@ def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
     calls = df[(df["kernel"] == "call") & (df["seqlen_q"] == t.seqlen)]
     assert set(zip(calls["mode"], calls["metric"])) == {
         (m, x) for m in ("fwd", "bwd") for x in ("time_ms", "host_ms")}  # no graph on a CPU
+    again = calls[calls["config"] == tuning.CALL_AGAIN]  # timed again after the lead tiles
+    assert sorted(again["mode"]) == ["bwd", "fwd"] and set(again["metric"]) == {"time_ms"}
     step = df[df["seqlen_q"] == 1]  # the decoding target: one query over the cache
     d = tuning.QUICK_TARGETS[1]
     assert d.decode and set(step["seqlen_k"]) == {d.seqlen} and set(step["nheads_kv"]) == {2}
@@ -92,6 +94,8 @@ def test_quick_sweep_checks_and_times_every_candidate(tmp_path):
     assert (out.parent / "tuning.json").exists() and log.count("host profile, ") == 3
     # every target's calls (host or GPU?) before any candidate
     assert log.index("target 1, calls") < log.index("target 0, candidates")
+    assert log.index("target 0, lead") < log.index("call fwd again") < log.index(
+        "target 0, candidates")
     assert log.count("ncalls") == 3  # cProfile's tables
 
 
