@@ -102,6 +102,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      tuning     stage 4's sweep at d256's backward targets (the worst case against
                 FlashAttention-2 since stage 6), measured again where measured before
                 TILES_CHANGED: the new tiles against the other candidates and TRIALS
+     preflight_ws  at head dim 128: dK/dV's WS candidate (NaN in stage 6) beside WS_TRIALS'
+                tiles (32 rows with 2 stages, 64 rows)
      scaling_exact  as in stage 5, with what is left
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
@@ -542,6 +544,9 @@ def stage_steps(stage, dry):
             Step("tuning", _py("experiments.tuning", *tune, "--resume", *again, "--budget-s",
                                "{budget}", "--out", "{out}"),
                  rq="tuning", estimate_s=60, timeout_s=300, reserve_s=60, tail_s=40),
+            # dK/dV's WS candidate at d128 (NaN in stage 6) beside WS_TRIALS' tiles: a 32-row
+            # tile's fault or not (the d64 one is exact since _load_head_tile): about a minute
+            _preflight_ws("128", dry, estimate_s=30, timeout_s=150, reserve_s=60),
             _scaling_exact(dry, estimate_s=60, timeout_s=150),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6 or 7, got {stage!r}")
@@ -751,6 +756,12 @@ PREFLIGHT_TIMEOUT_S = 120
 # measure.RELATIVE_ERROR_LIMIT: what a working tile stays far below; tests/test_gpu.py applies
 # the strict tolerance rule to every candidate later in stage 1.
 PREFLIGHT_TOLERANCE = RELATIVE_ERROR_LIMIT
+# Warp-specialized tiles the tables lack, checked after the table's own by preflight_ws at their
+# head dim (the launcher never chooses them). The two WS kernels that returned NaN on the H100,
+# dK/dV d128 (32, 128, 4, 3) and dQ d256 (128, 32, 4, 2), are the only ones whose loops copy
+# 32-row tiles (m64n32 score wgmmas); the IR showed nothing else apart (PERFLOG). These tell a
+# 32-row tile with fewer stages from a 64-row tile: NaN in both, or in the first only.
+WS_TRIALS = {("dkdv", 128): [(32, 128, 4, 2, "tma", "ws"), (64, 128, 4, 2, "tma", "ws")]}
 
 
 def probe_preflight(path, headdims, kinds=",".join(PREFLIGHT_KINDS)):
@@ -826,7 +837,10 @@ def probe_preflight_kind(kind, headdims):
                 print("PREFLIGHT " + json.dumps(row))
                 return
             tables = {name: ft.configs_for(name, major, headdim) for name in kernels}
-            mine = {name: [c for c in cs if _kind(c) == kind] for name, cs in tables.items()}
+            mine = {name: [c for c in cs if _kind(c) == kind]
+                    + [ft._config(c) for c in (WS_TRIALS.get((name, headdim), [])
+                                               if kind == "ws" and major == 9 else [])]
+                    for name, cs in tables.items()}
             targets = [tuple(kernels)] if kind == "tma" else [(n,) for n in kernels if mine[n]]
             for target in targets:
                 for i in range(max(len(mine[name]) for name in target)):

@@ -565,7 +565,7 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     from experiments import tuning
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     names = ["env", "speedup_short", "speedup_long", "pytest_triton", "pytest_compile",
-             "tuning", "scaling_exact"]
+             "tuning", "preflight_ws", "scaling_exact"]
     for dry in (False, True):
         steps = gc.stage_steps(7, dry)
         assert [s.name for s in steps] == names
@@ -578,6 +578,11 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     assert short[short.index("--headdims") + 1] == "128,256"
     assert short[short.index("--seqlens") + 1] == "1024,2048"
     assert long_[long_.index("--parts") + 1] == "long"
+    assert _argv(7, False, "preflight_ws")[-2:] == ["128", "ws"]
+    from longflash import flash_triton as ft
+    for (kernel, headdim), tiles in gc.WS_TRIALS.items():  # tiles the table lacks, each a WS one
+        table = ft.CONFIGS[ft._table_key(kernel, 9, headdim)]
+        assert all(t[4:] == (ft.TMA, ft.WS) and t not in table for t in tiles), tiles
     tune = _argv(7, False, "tuning")
     picked = [tuning.TARGETS[int(i)] for i in tune[tune.index("--targets") + 1].split(",")]
     assert picked and all(t.headdim == 256 and "dkdv" in t.kernels for t in picked), picked
