@@ -421,6 +421,26 @@ def read_results(paths):
 
 # -- Rows of kernels no longer in the package -------------------------------------------------
 
+def measured_before(df, when):
+    """Boolean mask of df's rows whose timestamp precedes the ISO time `when` (UTC): rows that
+    a kernel changed since has made stale (--resume-after, superseded)."""
+    return (pd.to_datetime(df["timestamp"], utc=True, format="ISO8601")
+            < pd.Timestamp(when, tz="UTC"))
+
+
+def check_resume_after(parser, args):
+    """--resume-after's rules (speedup, tuning): it needs --resume and an ISO time; otherwise a
+    usage error before any work."""
+    if args.resume_after is None:
+        return
+    if not args.resume:
+        parser.error("--resume-after needs --resume")
+    try:
+        datetime.datetime.fromisoformat(args.resume_after)
+    except ValueError:
+        parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
+
+
 # When flash_triton.CONFIGS's backward tiles for Hopper (sm_90) last changed: the second H100
 # window's sweep found faster ones at head dims 128 and 256 (experiments/PERFLOG.md, "Backward
 # tiles from the H100's sweep"). LongFlash's backward and forward+backward rows of those head
@@ -439,8 +459,7 @@ def superseded(df):
     return ((df["experiment"] == "speedup") & (df["provider"] == "longflash")
             & df["mode"].isin(["bwd", "fwd_bwd"]) & df["headdim"].isin([128, 256])
             & df["device"].astype(str).str.contains(HOPPER)
-            & (pd.to_datetime(df["timestamp"], utc=True, format="ISO8601")
-               < pd.Timestamp(TILES_CHANGED, tz="UTC")))
+            & measured_before(df, TILES_CHANGED))
 
 
 # -- FLOPs -------------------------------------------------------------------------------------

@@ -96,7 +96,6 @@ import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +107,8 @@ if torch.cuda.is_available():
 
 import longflash  # noqa: E402
 from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
-from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results  # noqa: E402
+from experiments.results import (Log, check_resume_after, cpu_name, flops,  # noqa: E402
+                                 measured_before, start_run, tflops, write_results)
 
 GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
                  "sdpa_cudnn", "flex")
@@ -480,7 +480,7 @@ def _existing_keys(path, after=None):
     df = pd.read_csv(path)
     df = df[df["metric"] == "time_ms"]
     if after:
-        df = df[pd.to_datetime(df["timestamp"], utc=True) >= pd.Timestamp(after, tz="UTC")]
+        df = df[~measured_before(df, after)]
     cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]
     keys = lambda d: {tuple(str(x) for x in row)  # noqa: E731
                       for row in d[cols].itertuples(index=False)}
@@ -712,13 +712,7 @@ def main():
                         "before this ISO time (UTC) count as unmeasured, so a kernel changed "
                         "since is measured again (its new rows replace the old ones)")
     args = parser.parse_args()
-    if args.resume_after and not args.resume:
-        parser.error("--resume-after needs --resume")
-    if args.resume_after:
-        try:
-            datetime.fromisoformat(args.resume_after)
-        except ValueError:
-            parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
+    check_resume_after(parser, args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.full and device != "cuda":
         parser.error("--full is the GPU sweep, and there is no CUDA device here")

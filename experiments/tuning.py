@@ -47,7 +47,6 @@ runs: experiments/GPU.md).
 """
 
 import argparse
-import datetime
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -64,7 +63,8 @@ from experiments import decode  # noqa: E402
 from experiments.codegen import config_name  # noqa: E402
 from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E402
 from experiments.measure import time_ms, time_ms_graph  # noqa: E402
-from experiments.results import Log, default_out, start_run, write_results  # noqa: E402
+from experiments.results import (Log, check_resume_after, default_out,  # noqa: E402
+                                 measured_before, start_run, write_results)
 
 KEY_COLUMNS = ("kernel", "config")  # beside experiments.results.KEY_COLUMNS
 KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}  # their jit names
@@ -321,8 +321,7 @@ def measured_keys(path, after=None):
     df = pd.read_csv(path)
     ok = df[(df["metric"] == "time_ms") & (df["status"] == "ok")]
     if after:
-        ok = ok[pd.to_datetime(ok["timestamp"], utc=True, format="ISO8601")
-                >= pd.Timestamp(after, tz="UTC")]
+        ok = ok[~measured_before(ok, after)]
     return {_key(row) for row in ok.to_dict("records")}
 
 
@@ -484,13 +483,7 @@ def main(argv=None):
                         "again (the config tables changed since)")
     parser.add_argument("--out", default=None, help="CSV (default results/tuning/<device>.csv)")
     args = parser.parse_args(argv)
-    if args.resume_after is not None:
-        if not args.resume:
-            parser.error("--resume-after needs --resume")
-        try:
-            datetime.datetime.fromisoformat(args.resume_after)
-        except ValueError:
-            parser.error(f"--resume-after: not an ISO time: {args.resume_after!r}")
+    check_resume_after(parser, args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         parser.error("the sweep times Triton kernels on a GPU; on a CPU use --quick (the "
