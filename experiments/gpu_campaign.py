@@ -528,6 +528,12 @@ def stage_steps(stage, dry):
         again = ["--resume-after", TILES_CHANGED]
         return [
             _probe("env", estimate_s=5, timeout_s=60),
+            # the host's time per call, LongFlash's and SDPA's (7 runs of 50 calls of each of 3
+            # kinds, at 128 tokens): since the ops dropped custom_op's layers (PERFLOG), the
+            # first GPU measure of what RQ1's short rows and the sweep's host_ms rows timed
+            Step("host_time", _py("experiments.host_time", *(["--quick"] if dry else []),
+                                  "--out", "{out}"),
+                 rq="host_time", estimate_s=20, timeout_s=90, reserve_s=400),
             # 8 groups of 3 providers x 3 modes (stage 6: 6 groups in 44-49 s, autotuning)
             _speedup("speedup_short", short + again, estimate_s=40, timeout_s=130,
                      reserve_s=250),

@@ -34,8 +34,8 @@ import tempfile
 
 import pandas as pd
 
-from experiments import (decode, gpu_campaign, long_context_training, ncu, scaling, tuning,
-                         variants)
+from experiments import (decode, gpu_campaign, host_time, long_context_training, ncu, scaling,
+                         tuning, variants)
 from experiments.results import PROVENANCE_COLUMNS, atomic_write, earlier_runs, write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,8 @@ PROBE_JSON = re.compile(r"-stage\d+-[\w.-]+\.json$")
 KEY_COLUMNS = {"speedup": decode.KEY_COLUMNS, "io_complexity": ncu.KEY_COLUMNS,
                "scaling": scaling.KEY_COLUMNS, "gpu_campaign": gpu_campaign.KEY_COLUMNS,
                "long_context_training": long_context_training.KEY_COLUMNS,
-               "variants": variants.KEY_COLUMNS, "tuning": tuning.KEY_COLUMNS}
+               "variants": variants.KEY_COLUMNS, "tuning": tuning.KEY_COLUMNS,
+               "host_time": host_time.KEY_COLUMNS}
 
 
 def merge_csv(src, dst, keys):

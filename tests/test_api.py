@@ -148,11 +148,31 @@ def test_compile_fullgraph_forward_backward(backend):
         torch.testing.assert_close(g_c, g)
 
 
-def test_opcheck():
-    """torch.library's own consistency checks of the op registration (fake vs real, autograd)."""
-    q, k, v = (x.requires_grad_() for x in qkv())
-    torch.library.opcheck(torch.ops.longflash.attention_forward.default,
-                          (q, k, v, True, 0.25, "torch"))
+def test_compile_fullgraph_one_tensor_as_q_k_and_v():
+    """attention(x, x, x) under torch.compile: Dynamo refuses an autograd.Function given one
+    tensor as two inputs, so the call passes k and v as aliases of their own there."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 19, 2, 16, requires_grad=True)
+
+    def fn(x):
+        return longflash.attention(x, x, x, causal=True, backend="torch").square().sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), fn(x))
+    torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0],
+                               torch.autograd.grad(fn(x), x)[0])
+
+
+@pytest.mark.parametrize("op", ["attention_forward", "attention_backward"])
+def test_opcheck(op):
+    """torch.library's own consistency checks of the ops' registration (schema, fake against
+    real, torch.compile's tracing). The ops carry no autograd (longflash.attention's
+    autograd.Function does): their inputs need no gradient."""
+    q, k, v = qkv()
+    o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend="torch")
+    args = (q, k, v, True, 0.25, "torch") if op == "attention_forward" else \
+        (torch.randn_like(o), q, k, v, o, lse, None, True, 0.25, "torch")
+    torch.library.opcheck(getattr(torch.ops.longflash, op).default, args)
 
 
 def test_compile_fullgraph_variants_and_varlen():

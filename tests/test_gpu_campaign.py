@@ -556,8 +556,8 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     reserve leaves its step its estimate and keeps the next one's."""
     from experiments import tuning
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
-    names = ["env", "speedup_short", "speedup_long", "pytest_triton", "pytest_compile",
-             "tuning", "preflight_ws", "scaling_exact"]
+    names = ["env", "host_time", "speedup_short", "speedup_long", "pytest_triton",
+             "pytest_compile", "tuning", "preflight_ws", "scaling_exact"]
     for dry in (False, True):
         steps = gc.stage_steps(7, dry)
         assert [s.name for s in steps] == names

@@ -8,7 +8,7 @@ import tarfile
 import pandas as pd
 import pytest
 
-from experiments import gpu_unpack
+from experiments import gpu_campaign, gpu_unpack
 from experiments.results import COLUMNS, write_results
 
 
@@ -95,6 +95,18 @@ def test_an_archive_outside_results_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not results/"):
         gpu_unpack.unpack(str(evil), str(tmp_path / "repo"), log=lambda _: None)
     assert not os.path.exists(tmp_path / "repo" / "README.md")
+
+
+def test_every_results_folder_of_a_stage_merges_by_its_writers_keys():
+    """A folder whose writer passes extra key columns merges by them (else two rows that
+    differ only there would be one key twice, and the archive would not merge)."""
+    import importlib
+    for stage in range(1, 8):
+        for step in gpu_campaign.stage_steps(stage, False):
+            keys = getattr(importlib.import_module(f"experiments.{step.rq}"), "KEY_COLUMNS",
+                           ()) if step.rq else ()
+            if keys:
+                assert gpu_unpack.KEY_COLUMNS.get(step.rq) == keys, (stage, step.name)
 
 
 def test_tuning_rows_merge_by_kernel_and_config(tmp_path):

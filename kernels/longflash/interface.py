@@ -1,11 +1,14 @@
-"""Public API: input validation, backend choice, and the custom ops that carry autograd.
+"""Public API: input validation, backend choice, and the ops that autograd differentiates.
 
 Every call goes through `attention`: the arguments are checked once, here, before
 any work; the backend is chosen; then `torch.ops.longflash.attention_forward`
-runs the chosen implementation. Autograd is registered once on that op for all
-implementations (its backward is the op `torch.ops.longflash.attention_backward`),
-and both ops have fake implementations, so `torch.compile(fullgraph=True)`
-captures forward and backward without graph breaks.
+runs the chosen implementation. Autograd is one torch.autograd.Function around that
+op for all implementations (`_Attention`: its backward is the op
+`torch.ops.longflash.attention_backward`); both ops have fake implementations, so
+`torch.compile(fullgraph=True)` captures forward and backward without graph breaks.
+The ops are registered with torch.library's define and impl (`_common.define_op`),
+not custom_op, whose Python layers took about half of a training call's host time
+in the H100's profiles (PERFLOG "The ops without custom_op's layers").
 """
 
 import importlib.util
@@ -17,7 +20,8 @@ import torch
 
 from . import blockwise
 from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
-                      empty_outputs, paged_rows, resolve_softmax_scale, with_learnable_sink)
+                      define_op, empty_outputs, paged_rows, resolve_softmax_scale,
+                      with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -165,7 +169,7 @@ def _gather_pages(k, v, block_table, cu_seqlens_k, total_k):
     """The keys and values in use, packed as attention_varlen takes them: (total_k, nheads_kv,
     headdim) each, a copy (gradients flow back to the pages). Key n of sequence b is page
     block_table[b, n // page_size], slot n % page_size."""
-    batch, page_size = block_table.shape[0], k.shape[1]
+    batch = block_table.shape[0]
     device = k.device
     seq = torch.repeat_interleave(torch.arange(batch, device=device), cu_seqlens_k.diff(),
                                   output_size=total_k)  # (total_k,) sequence of each key
@@ -216,75 +220,89 @@ def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
 # variants follow with defaults. seed is a 0-d int64 tensor so that torch.compile can draw it
 # inside a graph.
-@torch.library.custom_op("longflash::attention_forward", mutates_args=())
-def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       softmax_scale: float, backend: str, window_left: int = -1,
-                       window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,
-                       softcap: float = 0.0, dropout_p: float = 0.0,
-                       seed: Optional[torch.Tensor] = None,
-                       cu_seqlens_q: Optional[torch.Tensor] = None,
-                       cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                       max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
-                       deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  softmax_scale: float, backend: str, window_left: int = -1,
+                  window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,
+                  softcap: float = 0.0, dropout_p: float = 0.0,
+                  seed: Optional[torch.Tensor] = None,
+                  cu_seqlens_q: Optional[torch.Tensor] = None,
+                  cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+                  max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
+                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     block_table)
     return _implementation(backend).forward(q, k, v, opts)
 
 
-@_attention_forward.register_fake
-def _(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1, alibi_slopes=None,
-      softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None, cu_seqlens_k=None,
-      max_seqlen_q=0, max_seqlen_k=0, block_table=None, deterministic=False):
+def _forward_fake(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
+                  alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None,
+                  deterministic=False):
     return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
-@torch.library.custom_op("longflash::attention_backward", mutates_args=())
-def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                        causal: bool, softmax_scale: float, backend: str, window_left: int = -1,
-                        window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,
-                        softcap: float = 0.0, dropout_p: float = 0.0,
-                        seed: Optional[torch.Tensor] = None,
-                        cu_seqlens_q: Optional[torch.Tensor] = None,
-                        cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                        max_seqlen_k: int = 0, deterministic: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   o: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                   causal: bool, softmax_scale: float, backend: str, window_left: int = -1,
+                   window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,
+                   softcap: float = 0.0, dropout_p: float = 0.0,
+                   seed: Optional[torch.Tensor] = None,
+                   cu_seqlens_q: Optional[torch.Tensor] = None,
+                   cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+                   max_seqlen_k: int = 0, deterministic: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     deterministic=deterministic)
     return _implementation(backend).backward(do, q, k, v, o, lse, dlse, opts)
 
 
-@_attention_backward.register_fake
-def _(do, q, k, v, o, lse, dlse, *args, **kwargs):
+def _backward_fake(do, q, k, v, o, lse, dlse, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_VARIANT_ARGS = ("window_left", "window_right", "alibi_slopes", "softcap", "dropout_p", "seed",
-                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+# torch.ops.longflash.attention_forward / attention_backward (define_op: one dispatcher hop
+# each, fake implementations for torch.compile); autograd is _Attention, around them.
+_forward_op = define_op("attention_forward", _forward_impl, _forward_fake)
+_backward_op = define_op("attention_backward", _backward_impl, _backward_fake)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.softmax_scale, ctx.backend, *variants, _, deterministic = inputs
-    # block_table (_) is dropped: a forward over paged keys is never differentiated (with a
-    # gradient, attention_varlen packs the keys in use first)
-    ctx.variants = dict(zip(_VARIANT_ARGS, variants), deterministic=deterministic)
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+class _Attention(torch.autograd.Function):
+    """The forward op, with the backward op as its gradient. Dynamo traces it (forward and
+    backward, one op each), so torch.compile(fullgraph=True) captures both without graph
+    breaks. args: the forward op's arguments after q, k, v, in one tuple: Dynamo refuses an
+    autograd.Function that gets one tensor as two of its inputs (cu_seqlens_q and
+    cu_seqlens_k are often one tensor), and none of these has a gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        o, lse = _forward_op(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, o, lse)
+        # block_table (args[-2]) is dropped: a forward over paged keys is never
+        # differentiated (with a gradient, attention_varlen packs the keys in use first)
+        ctx.args = args[:-2] + args[-1:]
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*_backward_op(do, q, k, v, o, lse, dlse, *ctx.args), None)
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    if do is None:  # only lse was used
-        do = torch.zeros_like(o)
-    dq, dk, dv = _attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.softmax_scale,
-                                     ctx.backend, **ctx.variants)
-    # None for causal, softmax_scale, backend, the variants, block_table, deterministic
-    return (dq, dk, dv) + (None,) * (5 + len(_VARIANT_ARGS))
-
-
-_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
+                       alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                       block_table=None, deterministic=False):
+    """(o, lse) of checked arguments, differentiable in q, k and v."""
+    if torch.compiler.is_compiling():
+        # attention(x, x, x): each its own alias, Dynamo refusing one tensor as two inputs
+        k = k.view_as(k) if k is q else k
+        v = v.view_as(v) if v is q or v is k else v
+    return _Attention.apply(q, k, v, (causal, softmax_scale, backend, window_left, window_right,
+                                      alibi_slopes, softcap, dropout_p, seed, cu_seqlens_q,
+                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                      deterministic))
 
 
 # ----------------------------------------------------------------------------- decoding route

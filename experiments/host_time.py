@@ -1,0 +1,176 @@
+"""Host time per call: what one attention call costs the CPU, beside SDPA's backends.
+
+    python -m experiments.host_time            # results/host_time/<device>.csv
+    python -m experiments.host_time --quick    # fewer calls (CI)
+
+A call whose host work (Python, checks, autograd, the launcher) outlasts its GPU work leaves
+the GPU waiting: RQ1's short shapes and every decoding step then time the host, and so does
+a model's training step at small batch. In the H100's tuning sweep (results/tuning/h100.csv,
+kernel "call", metric host_ms) a training forward took 0.39-0.91 ms of host time per call and
+a backward 0.82-1.26 ms, as long as the forward's kernels at 1K-2K tokens (0.34-0.46 ms); its
+profiles (the sweep's log) put about half of it in torch.library.custom_op's layers (PERFLOG
+"The ops without custom_op's layers").
+
+Each row is the wall time per call of CALLS calls issued back to back (the GPU runs behind:
+far fewer launches than CUDA's queue holds), synchronized after the clock stops; the median
+of REPEATS such runs, p20 / p80 over them. Shape SHAPE (bf16, non-causal): the GPU work of
+a call is a few microseconds, so the host's time is what is left.
+
+Rows: experiment "host_time", metric "host_us" (us per call), key columns beside
+experiments.results.KEY_COLUMNS:
+  kernels   "launched": the whole call on a CUDA GPU; providers longflash (Triton backend),
+            sdpa_flash and sdpa_cudnn (scaled_dot_product_attention with the backend forced
+            once, outside the calls; their native layout (batch, nheads, seqlen, headdim)).
+            "stubbed": longflash only, on any machine: the calls above its kernels (the
+            checks, the autograd.Function, the ops' dispatch, the options) with the
+            implementation replaced by one that only allocates the outputs: the host time
+            this package's own Python adds before Triton's launcher, on a CPU too.
+  grad      the inputs require gradients (a training forward: autograd records it).
+mode "fwd" (grad False and True) or "fwd_bwd" (grad True: the forward, then
+torch.autograd.grad of o with a fixed dO into q, k and v).
+"""
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass
+from unittest import mock
+
+import numpy as np
+import torch
+
+import longflash
+from longflash import interface
+from longflash._common import empty_outputs
+from experiments.results import Log, default_out, start_run, write_results
+from experiments.speedup import SDPA_BACKENDS, Unsupported, _sdpa_kernel
+
+KEY_COLUMNS = ("kernels", "grad")  # beside experiments.results.KEY_COLUMNS
+CALLS, REPEATS = 50, 7
+QUICK_CALLS, QUICK_REPEATS = 10, 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int = 1
+    seqlen: int = 128
+    nheads: int = 16
+    headdim: int = 128
+
+
+SHAPE = Shape()
+CALLS_MEASURED = (("fwd", False), ("fwd", True), ("fwd_bwd", True))  # (mode, grad)
+log = Log()
+
+
+class _Outputs:
+    """An implementation that allocates its outputs and computes nothing (kernels "stubbed")."""
+
+    @staticmethod
+    def forward(q, k, v, opts):
+        return empty_outputs(q, opts.varlen, v.shape[-1])
+
+    @staticmethod
+    def backward(do, q, k, v, o, lse, dlse, opts):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def make_call(provider, kernels, device):
+    """(attn, layout): attn(q, k, v) -> o, its inputs in layout "bnhd" or "bhnd", and a
+    context that the calls run in. Raises Unsupported."""
+    if provider == "longflash":
+        backend = "triton" if kernels == "launched" else "torch"
+        context = (contextlib.nullcontext() if kernels == "launched" else
+                   mock.patch.object(interface, "_implementation", lambda backend: _Outputs))
+        return (lambda q, k, v: longflash.attention(q, k, v, backend=backend)), "bnhd", context
+    if device != "cuda":
+        raise Unsupported(f"{provider} is timed on a CUDA GPU only")
+    attn = torch.nn.functional.scaled_dot_product_attention
+    return attn, "bhnd", _sdpa_kernel(provider)()
+
+
+def host_us(call, device, calls, repeats):
+    """(median, p20, p80) of the wall us per call of `calls` calls, over `repeats` runs."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):  # warm: autotuning, compiles, allocator
+        call()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return tuple(float(x) for x in np.quantile(runs, (0.5, 0.2, 0.8)))
+
+
+def rows_of(provider, kernels, device, dtype, calls, repeats, shape=SHAPE):
+    """The rows of one provider: each (mode, grad) of CALLS_MEASURED."""
+    base = dict(experiment="host_time", provider=provider, dtype=str(dtype).split(".")[-1],
+                batch=shape.batch, seqlen_q=shape.seqlen, seqlen_k=shape.seqlen,
+                nheads=shape.nheads, nheads_kv=shape.nheads, headdim=shape.headdim,
+                causal=False, metric="host_us", unit="us", kernels=kernels)
+    try:
+        attn, layout, context = make_call(provider, kernels, device)
+    except Unsupported as exc:
+        log(f"{provider} {kernels}: unsupported ({exc})")
+        return [dict(base, mode=m, grad=g, value=float("nan"), status="unsupported")
+                for m, g in CALLS_MEASURED]
+    gen = torch.Generator(device=device).manual_seed(0)
+    dims = (shape.batch, shape.seqlen, shape.nheads, shape.headdim)
+    if layout == "bhnd":
+        dims = (dims[0], dims[2], dims[1], dims[3])
+    rows = []
+    with context:
+        for mode, grad in CALLS_MEASURED:
+            q, k, v, do = (torch.randn(dims, generator=gen, device=device, dtype=dtype)
+                           for _ in range(4))
+            for x in (q, k, v):
+                x.requires_grad_(grad)
+            if mode == "fwd":
+                call = lambda: attn(q, k, v)  # noqa: E731
+            else:
+                call = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), do)  # noqa: E731
+            try:
+                med, p20, p80 = host_us(call, device, calls, repeats)
+            except Exception as exc:  # noqa: BLE001 - a row, not a crash
+                log(f"{provider} {kernels} {mode} grad={grad}: error {type(exc).__name__}: "
+                    f"{str(exc)[:300]}")
+                rows.append(dict(base, mode=mode, grad=grad, value=float("nan"),
+                                 status="error"))
+                continue
+            log(f"{provider:10s} {kernels:8s} {mode:7s} grad={grad!s:5s} {med:8.1f} us "
+                f"(p20 {p20:.1f}, p80 {p80:.1f})")
+            rows.append(dict(base, mode=mode, grad=grad, value=med, p20=p20, p80=p80,
+                             status="ok"))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_CALLS} calls x {QUICK_REPEATS} runs (CI)")
+    parser.add_argument("--out", default=None,
+                        help="CSV (default results/host_time/<device>.csv)")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls, repeats = (QUICK_CALLS, QUICK_REPEATS) if args.quick else (CALLS, REPEATS)
+    dtype = torch.bfloat16
+    out, command = start_run("host_time", args.out or default_out("host_time"), log,
+                             dict(shape=SHAPE.__dict__, calls=calls, repeats=repeats,
+                                  device=device, dtype=str(dtype)),
+                             f"{calls} calls x {repeats} runs on {device}")
+    providers = [("longflash", "stubbed")]
+    if device == "cuda":
+        providers += [("longflash", "launched")] + [(p, "launched") for p in SDPA_BACKENDS
+                                                    if p in ("sdpa_flash", "sdpa_cudnn")]
+    rows = []
+    for provider, kernels in providers:
+        rows += rows_of(provider, kernels, device, dtype, calls, repeats)
+    write_results(rows, out, command, key_columns=KEY_COLUMNS)
+    log(f"{len(rows)} rows -> {out}")
+
+
+if __name__ == "__main__":
+    main()
