@@ -520,7 +520,7 @@ def stage_steps(stage, dry):
             tune = ["--quick", "--targets", "1"]  # the decoding target: call rows only, fast
         else:
             providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
-            short = ["--full", "--headdims", "128,256", "--seqlens", "1024,2048",
+            short = ["--full", "--headdims", "128,256,64", "--seqlens", "1024,2048",
                      "--long-seqlens", "", "--parts", "batch", *providers]
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
                      "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
@@ -534,8 +534,10 @@ def stage_steps(stage, dry):
             Step("host_time", _py("experiments.host_time", *(["--quick"] if dry else []),
                                   "--out", "{out}"),
                  rq="host_time", estimate_s=20, timeout_s=90, reserve_s=400),
-            # 8 groups of 3 providers x 3 modes (stage 6: 6 groups in 44-49 s, autotuning)
-            _speedup("speedup_short", short + again, estimate_s=40, timeout_s=130,
+            # 12 groups of 3 providers x 3 modes (stage 6: 6 groups in 44-49 s, autotuning):
+            # d64's last, first measured with the first window's code (34b433c), whose 1K
+            # forward took 0.681 ms there against 0.400 in the second window's sweep
+            _speedup("speedup_short", short + again, estimate_s=60, timeout_s=160,
                      reserve_s=250),
             # 3 groups at 32K-128K (stage 2: 183 s with flex's compiles, here without flex)
             _speedup("speedup_long", long_ + again, estimate_s=60, timeout_s=200,

@@ -567,7 +567,7 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
             assert "--resume" in argv
             assert argv[argv.index("--resume-after") + 1] == gc.TILES_CHANGED
     short, long_ = _argv(7, False, "speedup_short"), _argv(7, False, "speedup_long")
-    assert short[short.index("--headdims") + 1] == "128,256"
+    assert short[short.index("--headdims") + 1] == "128,256,64"
     assert short[short.index("--seqlens") + 1] == "1024,2048"
     assert long_[long_.index("--parts") + 1] == "long"
     assert _argv(7, False, "preflight_ws")[-2:] == ["128", "ws"]
