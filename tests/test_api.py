@@ -163,6 +163,15 @@ def test_compile_fullgraph_one_tensor_as_q_k_and_v():
                                torch.autograd.grad(fn(x), x)[0])
 
 
+def test_double_backward_is_a_clear_error():
+    """The backward is differentiable once: a second derivative raises, never a silent zero."""
+    q = torch.randn(1, 9, 2, 16, requires_grad=True)
+    o = longflash.attention(q, q, q, backend="torch")
+    (g,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
 @pytest.mark.parametrize("op", ["attention_forward", "attention_backward"])
 def test_opcheck(op):
     """torch.library's own consistency checks of the ops' registration (schema, fake against

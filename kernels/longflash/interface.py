@@ -285,6 +285,7 @@ class _Attention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: a clear error
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         return (*_backward_op(do, q, k, v, o, lse, dlse, *ctx.args), None)
