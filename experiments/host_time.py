@@ -25,13 +25,26 @@ experiments.results.KEY_COLUMNS:
             checks, the autograd.Function, the ops' dispatch, the options) with the
             implementation replaced by one that only allocates the outputs: the host time
             this package's own Python adds before Triton's launcher, on a CPU too.
+            "stand-in": longflash's kernel launchers alone, on a CPU with Triton installed
+            (not under TRITON_INTERPRET=1): flash_triton.forward (mode fwd) and backward
+            (mode bwd) and a decoding step's decode_triton.forward (mode fwd, seqlen_q 1,
+            DECODE: 32 query heads over 8 cache heads of 4,096 tokens), with Triton's driver a
+            stand-in Hopper with 132 SMs (launches_elided): each kernel compiles for sm_90a
+            on its first call (seconds), and then every call runs Triton's whole launch path
+            (the autotuner's cache, the JIT's argument binding and cache lookup) but the C
+            launcher, a no-op. The autotuner, which would time candidates on a GPU, finds them
+            equal and keeps the first. CPU tensors: no TMA candidate (no tensor descriptors
+            made). Grad False.
   grad      the inputs require gradients (a training forward: autograd records it).
-mode "fwd" (grad False and True) or "fwd_bwd" (grad True: the forward, then
-torch.autograd.grad of o with a fixed dO into q, k and v).
+mode "fwd" (grad False and True), "fwd_bwd" (grad True: the forward, then
+torch.autograd.grad of o with a fixed dO into q, k and v), or "bwd" (stand-in only).
+A stubbed call plus the stand-in launchers it calls approximates a GPU call's host time
+less the C launcher's (a few microseconds per launch).
 """
 
 import argparse
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from unittest import mock
@@ -59,6 +72,8 @@ class Shape:
 
 
 SHAPE = Shape()
+DECODE = Shape(batch=1, seqlen=4096, nheads=32, headdim=128)  # seqlen: the cache's tokens
+DECODE_NHEADS_KV, STAND_IN_SMS = 8, 132
 CALLS_MEASURED = (("fwd", False), ("fwd", True), ("fwd_bwd", True))  # (mode, grad)
 log = Log()
 
@@ -89,10 +104,86 @@ def make_call(provider, kernels, device):
     return attn, "bhnd", _sdpa_kernel(provider)()
 
 
+@contextlib.contextmanager
+def launches_elided():
+    """Within the block, Triton's driver is a stand-in Hopper (experiments.codegen.StandInGPU)
+    and a compiled kernel's launch does nothing: the kernels compile for sm_90a from CPU
+    tensors, the autotuner finds its candidates equal (the first kept and cached, as a GPU's
+    timing would cache its choice), decode_triton sees 132 SMs (the H100's split choice)."""
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.driver import driver
+
+    from experiments.codegen import StandInGPU
+    from longflash import decode_triton
+
+    def no_launch(self):
+        self.module = self.function = 0
+        self._run = lambda *args, **kwargs: None
+
+    previous = driver._active
+    driver.set_active(StandInGPU(90))
+    try:
+        with mock.patch.object(CompiledKernel, "_init_handles", no_launch), \
+                mock.patch.object(Autotuner, "_bench", lambda self, *a, **kw: [1.0, 1.0, 1.0]), \
+                mock.patch.object(decode_triton, "_num_sms", lambda device: STAND_IN_SMS):
+            yield
+    finally:
+        driver._active = previous
+
+
+def stand_in_rows(dtype, calls, repeats):
+    """kernels "stand-in": flash_triton.forward and backward at SHAPE, decode_triton.forward
+    at DECODE, each compiled on its first call (launches_elided)."""
+    from longflash import decode_triton, flash_triton
+    from longflash._common import Options
+
+    gen = torch.Generator().manual_seed(0)
+    b, n, h, d = SHAPE.batch, SHAPE.seqlen, SHAPE.nheads, SHAPE.headdim
+    q, k, v, do = (torch.randn(b, n, h, d, generator=gen, dtype=dtype) for _ in range(4))
+    opts = interface._options(q, False, d ** -0.5, -1, -1, None, 0.0, 0.0, None, None, None, 0,
+                              0)
+    o, lse = empty_outputs(q, False, d)
+    qd = torch.randn(DECODE.batch, 1, DECODE.nheads, DECODE.headdim, generator=gen, dtype=dtype)
+    cache = [torch.randn(DECODE.batch, DECODE.seqlen, DECODE_NHEADS_KV, DECODE.headdim,
+                         generator=gen, dtype=dtype) for _ in range(2)]
+    decode_opts = Options(DECODE.headdim ** -0.5, -1, -1, None, 0.0)
+    measured = (
+        ("fwd", SHAPE, 0, lambda: flash_triton.forward(q, k, v, opts)),
+        ("bwd", SHAPE, 0, lambda: flash_triton.backward(do, q, k, v, o, lse, None, opts)),
+        ("fwd", DECODE, DECODE_NHEADS_KV, lambda: decode_triton.forward(
+            qd, *cache, DECODE.seqlen, None, decode_opts, 0, DECODE.seqlen)))
+    rows = []
+    with launches_elided():
+        for mode, shape, nheads_kv, call in measured:
+            decoding = shape is DECODE
+            row = dict(experiment="host_time", provider="longflash", mode=mode,
+                       dtype=str(dtype).split(".")[-1], batch=shape.batch,
+                       seqlen_q=1 if decoding else shape.seqlen, seqlen_k=shape.seqlen,
+                       nheads=shape.nheads, nheads_kv=nheads_kv or shape.nheads,
+                       headdim=shape.headdim, causal=False, metric="host_us", unit="us",
+                       kernels="stand-in", grad=False)
+            rows.append(_measure(row, call, "cpu", calls, repeats))
+    return rows
+
+
+def _measure(row, call, device, calls, repeats):
+    """row with host_us's median, p20 and p80 of call, or status "error"."""
+    name = f"{row['provider']} {row['kernels']} {row['mode']} grad={row['grad']}"
+    try:
+        med, p20, p80 = host_us(call, device, calls, repeats)
+    except Exception as exc:  # noqa: BLE001 - a row, not a crash
+        log(f"{name}: error {type(exc).__name__}: {str(exc)[:300]}")
+        return dict(row, value=float("nan"), status="error")
+    log(f"{name:40s} seqlen_q {row['seqlen_q']:5d} {med:8.1f} us (p20 {p20:.1f}, p80 "
+        f"{p80:.1f})")
+    return dict(row, value=med, p20=p20, p80=p80, status="ok")
+
+
 def host_us(call, device, calls, repeats):
     """(median, p20, p80) of the wall us per call of `calls` calls, over `repeats` runs."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):  # warm: autotuning, compiles, allocator
+    for _ in range(10):  # warm: autotuning, compiles, allocator
         call()
     sync()
     runs = []
@@ -132,18 +223,8 @@ def rows_of(provider, kernels, device, dtype, calls, repeats, shape=SHAPE):
                 call = lambda: attn(q, k, v)  # noqa: E731
             else:
                 call = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), do)  # noqa: E731
-            try:
-                med, p20, p80 = host_us(call, device, calls, repeats)
-            except Exception as exc:  # noqa: BLE001 - a row, not a crash
-                log(f"{provider} {kernels} {mode} grad={grad}: error {type(exc).__name__}: "
-                    f"{str(exc)[:300]}")
-                rows.append(dict(base, mode=mode, grad=grad, value=float("nan"),
-                                 status="error"))
-                continue
-            log(f"{provider:10s} {kernels:8s} {mode:7s} grad={grad!s:5s} {med:8.1f} us "
-                f"(p20 {p20:.1f}, p80 {p80:.1f})")
-            rows.append(dict(base, mode=mode, grad=grad, value=med, p20=p20, p80=p80,
-                             status="ok"))
+            rows.append(_measure(dict(base, mode=mode, grad=grad), call, device, calls,
+                                 repeats))
     return rows
 
 
@@ -151,6 +232,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_CALLS} calls x {QUICK_REPEATS} runs (CI)")
+    parser.add_argument("--no-stand-in", dest="stand_in", action="store_false",
+                        help="without a GPU, no stand-in rows (they compile kernels for "
+                        "sm_90a first: about a minute)")
     parser.add_argument("--out", default=None,
                         help="CSV (default results/host_time/<device>.csv)")
     args = parser.parse_args(argv)
@@ -168,6 +252,11 @@ def main(argv=None):
     rows = []
     for provider, kernels in providers:
         rows += rows_of(provider, kernels, device, dtype, calls, repeats)
+    if device == "cpu" and args.stand_in:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            log("stand-in: not under TRITON_INTERPRET=1 (the kernels would be interpreted)")
+        else:
+            rows += stand_in_rows(dtype, calls, repeats)
     write_results(rows, out, command, key_columns=KEY_COLUMNS)
     log(f"{len(rows)} rows -> {out}")
 

@@ -1,5 +1,8 @@
 """experiments/host_time.py, and what it guards: the ops without custom_op's Python layers."""
 
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -46,3 +49,61 @@ def test_training_call_skips_custom_ops_autograd_layer():
     with mock.patch("torch._library.utils.fill_defaults", side_effect=AssertionError):
         o = longflash.attention(q, k, v, causal=True, backend="torch")
         torch.autograd.grad(o.sum(), (q, k, v))
+
+
+def _fresh(argv_or_code, module=False):
+    """Run in a fresh interpreter without TRITON_INTERPRET (the kernels compile for sm_90a
+    under launches_elided's stand-in Hopper)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "kernels"), root]))
+    env.pop("TRITON_INTERPRET", None)
+    argv = ["-m", *argv_or_code] if module else ["-c", argv_or_code]
+    out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
+def test_stand_in_rows_time_the_launchers(tmp_path):
+    """Forward, backward and a decoding step's launchers, compiled for sm_90a, launched into a
+    no-op: every row measured."""
+    out = tmp_path / "cpu.csv"
+    _fresh(["experiments.host_time", "--quick", "--out", str(out)], module=True)
+    df = read_results([str(out)])
+    si = df[df["kernels"] == "stand-in"]
+    assert sorted(zip(si["mode"], si["seqlen_q"])) == [("bwd", 128), ("fwd", 1), ("fwd", 128)]
+    assert (si["status"] == "ok").all() and (si["value"] > 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a stand-in GPU")
+def test_autotuners_choice_is_recalled_without_the_autotuner():
+    """After the autotuner's first call caches a choice, the launcher finds it under Triton's
+    own key and launches it without Autotuner.run (whose key building is quadratic in the
+    arguments); another key (here the dtype) still goes through the autotuner."""
+    code = """
+import torch
+from unittest import mock
+from triton.runtime.autotuner import Autotuner
+from experiments.host_time import launches_elided
+from longflash import flash_triton as ft, interface
+
+runs = []
+real = Autotuner.run
+def counted(self, *args, **kwargs):
+    runs.append(self)
+    return real(self, *args, **kwargs)
+
+with launches_elided(), mock.patch.object(Autotuner, "run", counted):
+    for dtype in (torch.float16, torch.float16, torch.bfloat16, torch.bfloat16):
+        q = torch.randn(1, 64, 2, 64, dtype=dtype)
+        opts = interface._options(q, False, 0.125, -1, -1, None, 0.0, 0.0, None, None, None,
+                                  0, 0)
+        ft.forward(q, q, q, opts)
+        print(len(runs), ft._attn_fwd.best_config in ft._attn_fwd.cache.values())
+assert len(ft._attn_fwd.configs) > 1
+"""
+    lines = _fresh(code).stdout.split()
+    assert lines == ["1", "True", "1", "True", "2", "True", "2", "True"], lines

@@ -1495,11 +1495,36 @@ def compiling(workers=None):
 
 
 def _launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs), or within compiling() its compile only."""
-    if not _compile_only.get():
+    """kernel[grid](*args, **kwargs), or within compiling() its compile only. An autotuned
+    kernel whose choice for this call is cached (_chosen) launches that config directly."""
+    if _compile_only.get():
+        if not _INTERPRET:
+            kernel.warmup(*args, grid=grid, **kwargs)
+        return None
+    config = _chosen(kernel, args, kwargs)
+    if config is None:
         return kernel[grid](*args, **kwargs)
-    if not _INTERPRET:
-        kernel.warmup(*args, grid=grid, **kwargs)
+    kernel.best_config = config  # as the autotuner sets it (the tuning sweep reads it)
+    return kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+
+
+def _chosen(kernel, args, kwargs):
+    """The autotuner's cached config for this call, looked up under the key Triton's
+    Autotuner.run builds (the key arguments' values, then each tensor argument's dtype as a
+    string, in argument order; the launchers pass every tensor by position), or None: not an
+    autotuner, one config (forced_configs, the interpreter), a config with a pre_hook, a miss
+    (the autotuner then tunes, and caches), or a Triton that keys otherwise, or a tensor
+    passed by keyword (the key then matches none: each call goes through the autotuner, as
+    before). The autotuner builds its key anew on every call from a dict of all ~50
+    arguments filtered against a list of their names, quadratic in them (PERFLOG "The
+    autotuner's choice recalled")."""
+    configs, cache = getattr(kernel, "configs", ()), getattr(kernel, "cache", None)
+    if len(configs) < 2 or not cache or any(name not in kwargs for name in kernel.keys):
+        return None
+    key = (*(kwargs[name] for name in kernel.keys),
+           *(str(x.dtype) for x in args if isinstance(x, torch.Tensor)))
+    config = cache.get(key)
+    return None if config is None or config.pre_hook is not None else config
 
 
 def _compile_candidates(kernel, configs, named_args, kwargs):
