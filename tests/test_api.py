@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import longflash
 from longflash import interface
+from longflash.reference import attention_ref
 from conftest import INTERPRET
 
 
@@ -161,6 +162,36 @@ def test_compile_fullgraph_one_tensor_as_q_k_and_v():
     torch.testing.assert_close(compiled(x), fn(x))
     torch.testing.assert_close(torch.autograd.grad(compiled(x), x)[0],
                                torch.autograd.grad(fn(x), x)[0])
+
+
+@pytest.mark.parametrize("used", ["o", "lse"])
+def test_gradient_of_one_output_alone(used):
+    """An unused output's gradient reaches the backward as None (no zeros materialized): the
+    gradients equal those of the same loss through the float64 reference, eager and under
+    torch.compile(fullgraph=True)."""
+    q, k, v = (x.double().requires_grad_() for x in qkv())
+
+    def loss(q, k, v, fn):
+        o, lse = fn(q, k, v)
+        return o.square().sum() if used == "o" else lse.sum()
+
+    def ours(q, k, v):
+        return longflash.attention(q.float(), k.float(), v.float(), causal=True,
+                                   return_lse=True, backend="torch")
+
+    def ref(q, k, v):
+        return attention_ref(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: loss(q, k, v, ours), fullgraph=True,
+                             backend="aot_eager")
+    # lse does not depend on v: the reference's graph leaves v out (a zero gradient)
+    want = torch.autograd.grad(loss(q, k, v, ref), (q, k, v), allow_unused=True)
+    want = [torch.zeros_like(x) if w is None else w for x, w in zip((q, k, v), want)]
+    for got in (torch.autograd.grad(loss(q, k, v, ours), (q, k, v)),
+                torch.autograd.grad(compiled(q, k, v), (q, k, v))):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
 
 
 def test_double_backward_is_a_clear_error():

@@ -282,12 +282,15 @@ class _Attention(torch.autograd.Function):
         # block_table (args[-2]) is dropped: a forward over paged keys is never
         # differentiated (with a gradient, attention_varlen packs the keys in use first)
         ctx.args = args[:-2] + args[-1:]
+        # an unused lse gets no gradient (None: no zeros to fill and subtract), nor an unused o
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # no double backward: a clear error
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
+        do = torch.zeros_like(o) if do is None else do  # only lse was used
         return (*_backward_op(do, q, k, v, o, lse, dlse, *ctx.args), None)
 
 
