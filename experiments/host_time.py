@@ -30,9 +30,9 @@ experiments.results.KEY_COLUMNS:
             (mode bwd) and a decoding step's decode_triton.forward (mode fwd, seqlen_q 1,
             DECODE: 32 query heads over 8 cache heads of 4,096 tokens), with Triton's driver a
             stand-in Hopper with 132 SMs (launches_elided): each kernel compiles for sm_90a
-            on its first call (seconds), and then every call runs Triton's whole launch path
-            (the autotuner's cache, the JIT's argument binding and cache lookup) but the C
-            launcher, a no-op. The autotuner, which would time candidates on a GPU, finds them
+            on its first call (seconds), and then every call runs the whole launch path
+            (flash_triton's lookup of the autotuner's choice, the JIT's argument binding and
+            cache lookup) but the C launcher, a no-op. The autotuner, which would time candidates on a GPU, finds them
             equal and keeps the first. CPU tensors: no TMA candidate (no tensor descriptors
             made). Grad False.
   grad      the inputs require gradients (a training forward: autograd records it).
