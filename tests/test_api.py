@@ -1,5 +1,7 @@
 """The public API: bad input, the SDPA drop-in, backend choice, torch.compile."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,8 +190,17 @@ def test_gradient_of_one_output_alone(used):
     # lse does not depend on v: the reference's graph leaves v out (a zero gradient)
     want = torch.autograd.grad(loss(q, k, v, ref), (q, k, v), allow_unused=True)
     want = [torch.zeros_like(x) if w is None else w for x, w in zip((q, k, v), want)]
-    for got in (torch.autograd.grad(loss(q, k, v, ours), (q, k, v)),
-                torch.autograd.grad(compiled(q, k, v), (q, k, v))):
+    seen = []
+    backward_op = interface._backward_op
+
+    def spy(do, q, k, v, o, lse, dlse, *args):
+        seen.append(dlse)
+        return backward_op(do, q, k, v, o, lse, dlse, *args)
+
+    with mock.patch.object(interface, "_backward_op", spy):
+        eager = torch.autograd.grad(loss(q, k, v, ours), (q, k, v))
+    assert (seen[0] is None) == (used == "o")  # lse unused: no zero dlse to subtract
+    for got in (eager, torch.autograd.grad(compiled(q, k, v), (q, k, v))):
         for g, w in zip(got, want):
             torch.testing.assert_close(g.double(), w, atol=1e-4, rtol=1e-4)
 
