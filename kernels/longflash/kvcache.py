@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (LN2, LOG2E, Options, accumulator_dtype, check_bools, empty_outputs,
-                      paged_rows)
+from ._common import (LN2, LOG2E, Options, accumulator_dtype, check_bools, define_op,
+                      empty_outputs, paged_rows)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -598,7 +598,6 @@ def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, c
                    leftpad_k=leftpad_k)
 
 
-@torch.library.custom_op("longflash::kvcache_forward", mutates_args=())
 def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqlen_k: int,
                      q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: Optional[torch.Tensor], leftpad_k: Optional[torch.Tensor],
@@ -614,6 +613,8 @@ def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqle
                 backend)
 
 
-@_kvcache_forward.register_fake
-def _(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):
+def _kvcache_fake(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):
     return empty_outputs(q, headdim_v=v_cache.shape[-1])
+
+
+define_op("kvcache_forward", _kvcache_forward, _kvcache_fake)  # torch.ops.longflash.*
