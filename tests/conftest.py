@@ -2,6 +2,8 @@
 NaN-poisoned, and `check_close` implements the tolerance rule of ARCHITECTURE.md."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,21 @@ from longflash.reference import error_bound  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_uninterpreted(*argv, timeout=600, **env):
+    """`python *argv` in a fresh interpreter without TRITON_INTERPRET (Triton then compiles
+    for a GPU target: the machine's, or a stand-in's), from the repository root with
+    kernels/ and the root importable, `env` added to the environment. It must succeed (its
+    stderr's tail is the failure message); returns the CompletedProcess."""
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]),
+                **env)
+    full.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, *argv], env=full, capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
 
 # Under pytest-xdist (make test) each worker takes its share of the cores for torch's threads;
 # each taking all of them oversubscribes the machine.

@@ -1,13 +1,9 @@
 """experiments/codegen.py: the offline code-generation report of the Triton kernels."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_uninterpreted
 
 
 def test_config_table_is_small_and_fits_a_warpgroup():
@@ -54,16 +50,6 @@ def test_prune_keeps_tma_candidates_only_where_tma_ok():
         assert any(len(c) == 6 for c in flash_triton.CONFIGS[kernel, 9, 128]), kernel
 
 
-def _compile(code):
-    """Run code (compiles for a GPU target) in a fresh interpreter without TRITON_INTERPRET."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
 def test_forward_uses_wgmma_without_spills_on_sm90a():
@@ -79,7 +65,7 @@ def test_forward_uses_wgmma_without_spills_on_sm90a():
             "[print(m['wgmma_count'], m['mma_count'], m['spill_bytes'], m['cp_async_count'], "
             "m['tma_count'], m['warps'], m['setmaxnreg_count'], m['ws_offset_twice']) "
             "for m in ms]")
-    out = _compile(code)
+    out = run_uninterpreted("-c", code)
     pointer, tma, ws = ([int(x) for x in line.split()]
                         for line in out.stdout.splitlines()[-3:])
     # the second compute partition indexes its own rows (flash_triton._held_start)
@@ -104,7 +90,7 @@ def test_pipelined_forward_puts_its_exp2s_beside_the_wgmma():
             "for c in ((128, 64, 8, 3, ft.TMA), (128, 64, 8, 3, ft.TMA, ft.PIPE))]; "
             "[print(m['loop_instructions'], m['loop_ex2'], m['ex2_beside_wgmma'], "
             "m['spill_bytes']) for m in ms]")
-    out = _compile(code)
+    out = run_uninterpreted("-c", code)
     plain, pipe = ([int(x) for x in line.split()] for line in out.stdout.splitlines()[-2:])
     assert plain[1] == pipe[1] > 0 and plain[3] == pipe[3] == 0, out.stdout
     assert plain[2] == 0 and pipe[2] > pipe[1] // 2, out.stdout
@@ -173,7 +159,7 @@ def test_warp_specialized_dkdv_reads_q_and_do_before_releasing_them():
             "c = ft._config((64, 128, 4, 2, ft.TMA, ft.WS)); "
             "m = cg.compile_launch('dkdv', 'bfloat16', 'gqa', 64, 'sm90a', c); "
             "print(m['ws_freed_before_read'], m['ws_offset_twice'], m['warps'], m['spill_bytes'])")
-    out = _compile(code)
+    out = run_uninterpreted("-c", code)
     freed, twice, warps, _ = (int(x) for x in out.stdout.split()[-4:])
     assert freed == 0 and twice == 0, out.stdout
     assert warps == 12, "not warp-specialized: " + out.stdout
@@ -261,7 +247,7 @@ except Exception as e:  # timing the first candidate: no GPU
     print(type(e).__name__)
 print(*compiled())
 '''
-    out = _compile(code).stdout.splitlines()
+    out = run_uninterpreted("-c", code).stdout.splitlines()
     from longflash import flash_triton as ft
     pointer = {kernel: sum(len(c) == 4 for c in ft.CONFIGS[kernel, 9, 128])
                for kernel in ("fwd", "dkdv", "dq")}
@@ -293,7 +279,7 @@ def test_report_compiles_each_flag_as_its_launch():
             "ft.configs_for('fwd', 8, 64)[0])); "
             "[print(m['registers'], m.get('loop_instructions', 0), m['wgmma_count'], "
             "m['compile_s']) for m in ms]")
-    out = _compile(code)
+    out = run_uninterpreted("-c", code)
     rows = [line.split() for line in out.stdout.splitlines()[-6:]]
     plain, gqa, again, masked, full, sm80 = ([int(x) for x in r[:3]] + [float(r[3])]
                                              for r in rows)
@@ -357,5 +343,5 @@ for seed in (16, 17, 2 ** 32 + 5, 3 * 2 ** 32 + 112):
         ft.backward(do, q, k, v, o, lse, None, o_)
     print(*compiled())
 '''
-    out = _compile(code).stdout.splitlines()
+    out = run_uninterpreted("-c", code).stdout.splitlines()
     assert out[-1] == out[-4] == "1 1 1 1", out

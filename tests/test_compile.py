@@ -1,13 +1,12 @@
 """The Triton kernels compile for Hopper (sm_90) and Ampere (sm_80), checked on any machine."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, run_uninterpreted
+
 SCRIPTS = {  # script: specs (capability:dtype:features:headdim)
     "compile_for_gpu.py": ["90:bfloat16:plain:80", "90:float16:all:256", "80:bfloat16:all:128"],
     # the split-KV decoding and merge kernels
@@ -21,9 +20,6 @@ SCRIPTS = {  # script: specs (capability:dtype:features:headdim)
 @pytest.mark.parametrize("script,spec", [(s, spec) for s, specs in SCRIPTS.items() for spec in specs])
 def test_kernels_compile_for_gpu_targets(script, spec):
     """One spec a test (a few minutes each on a 2-core machine), so pytest-xdist spreads them."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "kernels"), TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", script), spec],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_uninterpreted(os.path.join(ROOT, "tests", script), spec,
+                            TRITON_DEFAULT_FP_FUSION="1")
     assert out.stdout.count("compiled for") == 1

@@ -1,8 +1,5 @@
 """experiments/host_time.py, and what it guards: the ops without custom_op's Python layers."""
 
-import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -11,6 +8,7 @@ import torch
 import longflash
 from experiments import host_time
 from experiments.results import read_results
+from conftest import run_uninterpreted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
@@ -51,26 +49,13 @@ def test_training_call_skips_custom_ops_autograd_layer():
         torch.autograd.grad(o.sum(), (q, k, v))
 
 
-def _fresh(argv_or_code, module=False):
-    """Run in a fresh interpreter without TRITON_INTERPRET (the kernels compile for sm_90a
-    under launches_elided's stand-in Hopper)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "kernels"), root]))
-    env.pop("TRITON_INTERPRET", None)
-    argv = ["-m", *argv_or_code] if module else ["-c", argv_or_code]
-    out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
-                         timeout=900, cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
 def test_stand_in_rows_time_the_launchers(tmp_path):
     """Forward, backward and a decoding step's launchers, compiled for sm_90a, launched into a
     no-op: every row measured."""
     out = tmp_path / "cpu.csv"
-    _fresh(["experiments.host_time", "--quick", "--out", str(out)], module=True)
+    run_uninterpreted("-m", "experiments.host_time", "--quick", "--out", str(out))
     df = read_results([str(out)])
     si = df[df["kernels"] == "stand-in"]
     assert sorted(zip(si["mode"], si["seqlen_q"])) == [("bwd", 128), ("fwd", 1), ("fwd", 128)]
@@ -105,5 +90,5 @@ with launches_elided(), mock.patch.object(Autotuner, "run", counted):
         print(len(runs), ft._attn_fwd.best_config in ft._attn_fwd.cache.values())
 assert len(ft._attn_fwd.configs) > 1
 """
-    lines = _fresh(code).stdout.split()
+    lines = run_uninterpreted("-c", code).stdout.split()
     assert lines == ["1", "True", "1", "True", "2", "True", "2", "True"], lines

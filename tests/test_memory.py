@@ -6,13 +6,11 @@ nothing else that the test session allocated is counted.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_uninterpreted
+
 
 SCRIPT = """
 import json, sys, torch, longflash
@@ -32,10 +30,7 @@ print(json.dumps(peak_memory_mb(lambda: fwd_bwd(q, k, v), "cpu")))
 
 
 def peak_mb(seqlen, impl):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "kernels"), ROOT]))
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(seqlen), impl], env=env,
-                         capture_output=True, text=True, check=True, timeout=600)
+    out = run_uninterpreted("-c", SCRIPT, str(seqlen), impl)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
