@@ -180,10 +180,12 @@ def _measure(row, call, device, calls, repeats):
     return dict(row, value=med, p20=p20, p80=p80, status="ok")
 
 
-def host_us(call, device, calls, repeats):
-    """(median, p20, p80) of the wall us per call of `calls` calls, over `repeats` runs."""
+def host_us(call, device, calls, repeats, warm=10):
+    """(median, p20, p80) of the wall us per call of `calls` calls issued back to back, over
+    `repeats` runs, after `warm` calls (autotuning, compiles, the allocator); the GPU is
+    synchronized after each run's clock stops. One place for the tuning sweep's host_ms too."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(10):  # warm: autotuning, compiles, allocator
+    for _ in range(warm):
         call()
     sync()
     runs = []

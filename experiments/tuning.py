@@ -63,6 +63,7 @@ from experiments import decode  # noqa: E402
 from experiments.codegen import config_name  # noqa: E402
 from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E402
 from experiments.measure import time_ms, time_ms_graph  # noqa: E402
+from experiments.host_time import host_us  # noqa: E402
 from experiments.results import (Log, check_resume_after, default_out,  # noqa: E402
                                  measured_before, start_run, write_results)
 
@@ -201,18 +202,9 @@ def pass_fn(qkv, do, causal, mode):
 
 
 def host_ms(fn, device, calls=HOST_CALLS):
-    """Wall ms per call of `calls` calls issued back to back, synchronized only after the
-    clock stops (CUDA: the host's work per call while the GPU runs behind)."""
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return elapsed / calls * 1e3
+    """Wall ms per call of `calls` calls issued back to back, after one, synchronized only
+    after the clock stops (CUDA: the host's work per call while the GPU runs behind)."""
+    return host_us(fn, device, calls, repeats=1, warm=1)[0] / 1e3
 
 
 def kernel_ms(fn, reps=10):
