@@ -93,9 +93,13 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 through registers (flash_triton._load_head_tile)
      pytest_triton, pytest_compile, scaling_exact  as in stage 5, with what is left
   7  env        as in stage 1
-     speedup_short  RQ1 part batch at head dims 128 and 256, 1K and 2K tokens, LongFlash,
+     host_time  the host's time per call (experiments.host_time): LongFlash's beside SDPA's
+     speedup_short  RQ1 part batch at head dims 128, 256 and 64, 1K and 2K tokens, LongFlash,
                 SDPA flash and cuDNN, measured again where measured before TILES_CHANGED
                 (stage 6 did 4K-16K; results.superseded leaves the old rows out meanwhile)
+     pytest_ws_fwd  the forward's warp-specialized candidate forced (LONGFLASH_WS=fwd for this
+                step) on odd, causal, full-tile, d64-d256, fp16, window, ALiBi + softcap,
+                dropout and packed calls against float64: whether it may be on by default
      speedup_long  the same for part long (d128, 32K-128K tokens, batch 1)
      pytest_triton  test_triton_gpu's cases stage 6 did not reach (fp16 at d96 and d40)
      pytest_compile  as in stage 5 (no window has reached it)
@@ -210,6 +214,7 @@ class Step:
     #                          own budget check (start-up, the piece of work in progress, writing)
     needs: str = ""          # "ncu": an external tool; missing -> status "unsupported"
     files: list = field(default_factory=list)  # extra files (under the scratch tree) to archive
+    env: dict = field(default_factory=dict)    # set for this step alone, over the stage's
 
 
 def _py(*args):
@@ -539,6 +544,12 @@ def stage_steps(stage, dry):
             # forward took 0.681 ms there against 0.400 in the second window's sweep
             _speedup("speedup_short", short + again, estimate_s=60, timeout_s=160,
                      reserve_s=250),
+            # the forward's warp-specialized candidate forced on every kind of call it may
+            # serve (10 cases, one compile each), against float64: exact in two windows'
+            # preflights and 1.20x the autotuner's choice at d128 4K in the sweep, it would be
+            # on by default (LONGFLASH_WS=fwd) if these pass (GPU.md, PERFLOG)
+            _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=60,
+                    timeout_s=180, reserve_s=190, env={"LONGFLASH_WS": "fwd"}),
             # 3 groups at 32K-128K (stage 2: 183 s with flex's compiles, here without flex)
             _speedup("speedup_long", long_ + again, estimate_s=60, timeout_s=200,
                      reserve_s=190),
@@ -838,7 +849,7 @@ def probe_preflight_kind(kind, headdims):
                                  generator=gen) for _ in range(2))
             k, v = (torch.randn(batch, seqlen_k, nheads_kv, headdim, device=device, dtype=dtype,
                                 generator=gen) for _ in range(2))
-            usable = ft._ws_ok(q, k, v) if kind == "ws" else ft._tma_ok(k, v)
+            usable = ft._ws_ok("fwd", q, k, v) if kind == "ws" else ft._tma_ok(k, v)
             if cuda and not usable:
                 row = _row(metric, float("nan"), "", "unsupported",
                            f"the launcher would not choose them here (d={headdim})")
@@ -896,7 +907,9 @@ def run_step(step, budget, env, log, values, python=sys.executable):
     # "{budget}" ends before the timeout: a step that keeps to it is never killed
     values = dict(values, budget=f"{max(1.0, timeout - step.tail_s):.0f}")
     argv = [python, *_fill(step.argv, **values)]
-    log(f"-- {step.name}: {shlex.join(argv)} (timeout {timeout:.0f} s)")
+    with_env = "".join(f"{k}={shlex.quote(str(v))} " for k, v in step.env.items())
+    log(f"-- {step.name}: {with_env}{shlex.join(argv)} (timeout {timeout:.0f} s)")
+    env = dict(env, **step.env)
     t0 = time.monotonic()
     # A session of its own: at the timeout the whole group goes (scaling's forked gloo ranks,
     # a probe's children), not only the direct child, and nothing is left holding the GPU or

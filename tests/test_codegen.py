@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import longflash
 from conftest import run_uninterpreted
 
 
@@ -324,6 +325,27 @@ def test_compile_workers_reads_its_variable(monkeypatch):
             ft.compile_workers()
     monkeypatch.delenv("LONGFLASH_COMPILE_WORKERS")
     assert 1 <= ft.compile_workers() <= 8
+
+
+def test_ws_kernels_reads_its_variable(monkeypatch):
+    """LONGFLASH_WS: off by default, 1 for every kernel, or a list of kernels (fwd: the
+    forward's warp-specialized candidates alone); anything else a ValueError naming the
+    variable, raised by a call before any kernel runs."""
+    from longflash import flash_triton as ft
+    monkeypatch.delenv("LONGFLASH_WS", raising=False)
+    assert ft.ws_kernels() == frozenset()
+    for value, kernels in (("0", ()), ("", ()), ("1", ("fwd", "dkdv", "dq")), ("fwd", ("fwd",)),
+                           (" dq , fwd", ("fwd", "dq"))):
+        monkeypatch.setenv("LONGFLASH_WS", value)
+        assert ft.ws_kernels() == frozenset(kernels), value
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float16,
+                    device="cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("yes", "fwd,bwd", ",", "2"):
+        monkeypatch.setenv("LONGFLASH_WS", bad)
+        with pytest.raises(ValueError, match="LONGFLASH_WS"):
+            ft.ws_kernels()
+    with pytest.raises(ValueError, match="LONGFLASH_WS"):
+        longflash.attention(q, q, q, backend="triton")
 
 
 @pytest.mark.slow

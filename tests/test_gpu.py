@@ -12,7 +12,10 @@ import pytest
 import torch
 
 import longflash
-from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
+from conftest import check_close
+from longflash import attention_ref
+from test_correctness import (KERNEL_FUNCTIONS, check_against_reference, force_configs,
+                              make_inputs, shape_id)
 from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, check_case,
                           check_compiled_decoding, check_compiled_route, check_rotary,
                           route_small)  # noqa: F401 (route_small: a fixture)
@@ -234,44 +237,52 @@ def test_tma_only_where_a_copy_can_read_gpu(monkeypatch):
 
 
 def test_warp_specialized_only_on_hopper_with_tma_gpu(monkeypatch):
-    """The warp-specialized candidates (sm_90 only: Triton's Hopper pass) are opt-in
-    (LONGFLASH_WS=1: they returned NaN on an H100 with Triton 3.6) and need TMA for every tile
-    they copy (flash_triton._ws_ok, part of each kernel's autotuning key); LONGFLASH_TMA=0
-    turns them off with it."""
+    """The warp-specialized candidates (sm_90 only: Triton's Hopper pass) are opt-in per kernel
+    (LONGFLASH_WS=1 or a list such as fwd: they returned NaN on an H100 with Triton 3.6) and
+    need TMA for every tile they copy (flash_triton._ws_ok, part of each kernel's autotuning
+    key); LONGFLASH_TMA=0 turns them off with it."""
     from longflash import flash_triton
     x = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
     hopper = torch.cuda.get_device_capability()[0] == 9
     monkeypatch.delenv("LONGFLASH_WS", raising=False)
-    assert flash_triton._ws_ok(x, x, x) == 0  # off by default
+    assert flash_triton._ws_ok("fwd", x, x, x) == 0  # off by default
     monkeypatch.setenv("LONGFLASH_WS", "1")
-    assert flash_triton._ws_ok(x, x, x) == int(hopper)
-    assert flash_triton._ws_ok(x.float(), x.float(), x.float()) == 0
+    assert [flash_triton._ws_ok(k, x, x, x) for k in ("fwd", "dkdv", "dq")] == [int(hopper)] * 3
+    assert flash_triton._ws_ok("fwd", x.float(), x.float(), x.float()) == 0
     shifted = torch.randn(x.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(x.shape)
-    assert flash_triton._ws_ok(shifted, x, x) == 0  # q unaligned: no TMA copy of q
+    assert flash_triton._ws_ok("fwd", shifted, x, x) == 0  # q unaligned: no TMA copy of q
+    monkeypatch.setenv("LONGFLASH_WS", "fwd")
+    assert [flash_triton._ws_ok(k, x, x, x) for k in ("fwd", "dkdv", "dq")] == [int(hopper), 0, 0]
     for name in ("LONGFLASH_WS", "LONGFLASH_TMA"):
         with monkeypatch.context() as m:
             m.setenv(name, "0")
-            assert flash_triton._ws_ok(x, x, x) == 0
+            assert flash_triton._ws_ok("fwd", x, x, x) == 0
 
 
-def skip_unless_launchable(configs):
-    """Skip a test that forces `configs` (triton.Configs) that the launcher would not choose
-    in this environment: warp-specialized ones unless LONGFLASH_WS=1 (opt-in, flash_triton
-    ._ws_ok), TMA ones under LONGFLASH_TMA=0. A forced config the autotuner's pruning drops
-    leaves it no candidate, so such a test would check nothing meaningful."""
-    if any(c.kwargs.get("WARP_SPECIALIZE") for c in configs) and \
-            os.environ.get("LONGFLASH_WS") != "1":
-        pytest.skip("warp-specialized candidates are opt-in (LONGFLASH_WS=1): they returned NaN "
-                    "on an H100 with Triton 3.6 (PERFLOG)")
-    if any(c.kwargs.get("USE_TMA") for c in configs) and os.environ.get("LONGFLASH_TMA") == "0":
+def launchable(forced, tables):
+    """forced ({kernel: triton.Config}) as the launcher may run it in this environment: a
+    warp-specialized config of a kernel whose candidates LONGFLASH_WS leaves off (opt-in,
+    flash_triton.ws_kernels; LONGFLASH_WS=fwd: the forward's alone) replaced by the kernel's
+    first candidate (tables[kernel][0]). Skips the test where no forced warp-specialized config
+    is left, or a TMA one is forced under LONGFLASH_TMA=0: a forced config the autotuner's
+    pruning drops leaves it no candidate, and a case without its WS configs repeats another."""
+    from longflash import flash_triton
+    ws = [kernel for kernel, c in forced.items() if c.kwargs.get("WARP_SPECIALIZE")]
+    if ws and not set(ws) & flash_triton.ws_kernels():
+        pytest.skip(f"warp-specialized candidates ({', '.join(ws)}) are opt-in (LONGFLASH_WS): "
+                    "they returned NaN on an H100 with Triton 3.6 (PERFLOG)")
+    if any(c.kwargs.get("USE_TMA") for c in forced.values()) and \
+            os.environ.get("LONGFLASH_TMA") == "0":
         pytest.skip("TMA candidates switched off (LONGFLASH_TMA=0)")
+    return {kernel: tables[kernel][0] if kernel in ws and kernel not in flash_triton.ws_kernels()
+            else c for kernel, c in forced.items()}
 
 
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_warp_specialized_full_tiles_gpu(headdim, monkeypatch):
     """The warp-specialized candidates without masks (FULL_TILES: non-causal, lengths multiples
-    of their tiles), which test_every_config_gpu (causal) never reaches; a kernel without one
-    runs its first candidate. bf16 against float64."""
+    of their tiles), which test_every_config_gpu (causal) never reaches; a kernel without one,
+    or whose ones LONGFLASH_WS leaves off, runs its first candidate. bf16 against float64."""
     from longflash import flash_triton
     major = torch.cuda.get_device_capability()[0]
     tables = {kernel: flash_triton.configs_for(kernel, major, headdim)
@@ -281,10 +292,82 @@ def test_warp_specialized_full_tiles_gpu(headdim, monkeypatch):
     if not any(ws.values()):
         pytest.skip(f"no warp-specialized candidate on sm_{major}0 at head dim {headdim}")
     forced = {kernel: (ws[kernel] or tables[kernel])[0] for kernel in KERNEL_FUNCTIONS}
-    skip_unless_launchable(forced.values())
-    force_configs(monkeypatch, forced)
+    force_configs(monkeypatch, launchable(forced, tables))
     check_against_reference((2, 2048, 4096, 4, 2, headdim), torch.bfloat16, False,
                             backend="triton", device="cuda")
+
+
+# The forward's warp-specialized candidate forced on every kind of call it may serve: the
+# evidence for turning it on by default (LONGFLASH_WS=fwd; the GPU campaign's pytest_ws_fwd).
+# (id, (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), dtype, attention's kwargs)
+WS_FORWARD_CASES = [
+    ("D128-odd-GQA", (2, 777, 1031, 4, 2, 128), torch.bfloat16, dict()),
+    ("D128-odd-GQA-causal", (2, 777, 1031, 4, 2, 128), torch.bfloat16, dict(causal=True)),
+    ("D128-full-tiles", (2, 1024, 2048, 4, 2, 128), torch.bfloat16, dict()),
+    ("D64-causal", (2, 1025, 2049, 6, 2, 64), torch.bfloat16, dict(causal=True)),
+    ("D256-causal", (1, 977, 1031, 4, 1, 256), torch.bfloat16, dict(causal=True)),
+    ("D80-fp16-causal", (2, 1025, 2049, 6, 2, 80), torch.float16, dict(causal=True)),
+    ("D128-window", (2, 2047, 2049, 8, 2, 128), torch.bfloat16,
+     dict(causal=True, window_size=(256, 0))),
+    ("D128-alibi-softcap", (2, 2047, 2049, 8, 2, 128), torch.bfloat16,
+     dict(causal=True, alibi=(8,), softcap=30.0)),
+    ("D128-dropout", (2, 2047, 2049, 8, 2, 128), torch.bfloat16, dict(dropout_p=0.1, seed=3)),
+]
+
+
+def force_ws_forward(monkeypatch, headdim):
+    """Force the forward's warp-specialized candidate at this head dim (skip where it may not
+    run: no such candidate on this GPU, or LONGFLASH_WS leaves it off); returns it."""
+    from longflash import flash_triton
+    tables = {"fwd": flash_triton.configs_for("fwd", torch.cuda.get_device_capability()[0],
+                                              headdim)}
+    ws = [c for c in tables["fwd"] if c.kwargs["WARP_SPECIALIZE"]]
+    if not ws:
+        pytest.skip("no warp-specialized forward candidate on this GPU")
+    force_configs(monkeypatch, launchable({"fwd": ws[0]}, tables))
+    return ws[0]
+
+
+@pytest.mark.parametrize("shape, dtype, kw", [c[1:] for c in WS_FORWARD_CASES],
+                         ids=[c[0] for c in WS_FORWARD_CASES])
+def test_forward_warp_specialized_gpu(shape, dtype, kw, monkeypatch):
+    """The forward's warp-specialized candidate forced (LONGFLASH_WS=1 or fwd), its o and lse
+    against the float64 reference (tolerance rule): odd lengths with grouped query heads,
+    causal and not, full tiles (FULL_TILES, no mask), head dims 64 to 256, fp16, a window,
+    ALiBi with softcap, dropout; forward only, so each case compiles one kernel."""
+    from longflash import flash_triton
+    from test_variants import kwargs_for, ref_kwargs
+    ws = force_ws_forward(monkeypatch, shape[-1])
+    kw = kwargs_for(kw, "cuda")
+    q, k, v, _ = make_inputs(shape, dtype, device="cuda")
+    with torch.no_grad():
+        got = longflash.attention(q, k, v, return_lse=True, backend="triton", **kw)
+        lowp = attention_ref(q, k, v, upcast=False, **ref_kwargs(kw))
+        ref = attention_ref(q.double(), k.double(), v.double(), **ref_kwargs(kw))
+    assert flash_triton._attn_fwd.best_config is ws  # what ran: the forced candidate
+    for name, a, b, r in zip(("o", "lse"), got, lowp, ref):
+        check_close(name, a, b, r)
+
+
+def test_forward_warp_specialized_varlen_gpu(monkeypatch):
+    """test_forward_warp_specialized_gpu's check on packed causal sequences (attention_varlen;
+    one empty, seqlen_q != seqlen_k, GQA): each sequence's slice of the TMA copies."""
+    from longflash import flash_triton
+    from test_variants import packed
+    ws = force_ws_forward(monkeypatch, 128)
+    (q, k, v), cu_q, cu_k, max_q, max_k = packed([1000, 0, 3000, 17], [1200, 9, 2999, 17],
+                                                 nheads=8, nheads_kv=2, headdim=128,
+                                                 dtype=torch.bfloat16)
+    q, k, v, cu_q, cu_k = (x.detach().cuda() for x in (q, k, v, cu_q, cu_k))
+    with torch.no_grad():
+        got = longflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                         return_lse=True)
+        lowp = longflash.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+        ref = longflash.attention_varlen_ref(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                             causal=True)
+    assert flash_triton._attn_fwd.best_config is ws
+    for name, a, b, r in zip(("o", "lse"), got, lowp, ref):
+        check_close(name, a, b, r)
 
 
 VARIANTS = [
@@ -379,12 +462,12 @@ def test_kvcache_headdim_v_gpu():
 @pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[2]], ids=shape_id)
 def test_every_config_gpu(shape, index, monkeypatch):
     """Each candidate of this GPU's config table (the index-th of each kernel, TMA ones
-    included, warp-specialized ones under LONGFLASH_WS=1), not only the one the autotuner
-    keeps: bf16, causal, head dims 64, 80 (the 128 bucket) and 256."""
+    included, warp-specialized ones where LONGFLASH_WS turns them on), not only the one the
+    autotuner keeps: bf16, causal, head dims 64, 80 (the 128 bucket) and 256."""
     from longflash import flash_triton
     major = torch.cuda.get_device_capability()[0]
-    forced = {kernel: configs[index % len(configs)] for kernel in KERNEL_FUNCTIONS
-              for configs in [flash_triton.configs_for(kernel, major, shape[-1])]}
-    skip_unless_launchable(forced.values())
-    force_configs(monkeypatch, forced)
+    tables = {kernel: flash_triton.configs_for(kernel, major, shape[-1])
+              for kernel in KERNEL_FUNCTIONS}
+    forced = {kernel: configs[index % len(configs)] for kernel, configs in tables.items()}
+    force_configs(monkeypatch, launchable(forced, tables))
     check_against_reference(shape, torch.bfloat16, True, backend="triton", device="cuda")

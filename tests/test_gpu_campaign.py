@@ -89,6 +89,19 @@ def test_a_failed_preflight_switches_its_kind_off_for_the_later_steps(tmp_path):
     assert [r["status"] for r in records] == ["ok"] * 3, records
 
 
+def test_a_steps_env_is_its_own(tmp_path):
+    """Step.env (pytest_ws_fwd's LONGFLASH_WS=fwd) is set for that step alone, over the stage's
+    environment, and named in the log."""
+    see = "import os, sys; sys.exit(0 if os.environ.get('LONGFLASH_WS') {} else 5)"
+    steps = [gc.Step("with", ["-c", see.format("== 'fwd'")], estimate_s=1,
+                     env={"LONGFLASH_WS": "fwd"}),
+             gc.Step("after", ["-c", see.format("!= 'fwd'")], estimate_s=1)]
+    lines = []
+    _, records = gc.run_stage(7, tmp_path, dry=True, steps=steps, log_print=lines.append)
+    assert [r["status"] for r in records] == ["ok"] * 2, records
+    assert any(line.startswith("-- with: LONGFLASH_WS=fwd ") for line in lines), lines
+
+
 def test_preflight_row_is_an_error_when_a_candidate_is_wrong(monkeypatch, capsys):
     """One kind's check (the interpreter here, the GPU in a stage): the row's status says
     whether its candidates computed attention; a wrong result makes it an error."""
@@ -556,8 +569,8 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     reserve leaves its step its estimate and keeps the next one's."""
     from experiments import tuning
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
-    names = ["env", "host_time", "speedup_short", "speedup_long", "pytest_triton",
-             "pytest_compile", "tuning", "preflight_ws", "scaling_exact"]
+    names = ["env", "host_time", "speedup_short", "pytest_ws_fwd", "speedup_long",
+             "pytest_triton", "pytest_compile", "tuning", "preflight_ws", "scaling_exact"]
     for dry in (False, True):
         steps = gc.stage_steps(7, dry)
         assert [s.name for s in steps] == names
@@ -571,6 +584,13 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     assert short[short.index("--seqlens") + 1] == "1024,2048"
     assert long_[long_.index("--parts") + 1] == "long"
     assert _argv(7, False, "preflight_ws")[-2:] == ["128", "ws"]
+    # the forward's WS checks, with the forward's WS candidates on for that step alone
+    ws_fwd = next(s for s in gc.stage_steps(7, False) if s.name == "pytest_ws_fwd")
+    assert ws_fwd.env == {"LONGFLASH_WS": "fwd"}
+    import test_gpu
+    select = ws_fwd.argv[ws_fwd.argv.index("-k") + 1]
+    assert [n for n in dir(test_gpu) if n.startswith("test_") and select in n] == [
+        "test_forward_warp_specialized_gpu", "test_forward_warp_specialized_varlen_gpu"]
     from longflash import flash_triton as ft
     for (kernel, headdim), tiles in gc.WS_TRIALS.items():  # tiles the table lacks, each a WS one
         table = ft.CONFIGS[ft._table_key(kernel, 9, headdim)]

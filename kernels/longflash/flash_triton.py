@@ -57,10 +57,11 @@ Where it was tested and where it breaks:
   CONFIGS: Triton's automatic warp specialization, a TMA-copy warpgroup feeding two compute
   warpgroups; one loop over every visible block, all masked unless no block needs a mask
   (FULL_TILES: no causal mask or window, lengths multiples of the tiles), which in dK/dV also
-  runs over the query heads of a GQA group; `_ws_ok`; opt-in, LONGFLASH_WS=1: on an H100 with
-  Triton 3.6 they returned NaN (results/gpu_campaign/h100-stage1*, PERFLOG); since the
-  workarounds of two bugs of Triton's pass (`_held_start`, `_load_head_tile`) the forward's
-  were exact there, dK/dV's not yet checked; not dK/dV at head dim 256, whose tiles spilled
+  runs over the query heads of a GQA group; `_ws_ok`; opt-in, LONGFLASH_WS=1 (all kernels) or
+  a list of kernels (LONGFLASH_WS=fwd): on an H100 with Triton 3.6 they returned NaN
+  (results/gpu_campaign/h100-stage1*, PERFLOG); since the workarounds of two bugs of Triton's
+  pass (`_held_start`, `_load_head_tile`) the forward's were exact there in two windows, dK/dV's
+  exact at head dim 64 and NaN at 128 with grouped query heads; not dK/dV at head dim 256, whose tiles spilled
   4 KB, nor dQ at 256, which returned NaN on the H100 (cause not found), nor dQ for packed
   sequences, whose lse rows a TMA copy cannot read).
 - The configs (CONFIGS) were chosen from ptxas evidence, then the backward's TMA tiles at
@@ -1303,14 +1304,41 @@ def _tma_ok(*tiled):
     return 1
 
 
-def _ws_ok(*tiled):
-    """1 if the warp-specialized candidates may run: TMA for every tile they copy (_tma_ok; q,
-    k and v in the forward, q, k, v and dO in the backward), a Hopper GPU (the sm_90 pass;
-    Blackwell's is another, not compiled here) and a Triton whose tl.range takes
-    warp_specialize. Off unless LONGFLASH_WS=1 in the environment: on an H100 with Triton
-    3.6.0 they returned NaN where the TMA and pointer candidates were exact (the GPU
-    campaign's preflight and test_every_config_gpu, PERFLOG), so they wait for a fix."""
-    if (os.environ.get("LONGFLASH_WS", "0") != "1" or not _tma_ok(*tiled)
+WS_KERNELS = ("fwd", "dkdv", "dq")
+
+
+def ws_kernels():
+    """The kernels whose warp-specialized candidates LONGFLASH_WS turns on: "0" (the default)
+    none, "1" all three, or a comma-separated list of "fwd", "dkdv", "dq" (LONGFLASH_WS=fwd:
+    the forward's alone). A ValueError naming the variable for anything else."""
+    return _parse_ws(os.environ.get("LONGFLASH_WS", "0"))
+
+
+@functools.lru_cache(maxsize=16)  # read on every call: a launch's host time counts
+def _parse_ws(value):
+    value = value.strip()
+    if value in ("", "0"):
+        return frozenset()
+    if value == "1":
+        return frozenset(WS_KERNELS)
+    names = [name.strip() for name in value.split(",")]
+    if not names or any(name not in WS_KERNELS for name in names):
+        raise ValueError(f"LONGFLASH_WS must be 0, 1 or a comma-separated list of "
+                         f"{', '.join(WS_KERNELS)} (the kernels whose warp-specialized "
+                         f"candidates may run), got {value!r}")
+    return frozenset(names)
+
+
+def _ws_ok(kernel, *tiled):
+    """1 if `kernel`'s ("fwd", "dkdv", "dq") warp-specialized candidates may run: turned on by
+    LONGFLASH_WS (ws_kernels), TMA for every tile they copy (_tma_ok; q, k and v in the
+    forward, q, k, v and dO in the backward), a Hopper GPU (the sm_90 pass; Blackwell's is
+    another, not compiled here) and a Triton whose tl.range takes warp_specialize. Off by
+    default: on an H100 with Triton 3.6.0 they returned NaN where the TMA and pointer
+    candidates were exact (the GPU campaign's preflight and test_every_config_gpu, PERFLOG);
+    since two workarounds the forward's were exact in two windows' preflights, dK/dV's at
+    head dim 128 still NaN with grouped query heads."""
+    if (kernel not in ws_kernels() or not _tma_ok(*tiled)
             or torch.cuda.get_device_capability(tiled[0].device)[0] != 9):
         return 0
     return int("warp_specialize" in inspect.signature(tl.range).parameters)
@@ -1336,9 +1364,10 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
                                      for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
-def _launch_args(q, k, v, lse, opts, tiled, ws_tiled):
+def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
-    `tiled` (what a loop copies) fit, warp-specialized ones where `ws_tiled` (every tile) do."""
+    `tiled` (what a loop copies) fit, warp-specialized ones of `ws_kernel` where `ws_tiled`
+    (every tile) do and LONGFLASH_WS allows them (_ws_ok)."""
     if opts.varlen:
         batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
             opts.max_seqlen_k
@@ -1358,7 +1387,8 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled):
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         seqlen_bucket=seqlen_bucket(seqlen_q, seqlen_k), tma_ok=_tma_ok(*tiled),
-        ws_ok=_ws_ok(*ws_tiled), window_left=opts.window_left, window_right=opts.window_right,
+        ws_ok=_ws_ok(ws_kernel, *ws_tiled), window_left=opts.window_left,
+        window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
@@ -1374,7 +1404,7 @@ def forward(q, k, v, opts):
     q, k, v = _last_dim_contiguous(q, k, v)
     o, lse = empty_outputs(q, opts.varlen, v.shape[-1])
     batch, nheads, _, seqlen_q, _, pointers, scalars = _launch_args(
-        q, k, v, lse, opts, (k, v), (q, k, v))
+        q, k, v, lse, opts, (k, v), (q, k, v), "fwd")
     if batch * nheads * seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
     table = opts.block_table  # paged k, v (num_pages, page_size, ...): strides (page, slot, head)
@@ -1401,7 +1431,7 @@ def backward(do, q, k, v, o, lse, dlse, opts):
         stats = lse.new_empty(2, *lse.shape[:-1], triton.cdiv(seqlen_q, 4) * 4)[..., :seqlen_q]
         lse, delta = stats[0].copy_(lse), stats[1]
     batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars = _launch_args(
-        q, k, v, lse, opts, (q, k, v, do), (q, k, v, do))
+        q, k, v, lse, opts, (q, k, v, do), (q, k, v, do), "dkdv")
     if dq.numel() == 0 or dk.numel() == 0 or batch == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # -- preprocess: delta = rowsum(do * o) over the values' head dim; a gradient of lse
@@ -1429,7 +1459,7 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     if atomic:
         return dq.copy_(dq_acc[..., :q.shape[-1]].mul_(opts.softmax_scale)), dk, dv
     # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized dQ.
-    scalars["ws_ok"] = int(scalars["ws_ok"] and not opts.varlen)
+    scalars["ws_ok"] = int(not opts.varlen and _ws_ok("dq", q, k, v, do))
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _launch(_attn_bwd_dq, grid_q, *tensors, dq, *extra, *strides, *_strides(dq), **scalars)
     return dq, dk, dv
