@@ -130,9 +130,18 @@ class Log:
                 f.write(message + "\n")
 
 
+# The kernels' switches (longflash.flash_triton): a run with one set may time other candidates
+# (LONGFLASH_TMA=0 after a failed preflight, LONGFLASH_WS=fwd), so its command names it.
+KERNEL_SWITCHES = ("LONGFLASH_TMA", "LONGFLASH_WS")
+
+
 def this_command():
+    """This process's command line, after the kernels' switches set in its environment
+    ("LONGFLASH_WS=fwd python3 -m experiments.speedup ...")."""
+    switches = [f"{name}={shlex.quote(os.environ[name])}" for name in KERNEL_SWITCHES
+                if name in os.environ]
     # orig_argv keeps "python3 -m experiments.speedup ..."; argv would show the file path.
-    return shlex.join(getattr(sys, "orig_argv", sys.argv))
+    return " ".join(switches + [shlex.join(getattr(sys, "orig_argv", sys.argv))])
 
 
 def default_out(rq):

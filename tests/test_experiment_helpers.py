@@ -103,6 +103,20 @@ def test_provenance_columns():
     assert provenance("python -m experiments.speedup")["command"] == "python -m experiments.speedup"
 
 
+def test_the_command_names_the_kernels_switches(monkeypatch):
+    """A run under LONGFLASH_TMA / LONGFLASH_WS times other candidates: its rows' command says
+    so, before the command line."""
+    from experiments.results import this_command
+    for name in ("LONGFLASH_TMA", "LONGFLASH_WS"):
+        monkeypatch.delenv(name, raising=False)
+    plain = this_command()
+    assert "LONGFLASH" not in plain.split()[0]
+    monkeypatch.setenv("LONGFLASH_WS", "fwd")
+    monkeypatch.setenv("LONGFLASH_TMA", "0")
+    assert this_command() == "LONGFLASH_TMA=0 LONGFLASH_WS=fwd " + plain
+    assert provenance()["command"] == this_command()
+
+
 def test_read_results_concatenates_with_source(tmp_path):
     write_results([make_row(128)], tmp_path / "cpu.csv")
     write_results([make_row(128, device="NVIDIA H100 80GB HBM3"), make_row(256)],
