@@ -94,13 +94,16 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      pytest_triton, pytest_compile, scaling_exact  as in stage 5, with what is left
   7  env        as in stage 1
      host_time  the host's time per call (experiments.host_time): LongFlash's beside SDPA's
+     pytest_ws_fwd  a gate: the forward's warp-specialized candidate forced (LONGFLASH_WS=fwd)
+                on odd, causal, full-tile, d64-d256, fp16, window, ALiBi + softcap, dropout
+                and packed calls against float64; if every case passes, the later steps run
+                with LONGFLASH_WS=fwd (Step.then_env; a --steps rest run too)
+     speedup_batch  RQ1 part batch at 4K-16K, d128, d64, d256: measured again only with the
+                forward's WS on (rows under other switches count as not measured)
      speedup_short  RQ1 part batch at head dims 128, 256 and 64, 1K and 2K tokens, LongFlash,
                 SDPA flash and cuDNN, measured again where measured before TILES_CHANGED
                 (stage 6 did 4K-16K; results.superseded leaves the old rows out meanwhile)
-     pytest_ws_fwd  the forward's warp-specialized candidate forced (LONGFLASH_WS=fwd for this
-                step) on odd, causal, full-tile, d64-d256, fp16, window, ALiBi + softcap,
-                dropout and packed calls against float64: whether it may be on by default
-     speedup_long  the same for part long (d128, 32K-128K tokens, batch 1)
+     speedup_long  as speedup_short for part long (d128, 32K-128K tokens, batch 1)
      pytest_triton  test_triton_gpu's cases stage 6 did not reach (fp16 at d96 and d40)
      pytest_compile  as in stage 5 (no window has reached it)
      tuning     stage 4's sweep at d256's backward targets (the worst case against
@@ -141,6 +144,7 @@ generate_tokens; jax: max_abs_diff; warm: warm_s); key column `step`.
 import argparse
 import hashlib
 import itertools
+import re
 import json
 import os
 import shlex
@@ -215,6 +219,9 @@ class Step:
     needs: str = ""          # "ncu": an external tool; missing -> status "unsupported"
     files: list = field(default_factory=list)  # extra files (under the scratch tree) to archive
     env: dict = field(default_factory=dict)    # set for this step alone, over the stage's
+    # set for the later steps where this one, a pytest step, passed every test it selected
+    # (none failed, none skipped: a gate; passed_every_test)
+    then_env: dict = field(default_factory=dict)
 
 
 def _py(*args):
@@ -519,7 +526,7 @@ def stage_steps(stage, dry):
         # rows that still time the old backward tiles (1K-2K, part long), the GPU tests no
         # window has finished, then the sweep at the worst case against FlashAttention-2.
         if dry:
-            short = _dry_batch(16)
+            short = batch_4k_16k = _dry_batch(16)
             long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
                      "--parts", "long", "--providers", "longflash,standard"]
             tune = ["--quick", "--targets", "1"]  # the decoding target: call rows only, fast
@@ -527,6 +534,9 @@ def stage_steps(stage, dry):
             providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
             short = ["--full", "--headdims", "128,256,64", "--seqlens", "1024,2048",
                      "--long-seqlens", "", "--parts", "batch", *providers]
+            batch_4k_16k = ["--full", "--headdims", "128,64,256", "--seqlens",
+                            "4096,8192,16384", "--long-seqlens", "", "--parts", "batch",
+                            *providers]
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
                      "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
             tune = ["--full", "--targets", ",".join(str(i) for i in D256_BACKWARD_TARGETS)]
@@ -539,17 +549,23 @@ def stage_steps(stage, dry):
             Step("host_time", _py("experiments.host_time", *(["--quick"] if dry else []),
                                   "--out", "{out}"),
                  rq="host_time", estimate_s=20, timeout_s=90, reserve_s=400),
-            # 12 groups of 3 providers x 3 modes (stage 6: 6 groups in 44-49 s, autotuning):
-            # d64's last, first measured with the first window's code (34b433c), whose 1K
-            # forward took 0.681 ms there against 0.400 in the second window's sweep
+            # The gate: the forward's warp-specialized candidate forced on every kind of call it
+            # may serve (10 cases, one compile each), against float64. Exact in two windows'
+            # preflights and 1.20x the autotuner's choice at d128 4K in the sweep; if every
+            # case passes, the later steps run with it on (LONGFLASH_WS=fwd, named in their
+            # rows' command), and the session after the window makes that the default
+            # (GPU.md, PERFLOG "The forward's warp-specialized candidate, alone").
+            _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=60,
+                    timeout_s=180, reserve_s=300, env=WS_FORWARD, then_env=WS_FORWARD),
+            # RQ1's 4K-16K rows, the goals' d128 first: measured already (stage 6) unless the
+            # gate switched the forward's WS on, which --resume then measures again
+            # (results.same_switches): 9 groups of 3 providers x 3 modes (stage 6: 3 in 44-49 s)
+            _speedup("speedup_batch", batch_4k_16k, estimate_s=30, timeout_s=200,
+                     reserve_s=250),
+            # 12 groups (1K-2K; d64's last, first measured with the first window's code
+            # (34b433c), whose 1K forward took 0.681 ms there against 0.400 in the sweep)
             _speedup("speedup_short", short + again, estimate_s=60, timeout_s=160,
                      reserve_s=250),
-            # the forward's warp-specialized candidate forced on every kind of call it may
-            # serve (10 cases, one compile each), against float64: exact in two windows'
-            # preflights and 1.20x the autotuner's choice at d128 4K in the sweep, it would be
-            # on by default (LONGFLASH_WS=fwd) if these pass (GPU.md, PERFLOG)
-            _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=60,
-                    timeout_s=180, reserve_s=190, env={"LONGFLASH_WS": "fwd"}),
             # 3 groups at 32K-128K (stage 2: 183 s with flex's compiles, here without flex)
             _speedup("speedup_long", long_ + again, estimate_s=60, timeout_s=200,
                      reserve_s=190),
@@ -780,6 +796,8 @@ PREFLIGHT_TOLERANCE = RELATIVE_ERROR_LIMIT
 # dK/dV d128 (32, 128, 4, 3) and dQ d256 (128, 32, 4, 2), are the only ones whose loops copy
 # 32-row tiles (m64n32 score wgmmas); the IR showed nothing else apart (PERFLOG). These tell a
 # 32-row tile with fewer stages from a 64-row tile: NaN in both, or in the first only.
+# The forward's warp-specialized candidates alone (stage 7's gate and what it turns on).
+WS_FORWARD = {"LONGFLASH_WS": "fwd"}
 WS_TRIALS = {("dkdv", 128): [(32, 128, 4, 2, "tma", "ws"), (64, 128, 4, 2, "tma", "ws")]}
 
 
@@ -894,8 +912,37 @@ def _fill(argv, **values):
     return [a.format(**values) if "{" in a else a for a in argv]
 
 
+GATE_PASSED = "gate passed"  # a gate's note in the campaign's rows, read by a later --steps run
+
+
+def gates_passed_before(steps, camp_csv):
+    """The then_env of the gates among `steps` that an earlier run of the stage (its rows in
+    camp_csv) passed: a window's second run (--steps rest) does not run a gate again, and
+    its steps keep the first run's environment (rows measured under other switches would be
+    measured again and replaced)."""
+    env = {}
+    if os.path.exists(camp_csv):
+        import pandas as pd
+        df = pd.read_csv(camp_csv)
+        passed = set(df.loc[(df["metric"] == "wall_s") & (df["note"] == GATE_PASSED), "step"])
+        for step in steps:
+            if step.then_env and step.name in passed:
+                env.update(step.then_env)
+    return env
+
+
+def passed_every_test(out):
+    """Whether pytest's output says every test it ran passed: some passed, none failed, none
+    skipped, no error (a skip, on a GPU whose candidates may not run, checked nothing)."""
+    summary = [ln for ln in out.splitlines() if re.match(r"^=+ .* in [\d.]+s", ln)][-1:]
+    return bool(summary) and re.search(r"\b\d+ passed\b", summary[0]) is not None and \
+        re.search(r"\b\d+ (failed|skipped|errors?|xfailed|xpassed)\b", summary[0]) is None
+
+
 def run_step(step, budget, env, log, values, python=sys.executable):
-    """Run one step as a subprocess within the budget. Returns (status, wall_s, note)."""
+    """Run one step as a subprocess within the budget. Returns (status, wall_s, note). A gate
+    (step.then_env) that passed every test adds its then_env to `env`, the stage's
+    environment, for the later steps."""
     if not budget.allows(step.estimate_s):
         log(f"-- {step.name}: not started, {budget.left():.0f} s left < estimate "
             f"{step.estimate_s:.0f} s")
@@ -909,7 +956,7 @@ def run_step(step, budget, env, log, values, python=sys.executable):
     argv = [python, *_fill(step.argv, **values)]
     with_env = "".join(f"{k}={shlex.quote(str(v))} " for k, v in step.env.items())
     log(f"-- {step.name}: {with_env}{shlex.join(argv)} (timeout {timeout:.0f} s)")
-    env = dict(env, **step.env)
+    stage_env, env = env, dict(env, **step.env)
     t0 = time.monotonic()
     # A session of its own: at the timeout the whole group goes (scaling's forked gloo ranks,
     # a probe's children), not only the direct child, and nothing is left holding the GPU or
@@ -926,6 +973,15 @@ def run_step(step, budget, env, log, values, python=sys.executable):
         log(f"-- {step.name}: error, exit code {rc}")
         return "error", wall, f"exit {rc}: {last[0][:200]}"
     log(f"-- {step.name}: ok, {wall:.1f} s")
+    if step.then_env:
+        if passed_every_test(out):
+            stage_env.update(step.then_env)
+            log(f"-- {step.name}: every test passed; the later steps run with {step.then_env}")
+            return "ok", wall, GATE_PASSED
+        else:
+            log(f"-- {step.name}: not every test passed (or some skipped); the later steps run "
+                f"without {step.then_env}")
+            return "ok", wall, "gate not passed"
     return "ok", wall, ""
 
 
@@ -1037,9 +1093,9 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
         log_print(msg if len(msg) < 2000 else msg[:300] + " ... " + msg[-1500:])
 
     budget = Budget(budget_s, clock=clock)
-    steps = stage_steps(stage, dry) if steps is None else steps
-    if only is not None:
-        steps = [s for s in steps if s.name in only or s.name in ALWAYS]
+    every_step = stage_steps(stage, dry) if steps is None else steps
+    steps = every_step if only is None else [s for s in every_step
+                                             if s.name in only or s.name in ALWAYS]
     if seed_from is None and not dry:
         seed_from = os.path.join(ROOT, "results")
     if seed_from:  # an earlier run of this stage: its log, JSON and rows are kept
@@ -1052,6 +1108,9 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
         env["CUDA_VISIBLE_DEVICES"] = ""   # a dry run is a CPU run, also on a GPU machine
         env["TRITON_INTERPRET"] = "1"
     env["TRITON_CACHE_AUTOTUNING"] = "1"
+    # gates an earlier run passed and this one does not run again (--steps rest)
+    gated = gates_passed_before([s for s in every_step if s not in steps], camp + ".csv")
+    env.update(gated)
     commit, dirty, dirty_files, source = git_state()
     config = dict(stage=stage, dry_run=dry, budget_s=budget_s, stem=stem, out=out_dir,
                   python=sys.executable, git_commit=commit, git_dirty=dirty,
@@ -1066,6 +1125,8 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
     log(f"code: git_commit {commit}, git_dirty {dirty} (from {source})")
     if source == "unknown":  # every row of the stage would say git_commit "unknown"
         warn_unknown_commit(log)
+    if gated:
+        log(f"gates passed in an earlier run of this stage: the steps run with {gated}")
 
     records, probes = [], {}
     for step in steps:

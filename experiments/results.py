@@ -130,18 +130,48 @@ class Log:
                 f.write(message + "\n")
 
 
-# The kernels' switches (longflash.flash_triton): a run with one set may time other candidates
-# (LONGFLASH_TMA=0 after a failed preflight, LONGFLASH_WS=fwd), so its command names it.
-KERNEL_SWITCHES = ("LONGFLASH_TMA", "LONGFLASH_WS")
+# The kernels' switches (longflash.flash_triton) and their defaults: a run with one set
+# otherwise may time other candidates (LONGFLASH_TMA=0 after a failed preflight, LONGFLASH_WS=fwd),
+# so its rows' command names it, and --resume measures again a row measured under other ones.
+KERNEL_SWITCHES = {"LONGFLASH_TMA": "1", "LONGFLASH_WS": "0"}
+
+
+def kernel_switches():
+    """The kernels' switches this process's environment sets to other than their defaults,
+    as NAME=value words."""
+    return [f"{name}={shlex.quote(os.environ[name].strip())}"
+            for name, default in KERNEL_SWITCHES.items()
+            if os.environ.get(name, default).strip() not in ("", default)]
+
+
+def switches_of(command):
+    """The kernels' switches a row's command names, its leading NAME=value words, but those
+    that give a switch its default (KERNEL_SWITCHES: a default may become what a switch
+    turned on before, and the rows measured with it are then the default's)."""
+    words = []
+    for word in str(command).split():
+        name, _, value = word.partition("=")
+        if name not in KERNEL_SWITCHES:
+            break
+        if value != KERNEL_SWITCHES[name]:
+            words.append(word)
+    return words
+
+
+def same_switches(df):
+    """Boolean mask of df's rows measured under this process's kernel switches (--resume:
+    the others timed other candidates)."""
+    if "command" not in df:
+        return pd.Series(True, index=df.index)
+    now = kernel_switches()
+    return df["command"].map(lambda command: switches_of(command) == now).astype(bool)
 
 
 def this_command():
     """This process's command line, after the kernels' switches set in its environment
     ("LONGFLASH_WS=fwd python3 -m experiments.speedup ...")."""
-    switches = [f"{name}={shlex.quote(os.environ[name])}" for name in KERNEL_SWITCHES
-                if name in os.environ]
     # orig_argv keeps "python3 -m experiments.speedup ..."; argv would show the file path.
-    return " ".join(switches + [shlex.join(getattr(sys, "orig_argv", sys.argv))])
+    return " ".join(kernel_switches() + [shlex.join(getattr(sys, "orig_argv", sys.argv))])
 
 
 def default_out(rq):

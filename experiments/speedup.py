@@ -108,7 +108,8 @@ if torch.cuda.is_available():
 import longflash  # noqa: E402
 from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
 from experiments.results import (Log, check_resume_after, cpu_name, flops,  # noqa: E402
-                                 measured_before, start_run, tflops, write_results)
+                                 measured_before, same_switches, start_run, tflops,
+                                 write_results)
 
 GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
                  "sdpa_cudnn", "flex")
@@ -473,12 +474,13 @@ def _existing_keys(path, after=None):
     """(done, failed): keys of the time_ms rows already in path (for --resume), those with
     status error apart. A failure of the harness or a kernel is measured again (once fixed),
     an oom or an unsupported configuration is not. after (an ISO time): rows measured before
-    it count as never measured (a kernel changed since)."""
+    it count as never measured (a kernel changed since), and so do rows measured under other
+    kernel switches (LONGFLASH_WS=fwd: other candidates; results.same_switches)."""
     if not os.path.exists(path):
         return set(), set()
     import pandas as pd
     df = pd.read_csv(path)
-    df = df[df["metric"] == "time_ms"]
+    df = df[(df["metric"] == "time_ms") & same_switches(df)]
     if after:
         df = df[~measured_before(df, after)]
     cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]

@@ -65,7 +65,7 @@ from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E
 from experiments.measure import time_ms, time_ms_graph  # noqa: E402
 from experiments.host_time import host_us  # noqa: E402
 from experiments.results import (Log, check_resume_after, default_out,  # noqa: E402
-                                 measured_before, start_run, write_results)
+                                 measured_before, same_switches, start_run, write_results)
 
 KEY_COLUMNS = ("kernel", "config")  # beside experiments.results.KEY_COLUMNS
 KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}  # their jit names
@@ -306,12 +306,13 @@ def _key(row):
 def measured_keys(path, after=None):
     """Keys of the time_ms rows with status ok already in path (--resume): what a later run
     need not measure again. An error (a wrong tile, a crash) is measured again, and so is a
-    row measured before `after` (an ISO time: the kernels' tables changed since)."""
+    row measured before `after` (an ISO time: the kernels' tables changed since) or under other
+    kernel switches (results.same_switches)."""
     if not os.path.exists(path):
         return set()
     import pandas as pd
     df = pd.read_csv(path)
-    ok = df[(df["metric"] == "time_ms") & (df["status"] == "ok")]
+    ok = df[(df["metric"] == "time_ms") & (df["status"] == "ok") & same_switches(df)]
     if after:
         ok = ok[~measured_before(ok, after)]
     return {_key(row) for row in ok.to_dict("records")}

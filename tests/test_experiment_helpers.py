@@ -115,6 +115,26 @@ def test_the_command_names_the_kernels_switches(monkeypatch):
     monkeypatch.setenv("LONGFLASH_TMA", "0")
     assert this_command() == "LONGFLASH_TMA=0 LONGFLASH_WS=fwd " + plain
     assert provenance()["command"] == this_command()
+    monkeypatch.setenv("LONGFLASH_TMA", "1")  # the defaults: not named
+    monkeypatch.setenv("LONGFLASH_WS", "0")
+    assert this_command() == plain
+
+
+def test_same_switches_reads_them_back_from_the_command(monkeypatch):
+    """--resume's filter (speedup, tuning): a row counts as measured only under the switches
+    this run has; a command without any, or an older row's, has the defaults."""
+    from experiments.results import same_switches, switches_of
+    assert switches_of("LONGFLASH_WS=fwd LONGFLASH_TMA=0 python3 -m x --a=b") == [
+        "LONGFLASH_WS=fwd", "LONGFLASH_TMA=0"]
+    assert switches_of("python3 -m x LONGFLASH_WS=fwd") == [] == switches_of(float("nan"))
+    assert switches_of("LONGFLASH_WS=0 LONGFLASH_TMA=1 python3 -m x") == []  # the defaults
+    df = pd.DataFrame(dict(command=["python3 -m x", "LONGFLASH_WS=fwd python3 -m x"]))
+    monkeypatch.delenv("LONGFLASH_TMA", raising=False)
+    monkeypatch.delenv("LONGFLASH_WS", raising=False)
+    assert same_switches(df).tolist() == [True, False]
+    monkeypatch.setenv("LONGFLASH_WS", "fwd")
+    assert same_switches(df).tolist() == [False, True]
+    assert same_switches(df.drop(columns="command")).tolist() == [True, True]
 
 
 def test_read_results_concatenates_with_source(tmp_path):

@@ -102,6 +102,51 @@ def test_a_steps_env_is_its_own(tmp_path):
     assert any(line.startswith("-- with: LONGFLASH_WS=fwd ") for line in lines), lines
 
 
+@pytest.mark.parametrize("summary, passed", [
+    ("======= 10 passed, 115 deselected in 61.20s (0:01:01) =======", True),
+    ("======= 9 passed, 1 skipped, 115 deselected in 50.1s =======", False),
+    ("======= 1 failed, 9 passed, 115 deselected in 50.1s =======", False),
+    ("======= 115 deselected in 0.5s =======", False),
+    ("======= 9 passed, 1 error in 9.0s =======", False)])
+def test_a_gate_passes_only_where_every_test_passed(summary, passed):
+    """A skipped case (a GPU whose candidates may not run) checked nothing: not a pass."""
+    out = "tests/test_gpu.py::test_x PASSED\n" + summary + "\n"
+    assert gc.passed_every_test(out) is passed
+
+
+def test_a_passed_gate_sets_its_env_for_the_later_steps_and_the_rest_run(tmp_path):
+    """Step.then_env (stage 7's pytest_ws_fwd: LONGFLASH_WS=fwd): set for the steps after a
+    gate that passed every test, not after one that did not; a --steps rest run, which does
+    not run the gate again, sets it where the first run's rows say the gate passed."""
+    out = "import sys; print('=== {} in 1.0s ===')"
+    see = "import os, sys; sys.exit(0 if os.environ.get('LONGFLASH_WS') {} else 5)"
+    for summary, after in (("2 passed", "== 'fwd'"), ("1 passed, 1 skipped", "!= 'fwd'")):
+        steps = [gc.Step("gate", ["-c", out.format(summary)], estimate_s=1,
+                         then_env={"LONGFLASH_WS": "fwd"}),
+                 gc.Step("after", ["-c", see.format(after)], estimate_s=1)]
+        _, records = gc.run_stage(7, tmp_path / summary[0], dry=True, steps=steps,
+                                  log_print=lambda m: 0)
+        assert [r["status"] for r in records] == ["ok"] * 2, (summary, records)
+    camp = tmp_path / "camp.csv"
+    rows = gc.campaign_rows([dict(name="gate", status="ok", wall_s=1.0, note=gc.GATE_PASSED),
+                             dict(name="other", status="ok", wall_s=1.0, note="")], {})
+    pd.DataFrame(rows).to_csv(camp, index=False)
+    steps = [gc.Step("gate", [], then_env={"LONGFLASH_WS": "fwd"}), gc.Step("other", [])]
+    assert gc.gates_passed_before(steps, str(camp)) == {"LONGFLASH_WS": "fwd"}
+    seeded = tmp_path / "results" / "gpu_campaign"  # the first run's rows, unpacked
+    seeded.mkdir(parents=True)
+    results.write_results(rows, str(seeded / "dryrun-stage7.csv"), key_columns=gc.KEY_COLUMNS)
+    steps = [gc.Step("gate", ["-c", "import sys; sys.exit(7)"], estimate_s=1,
+                     then_env={"LONGFLASH_WS": "fwd"}),
+             gc.Step("after", ["-c", see.format("== 'fwd'")], estimate_s=1)]
+    _, records = gc.run_stage(7, tmp_path / "rest", dry=True, steps=steps, only=["after"],
+                              seed_from=str(tmp_path / "results"), log_print=lambda m: 0)
+    assert [(r["name"], r["status"]) for r in records] == [("after", "ok")], records
+    rows[0]["note"] = "gate not passed"
+    pd.DataFrame(rows).to_csv(camp, index=False)
+    assert gc.gates_passed_before(steps, str(camp)) == {}
+
+
 def test_preflight_row_is_an_error_when_a_candidate_is_wrong(monkeypatch, capsys):
     """One kind's check (the interpreter here, the GPU in a stage): the row's status says
     whether its candidates computed attention; a wrong result makes it an error."""
@@ -563,14 +608,17 @@ def test_pytest_steps_run_every_gpu_test_once():
 
 
 def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d256():
-    """Stage 7 (the fourth window): RQ1's rows that still time the old backward tiles (1K-2K,
-    part long) measured again, the GPU tests no window finished, the sweep at d256's backward
-    targets with rows from before TILES_CHANGED measured again. The estimates fit, and each
-    reserve leaves its step its estimate and keeps the next one's."""
+    """Stage 7 (the fourth window): the forward's warp-specialized candidate checked (a gate
+    that turns it on for the later steps), RQ1's rows that still time the old backward tiles
+    (1K-2K, part long) measured again, and its 4K-16K rows if the gate passed, the GPU tests
+    no window finished, the sweep at d256's backward targets with rows from before
+    TILES_CHANGED measured again. The estimates fit, and each reserve leaves its step its
+    estimate and keeps the next one's."""
     from experiments import tuning
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
-    names = ["env", "host_time", "speedup_short", "pytest_ws_fwd", "speedup_long",
-             "pytest_triton", "pytest_compile", "tuning", "preflight_ws", "scaling_exact"]
+    names = ["env", "host_time", "pytest_ws_fwd", "speedup_batch", "speedup_short",
+             "speedup_long", "pytest_triton", "pytest_compile", "tuning", "preflight_ws",
+             "scaling_exact"]
     for dry in (False, True):
         steps = gc.stage_steps(7, dry)
         assert [s.name for s in steps] == names
@@ -584,9 +632,13 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     assert short[short.index("--seqlens") + 1] == "1024,2048"
     assert long_[long_.index("--parts") + 1] == "long"
     assert _argv(7, False, "preflight_ws")[-2:] == ["128", "ws"]
-    # the forward's WS checks, with the forward's WS candidates on for that step alone
+    # the forward's WS checks with its WS candidates on, and on for the later steps if they pass
     ws_fwd = next(s for s in gc.stage_steps(7, False) if s.name == "pytest_ws_fwd")
-    assert ws_fwd.env == {"LONGFLASH_WS": "fwd"}
+    assert ws_fwd.env == ws_fwd.then_env == {"LONGFLASH_WS": "fwd"}
+    batch = _argv(7, False, "speedup_batch")  # no --resume-after: measured unless switched
+    assert "--resume" in batch and "--resume-after" not in batch
+    assert batch[batch.index("--seqlens") + 1] == "4096,8192,16384"
+    assert batch[batch.index("--headdims") + 1].startswith("128,")
     import test_gpu
     select = ws_fwd.argv[ws_fwd.argv.index("-k") + 1]
     assert [n for n in dir(test_gpu) if n.startswith("test_") and select in n] == [

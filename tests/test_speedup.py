@@ -189,6 +189,28 @@ def test_resume_after_measures_older_rows_again(quick, tmp_path):
     assert len(again) == len(df)
 
 
+def test_resume_measures_rows_of_other_kernel_switches_again(quick, tmp_path):
+    """A row whose command names kernel switches this run does not have (LONGFLASH_WS=fwd:
+    other candidates timed) is measured again on --resume, its command then without them."""
+    out, df, _ = quick
+    copy = tmp_path / "cpu.csv"
+    other = df.copy()
+    hit = (other["provider"] == "longflash") & (other["metric"] == "time_ms") & \
+        (other["mode"] == "fwd") & (other["part"] == "batch")
+    first = other[hit].index[0]
+    other.loc[first, "command"] = "LONGFLASH_WS=fwd " + other.loc[first, "command"]
+    other.to_csv(copy, index=False)
+    proc = run_quick(copy, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = pd.read_csv(copy)
+    key = other.loc[first, KEY_COLUMNS]
+    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
+    assert len(row) == 1 and not row["command"].item().startswith("LONGFLASH"), row
+    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert measured and all("longflash" in ln for ln in measured), measured
+    assert len(again) == len(df)
+
+
 @pytest.mark.parametrize("message, provider, status", [
     ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes", "standard",
      "oom"),
