@@ -550,12 +550,12 @@ def stage_steps(stage, dry):
                                   "--out", "{out}"),
                  rq="host_time", estimate_s=20, timeout_s=90, reserve_s=400),
             # The gate: the forward's warp-specialized candidate forced on every kind of call it
-            # may serve (10 cases, one compile each), against float64. Exact in two windows'
+            # may serve (13 cases, one compile each), against float64. Exact in two windows'
             # preflights and 1.20x the autotuner's choice at d128 4K in the sweep; if every
             # case passes, the later steps run with it on (LONGFLASH_WS=fwd, named in their
             # rows' command), and the session after the window makes that the default
             # (GPU.md, PERFLOG "The forward's warp-specialized candidate, alone").
-            _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=60,
+            _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=75,
                     timeout_s=180, reserve_s=300, env=WS_FORWARD, then_env=WS_FORWARD),
             # RQ1's 4K-16K rows, the goals' d128 first: measured already (stage 6) unless the
             # gate switched the forward's WS on, which --resume then measures again

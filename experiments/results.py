@@ -133,7 +133,7 @@ class Log:
 # The kernels' switches (longflash.flash_triton) and their defaults: a run with one set
 # otherwise may time other candidates (LONGFLASH_TMA=0 after a failed preflight, LONGFLASH_WS=fwd),
 # so its rows' command names it, and --resume measures again a row measured under other ones.
-KERNEL_SWITCHES = {"LONGFLASH_TMA": "1", "LONGFLASH_WS": "0"}
+KERNEL_SWITCHES = {"LONGFLASH_TMA": "1", "LONGFLASH_WS": "0"}  # flash_triton's (WS_DEFAULT)
 
 
 def kernel_switches():

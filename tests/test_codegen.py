@@ -332,6 +332,8 @@ def test_ws_kernels_reads_its_variable(monkeypatch):
     forward's warp-specialized candidates alone); anything else a ValueError naming the
     variable, raised by a call before any kernel runs."""
     from longflash import flash_triton as ft
+    from experiments.results import KERNEL_SWITCHES  # rows name the switches set otherwise
+    assert KERNEL_SWITCHES["LONGFLASH_WS"] == ft.WS_DEFAULT
     monkeypatch.delenv("LONGFLASH_WS", raising=False)
     assert ft.ws_kernels() == frozenset()
     for value, kernels in (("0", ()), ("", ()), ("1", ("fwd", "dkdv", "dq")), ("fwd", ("fwd",)),

@@ -14,8 +14,7 @@ import torch
 import longflash
 from conftest import check_close
 from longflash import attention_ref
-from test_correctness import (KERNEL_FUNCTIONS, check_against_reference, force_configs,
-                              make_inputs, shape_id)
+from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
 from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, check_case,
                           check_compiled_decoding, check_compiled_route, check_rotary,
                           route_small)  # noqa: F401 (route_small: a fixture)
@@ -299,19 +298,24 @@ def test_warp_specialized_full_tiles_gpu(headdim, monkeypatch):
 
 # The forward's warp-specialized candidate forced on every kind of call it may serve: the
 # evidence for turning it on by default (LONGFLASH_WS=fwd; the GPU campaign's pytest_ws_fwd).
-# (id, (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), dtype, attention's kwargs)
+# (id, (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, headdim_v), dtype, kwargs)
 WS_FORWARD_CASES = [
-    ("D128-odd-GQA", (2, 777, 1031, 4, 2, 128), torch.bfloat16, dict()),
-    ("D128-odd-GQA-causal", (2, 777, 1031, 4, 2, 128), torch.bfloat16, dict(causal=True)),
-    ("D128-full-tiles", (2, 1024, 2048, 4, 2, 128), torch.bfloat16, dict()),
-    ("D64-causal", (2, 1025, 2049, 6, 2, 64), torch.bfloat16, dict(causal=True)),
-    ("D256-causal", (1, 977, 1031, 4, 1, 256), torch.bfloat16, dict(causal=True)),
-    ("D80-fp16-causal", (2, 1025, 2049, 6, 2, 80), torch.float16, dict(causal=True)),
-    ("D128-window", (2, 2047, 2049, 8, 2, 128), torch.bfloat16,
+    ("D128-odd-GQA", (2, 777, 1031, 4, 2, 128, 128), torch.bfloat16, dict()),
+    ("D128-odd-GQA-causal", (2, 777, 1031, 4, 2, 128, 128), torch.bfloat16, dict(causal=True)),
+    # more queries than keys: the first rows see no key (lse -inf, o 0)
+    ("D128-causal-q-longer", (2, 1031, 777, 4, 2, 128, 128), torch.bfloat16, dict(causal=True)),
+    ("D128-full-tiles", (2, 1024, 2048, 4, 2, 128, 128), torch.bfloat16, dict()),
+    ("D64-causal", (2, 1025, 2049, 6, 2, 64, 64), torch.bfloat16, dict(causal=True)),
+    ("D40-causal", (2, 1025, 2049, 6, 2, 40, 40), torch.bfloat16, dict(causal=True)),
+    ("D256-causal", (1, 977, 1031, 4, 1, 256, 256), torch.bfloat16, dict(causal=True)),
+    ("D192-V128-causal", (1, 1031, 1031, 4, 4, 192, 128), torch.bfloat16, dict(causal=True)),
+    ("D80-fp16-causal", (2, 1025, 2049, 6, 2, 80, 80), torch.float16, dict(causal=True)),
+    ("D128-window", (2, 2047, 2049, 8, 2, 128, 128), torch.bfloat16,
      dict(causal=True, window_size=(256, 0))),
-    ("D128-alibi-softcap", (2, 2047, 2049, 8, 2, 128), torch.bfloat16,
+    ("D128-alibi-softcap", (2, 2047, 2049, 8, 2, 128, 128), torch.bfloat16,
      dict(causal=True, alibi=(8,), softcap=30.0)),
-    ("D128-dropout", (2, 2047, 2049, 8, 2, 128), torch.bfloat16, dict(dropout_p=0.1, seed=3)),
+    ("D128-dropout", (2, 2047, 2049, 8, 2, 128, 128), torch.bfloat16,
+     dict(dropout_p=0.1, seed=3)),
 ]
 
 
@@ -333,11 +337,13 @@ def force_ws_forward(monkeypatch, headdim):
 def test_forward_warp_specialized_gpu(shape, dtype, kw, monkeypatch):
     """The forward's warp-specialized candidate forced (LONGFLASH_WS=1 or fwd), its o and lse
     against the float64 reference (tolerance rule): odd lengths with grouped query heads,
-    causal and not, full tiles (FULL_TILES, no mask), head dims 64 to 256, fp16, a window,
-    ALiBi with softcap, dropout; forward only, so each case compiles one kernel."""
+    causal and not, rows that see no key, full tiles (FULL_TILES, no mask), head dims 40 to
+    256 and MLA's 192 / 128, fp16, a window, ALiBi with softcap, dropout; forward only, so
+    each case compiles one kernel."""
     from longflash import flash_triton
+    from test_headdim_v import make_inputs
     from test_variants import kwargs_for, ref_kwargs
-    ws = force_ws_forward(monkeypatch, shape[-1])
+    ws = force_ws_forward(monkeypatch, max(shape[-2:]))
     kw = kwargs_for(kw, "cuda")
     q, k, v, _ = make_inputs(shape, dtype, device="cuda")
     with torch.no_grad():

@@ -1305,13 +1305,16 @@ def _tma_ok(*tiled):
 
 
 WS_KERNELS = ("fwd", "dkdv", "dq")
+# LONGFLASH_WS when unset (experiments.results.KERNEL_SWITCHES keeps the same default, so that
+# the rows of a run name the switches it set otherwise)
+WS_DEFAULT = "0"
 
 
 def ws_kernels():
     """The kernels whose warp-specialized candidates LONGFLASH_WS turns on: "0" (the default)
     none, "1" all three, or a comma-separated list of "fwd", "dkdv", "dq" (LONGFLASH_WS=fwd:
     the forward's alone). A ValueError naming the variable for anything else."""
-    return _parse_ws(os.environ.get("LONGFLASH_WS", "0"))
+    return _parse_ws(os.environ.get("LONGFLASH_WS", WS_DEFAULT))
 
 
 @functools.lru_cache(maxsize=16)  # read on every call: a launch's host time counts
