@@ -144,9 +144,9 @@ generate_tokens; jax: max_abs_diff; warm: warm_s); key column `step`.
 import argparse
 import hashlib
 import itertools
-import re
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -580,7 +580,9 @@ def stage_steps(stage, dry):
                                "{budget}", "--out", "{out}"),
                  rq="tuning", estimate_s=60, timeout_s=300, reserve_s=60, tail_s=40),
             # dK/dV's WS candidate at d128 (NaN in stage 6) beside WS_TRIALS' tiles: a 32-row
-            # tile's fault or not (the d64 one is exact since _load_head_tile): about a minute
+            # tile's fault or not (the d64 one is exact since _load_head_tile): about a minute.
+            # A failure switches WS off (LONGFLASH_WS=0) for what follows, the gate's too:
+            # scaling_exact, whose ranks run on the CPU.
             _preflight_ws("128", dry, estimate_s=30, timeout_s=150, reserve_s=60),
             _scaling_exact(dry, estimate_s=60, timeout_s=150),
         ]

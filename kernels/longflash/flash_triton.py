@@ -60,10 +60,10 @@ Where it was tested and where it breaks:
   runs over the query heads of a GQA group; `_ws_ok`; opt-in, LONGFLASH_WS=1 (all kernels) or
   a list of kernels (LONGFLASH_WS=fwd): on an H100 with Triton 3.6 they returned NaN
   (results/gpu_campaign/h100-stage1*, PERFLOG); since the workarounds of two bugs of Triton's
-  pass (`_held_start`, `_load_head_tile`) the forward's were exact there in two windows, dK/dV's
-  exact at head dim 64 and NaN at 128 with grouped query heads; not dK/dV at head dim 256, whose tiles spilled
-  4 KB, nor dQ at 256, which returned NaN on the H100 (cause not found), nor dQ for packed
-  sequences, whose lse rows a TMA copy cannot read).
+  pass (`_held_start`, `_load_head_tile`) the forward's were exact there in two windows,
+  dK/dV's exact at head dim 64 and NaN at 128 with grouped query heads; not dK/dV at head dim
+  256, whose tiles spilled 4 KB, nor dQ at 256, which returned NaN on the H100 (cause not
+  found), nor dQ for packed sequences, whose lse rows a TMA copy cannot read).
 - The configs (CONFIGS) were chosen from ptxas evidence, then the backward's TMA tiles at
   head dims 128 and 256 from the H100's tuning sweep: see the comment there.
 - Unlike CUDA FlashAttention: the dropout random numbers differ (ours are the
