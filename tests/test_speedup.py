@@ -136,25 +136,37 @@ def test_resume_measures_nothing_twice(quick, tmp_path):
     assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
 
 
+def resume_with_one_row_changed(quick, tmp_path, change, *args):
+    """The quick run's rows with `change`(df, index) applied to its first LongFlash forward
+    time_ms row of part batch, then --resume (and args) over them: (rows after, that row
+    after). Every measurement the resumed run makes is LongFlash's (that row's group)."""
+    out, df, _ = quick
+    copy = tmp_path / "cpu.csv"
+    changed = df.copy()
+    hit = (changed["provider"] == "longflash") & (changed["metric"] == "time_ms") & \
+        (changed["mode"] == "fwd") & (changed["part"] == "batch")
+    first = changed[hit].index[0]
+    change(changed, first)
+    changed.to_csv(copy, index=False)
+    proc = run_quick(copy, "--resume", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = pd.read_csv(copy)
+    key = changed.loc[first, KEY_COLUMNS]
+    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
+    assert len(row) == 1, row
+    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert measured and all("longflash" in ln for ln in measured), measured
+    assert len(again) == len(df)
+    return again, row
+
+
 def test_resume_measures_error_rows_again(quick, tmp_path):
     """A row with status error (a harness or kernel failure, maybe fixed since) is measured
     again on --resume; the others are kept."""
-    out, df, _ = quick
-    copy = tmp_path / "cpu.csv"
-    broken = df.copy()
-    hit = (broken["provider"] == "longflash") & (broken["metric"] == "time_ms") & \
-        (broken["mode"] == "fwd") & (broken["part"] == "batch")
-    first = broken[hit].index[0]
-    broken.loc[first, ["status", "value"]] = ["error", float("nan")]
-    broken.to_csv(copy, index=False)
-    proc = run_quick(copy, "--resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    again = pd.read_csv(copy)
-    key = broken.loc[first, KEY_COLUMNS]
-    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
-    assert len(row) == 1 and row["status"].item() == "ok", row
-    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-    assert measured and all("longflash" in ln for ln in measured), measured
+    def fail(df, i):
+        df.loc[i, ["status", "value"]] = ["error", float("nan")]
+    _, row = resume_with_one_row_changed(quick, tmp_path, fail)
+    assert row["status"].item() == "ok", row
 
 
 @pytest.mark.parametrize("args, message", [
@@ -170,45 +182,20 @@ def test_resume_after_rejects_bad_input_before_any_work(tmp_path, args, message)
 def test_resume_after_measures_older_rows_again(quick, tmp_path):
     """--resume-after TIME: a row measured before TIME (a kernel changed since) is measured
     again and replaced; the rows measured after it are kept."""
-    out, df, _ = quick
-    copy = tmp_path / "cpu.csv"
-    old = df.copy()
-    hit = (old["provider"] == "longflash") & (old["metric"] == "time_ms") & \
-        (old["mode"] == "fwd") & (old["part"] == "batch")
-    first = old[hit].index[0]
-    old.loc[first, "timestamp"] = "2020-01-01T00:00:00+00:00"
-    old.to_csv(copy, index=False)
-    proc = run_quick(copy, "--resume", "--resume-after", "2021-01-01T00:00:00")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    again = pd.read_csv(copy)
-    key = old.loc[first, KEY_COLUMNS]
-    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
-    assert len(row) == 1 and row["timestamp"].item() > "2021", row
-    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-    assert measured and all("longflash" in ln for ln in measured), measured
-    assert len(again) == len(df)
+    def age(df, i):
+        df.loc[i, "timestamp"] = "2020-01-01T00:00:00+00:00"
+    _, row = resume_with_one_row_changed(quick, tmp_path, age, "--resume-after",
+                                         "2021-01-01T00:00:00")
+    assert row["timestamp"].item() > "2021", row
 
 
 def test_resume_measures_rows_of_other_kernel_switches_again(quick, tmp_path):
     """A row whose command names kernel switches this run does not have (LONGFLASH_WS=fwd:
     other candidates timed) is measured again on --resume, its command then without them."""
-    out, df, _ = quick
-    copy = tmp_path / "cpu.csv"
-    other = df.copy()
-    hit = (other["provider"] == "longflash") & (other["metric"] == "time_ms") & \
-        (other["mode"] == "fwd") & (other["part"] == "batch")
-    first = other[hit].index[0]
-    other.loc[first, "command"] = "LONGFLASH_WS=fwd " + other.loc[first, "command"]
-    other.to_csv(copy, index=False)
-    proc = run_quick(copy, "--resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    again = pd.read_csv(copy)
-    key = other.loc[first, KEY_COLUMNS]
-    row = again[(again[KEY_COLUMNS].astype(str) == key.astype(str)).all(axis=1)]
-    assert len(row) == 1 and not row["command"].item().startswith("LONGFLASH"), row
-    measured = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-    assert measured and all("longflash" in ln for ln in measured), measured
-    assert len(again) == len(df)
+    def switch(df, i):
+        df.loc[i, "command"] = "LONGFLASH_WS=fwd " + df.loc[i, "command"]
+    _, row = resume_with_one_row_changed(quick, tmp_path, switch)
+    assert not row["command"].item().startswith("LONGFLASH"), row
 
 
 @pytest.mark.parametrize("message, provider, status", [
