@@ -319,9 +319,11 @@ WS_FORWARD_CASES = [
 ]
 
 
-def force_ws_forward(monkeypatch, headdim):
-    """Force the forward's warp-specialized candidate at this head dim (skip where it may not
-    run: no such candidate on this GPU, or LONGFLASH_WS leaves it off); returns it."""
+def check_ws_forward(monkeypatch, headdim, attend, reference, q, k, v):
+    """attend(q, k, v) -> (o, lse) with the forward's warp-specialized candidate at this head
+    dim forced, against reference(q, k, v[, upcast=False]) in float64 by the tolerance rule,
+    and the candidate checked to be what ran. Skips where it may not run (no such candidate on
+    this GPU, or LONGFLASH_WS leaves it off)."""
     from longflash import flash_triton
     tables = {"fwd": flash_triton.configs_for("fwd", torch.cuda.get_device_capability()[0],
                                               headdim)}
@@ -329,7 +331,13 @@ def force_ws_forward(monkeypatch, headdim):
     if not ws:
         pytest.skip("no warp-specialized forward candidate on this GPU")
     force_configs(monkeypatch, launchable({"fwd": ws[0]}, tables))
-    return ws[0]
+    with torch.no_grad():
+        got = attend(q, k, v)
+        lowp = reference(q, k, v, upcast=False)
+        ref = reference(q.double(), k.double(), v.double())
+    assert flash_triton._attn_fwd.best_config is ws[0]  # what ran: the forced candidate
+    for name, a, b, r in zip(("o", "lse"), got, lowp, ref):
+        check_close(name, a, b, r)
 
 
 @pytest.mark.parametrize("shape, dtype, kw", [c[1:] for c in WS_FORWARD_CASES],
@@ -340,40 +348,28 @@ def test_forward_warp_specialized_gpu(shape, dtype, kw, monkeypatch):
     causal and not, rows that see no key, full tiles (FULL_TILES, no mask), head dims 40 to
     256 and MLA's 192 / 128, fp16, a window, ALiBi with softcap, dropout; forward only, so
     each case compiles one kernel."""
-    from longflash import flash_triton
     from test_headdim_v import make_inputs
     from test_variants import kwargs_for, ref_kwargs
-    ws = force_ws_forward(monkeypatch, max(shape[-2:]))
     kw = kwargs_for(kw, "cuda")
     q, k, v, _ = make_inputs(shape, dtype, device="cuda")
-    with torch.no_grad():
-        got = longflash.attention(q, k, v, return_lse=True, backend="triton", **kw)
-        lowp = attention_ref(q, k, v, upcast=False, **ref_kwargs(kw))
-        ref = attention_ref(q.double(), k.double(), v.double(), **ref_kwargs(kw))
-    assert flash_triton._attn_fwd.best_config is ws  # what ran: the forced candidate
-    for name, a, b, r in zip(("o", "lse"), got, lowp, ref):
-        check_close(name, a, b, r)
+    check_ws_forward(monkeypatch, max(shape[-2:]),
+                     lambda *x: longflash.attention(*x, return_lse=True, backend="triton", **kw),
+                     lambda *x, **r: attention_ref(*x, **ref_kwargs(kw), **r), q, k, v)
 
 
 def test_forward_warp_specialized_varlen_gpu(monkeypatch):
     """test_forward_warp_specialized_gpu's check on packed causal sequences (attention_varlen;
     one empty, seqlen_q != seqlen_k, GQA): each sequence's slice of the TMA copies."""
-    from longflash import flash_triton
     from test_variants import packed
-    ws = force_ws_forward(monkeypatch, 128)
     (q, k, v), cu_q, cu_k, max_q, max_k = packed([1000, 0, 3000, 17], [1200, 9, 2999, 17],
                                                  nheads=8, nheads_kv=2, headdim=128,
                                                  dtype=torch.bfloat16)
     q, k, v, cu_q, cu_k = (x.detach().cuda() for x in (q, k, v, cu_q, cu_k))
-    with torch.no_grad():
-        got = longflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
-                                         return_lse=True)
-        lowp = longflash.attention_varlen_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
-        ref = longflash.attention_varlen_ref(q.double(), k.double(), v.double(), cu_q, cu_k,
-                                             causal=True)
-    assert flash_triton._attn_fwd.best_config is ws
-    for name, a, b, r in zip(("o", "lse"), got, lowp, ref):
-        check_close(name, a, b, r)
+    check_ws_forward(monkeypatch, 128,
+                     lambda *x: longflash.attention_varlen(*x, cu_q, cu_k, max_q, max_k,
+                                                           causal=True, return_lse=True),
+                     lambda *x, **r: longflash.attention_varlen_ref(*x, cu_q, cu_k, causal=True,
+                                                                    **r), q, k, v)
 
 
 VARIANTS = [

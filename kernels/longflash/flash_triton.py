@@ -1325,7 +1325,7 @@ def _parse_ws(value):
     if value == "1":
         return frozenset(WS_KERNELS)
     names = [name.strip() for name in value.split(",")]
-    if not names or any(name not in WS_KERNELS for name in names):
+    if any(name not in WS_KERNELS for name in names):
         raise ValueError(f"LONGFLASH_WS must be 0, 1 or a comma-separated list of "
                          f"{', '.join(WS_KERNELS)} (the kernels whose warp-specialized "
                          f"candidates may run), got {value!r}")
