@@ -33,7 +33,6 @@ import tempfile
 
 import numpy as np
 import pandas as pd
-import torch
 
 COLUMNS = ["experiment", "provider", "mode", "dtype", "batch", "seqlen_q", "seqlen_k", "nheads",
            "nheads_kv", "headdim", "causal", "metric", "value", "unit", "p20", "p80", "status"]
@@ -65,10 +64,18 @@ DEVICE_ENV = "LONGFLASH_DEVICE_NAME"
 DRY_RUN_PREFIX = "dry run"  # rows of a dry run (a GPU campaign rehearsed on a CPU) start so
 
 
+def _on_gpu():
+    """Whether this process can measure on a CUDA device. Only a process that imported torch
+    can: the notebooks read results without it (importing it took 1.5 s a notebook), so this
+    module imports torch only where it writes provenance."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available()
+
+
 def cpu_name():
     """The CPU model ("AMD EPYC 7B13"); $LONGFLASH_DEVICE_NAME overrides it on a machine
     without a GPU."""
-    if os.environ.get(DEVICE_ENV) and not torch.cuda.is_available():
+    if os.environ.get(DEVICE_ENV) and not _on_gpu():
         return os.environ[DEVICE_ENV]
     try:
         with open("/proc/cpuinfo") as f:
@@ -85,6 +92,7 @@ def device_name():
     model ("NVIDIA H100 80GB HBM3", "AMD EPYC 7B13"); $LONGFLASH_DEVICE_NAME overrides."""
     if os.environ.get(DEVICE_ENV):
         return os.environ[DEVICE_ENV]
+    import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
 
 
@@ -97,7 +105,7 @@ def device_tag(name=None):
     name = device_name() if name is None else name
     if name.lower().startswith(DRY_RUN_PREFIX):
         return "dryrun"
-    if name.startswith("NVIDIA") or (name == device_name() and torch.cuda.is_available()):
+    if name.startswith("NVIDIA") or (_on_gpu() and name == device_name()):
         match = re.search(r"\b([A-Z]{1,2}\d{2,4})\b", name)
         tag = match.group(1).lower() if match else _slug(name)
         return tag + ("-pcie" if "pcie" in name.lower() else "")
@@ -304,6 +312,7 @@ def provenance(command=None):
     environment gave git_dirty). Outputs of the experiments and notebooks never count.
     command: default the command line of this process.
     """
+    import torch
     try:
         import triton
         triton_version = triton.__version__
@@ -379,8 +388,9 @@ def write_results(rows, path, command=None, key_columns=()):
         raise ValueError(f"no rows to write to {path}")
     _validate(df)
     # torch.float16 -> "float16", so a dtype object and its name make the same key.
+    torch = sys.modules.get("torch")  # without it, no dtype object (_on_gpu)
     df["dtype"] = df["dtype"].map(lambda d: str(d).removeprefix("torch.")
-                                  if isinstance(d, torch.dtype) else d)
+                                  if torch is not None and isinstance(d, torch.dtype) else d)
     if any(c not in df.columns or df[c].isna().any() for c in PROVENANCE_COLUMNS):
         prov = provenance(command)
         for c in PROVENANCE_COLUMNS:
