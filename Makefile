@@ -30,7 +30,7 @@ NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/sca
              notebooks/codegen.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
-        scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check
+        scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check triton36-env
 # The suite runs on the machine's cores, at most TEST_WORKERS processes, with pytest-xdist (in
 # the test extra; worksteal: idle workers take queued tests from busy ones) where it is
 # installed, else in one process.
@@ -151,6 +151,9 @@ TRITON36 := .venv-triton36
 codegen: $(ENV_READY) $(TRITON36)/.installed
 	$(PYTHON) -m experiments.codegen
 	$(TRITON36)/bin/python -m experiments.codegen
+
+# The triton==3.6.0 environment alone (CI builds it beside .venv: make -j2 env triton36-env).
+triton36-env: $(TRITON36)/.installed
 
 $(TRITON36)/.installed:
 	python3 -m venv $(TRITON36)
