@@ -46,6 +46,20 @@ def test_device_tag_and_class(name, tag, cls):
     assert device_class(tag) == cls
 
 
+def test_notebooks_read_results_without_torch():
+    """The notebooks' modules never import torch (1.5 s a notebook, each run in its own kernel),
+    and the results helpers they use give the same tags without it."""
+    _plotting()
+    code = ("import sys; sys.path.insert(0, 'notebooks'); import plotting, readme_table, "
+            "run_notebooks; from experiments.results import device_tag; "
+            f"print(device_tag({GPU!r}), device_tag('AMD EPYC'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [os.path.join(ROOT, "kernels"), ROOT])))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["h100", "cpu-amd-epyc", "False"]
+
+
 def test_device_name_override(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGFLASH_DEVICE_NAME", OTHER_CPU)
     assert results.provenance()["device"] == OTHER_CPU
