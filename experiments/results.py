@@ -388,7 +388,7 @@ def write_results(rows, path, command=None, key_columns=()):
         raise ValueError(f"no rows to write to {path}")
     _validate(df)
     # torch.float16 -> "float16", so a dtype object and its name make the same key.
-    torch = sys.modules.get("torch")  # without it, no dtype object (_on_gpu)
+    torch = sys.modules.get("torch")  # None: the rows hold no torch dtype (not imported)
     df["dtype"] = df["dtype"].map(lambda d: str(d).removeprefix("torch.")
                                   if torch is not None and isinstance(d, torch.dtype) else d)
     if any(c not in df.columns or df[c].isna().any() for c in PROVENANCE_COLUMNS):
