@@ -1073,7 +1073,6 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
     results/gpu_campaign/<stem>-stageN.*) are copied into the scratch tree first
     (seed_scratch); default the repository's, None in a dry run (its files are the dry run's
     own)."""
-    import torch  # noqa: F401 - device_tag needs it
     from experiments.results import device_tag, earlier_runs, git_state, warn_unknown_commit
     from experiments.results import write_results
 

@@ -14,6 +14,7 @@ import pytest
 from experiments import results
 from experiments.results import device_class, device_tag
 from tests import gpu_shaped
+from conftest import run_uninterpreted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "notebooks"))
@@ -53,11 +54,7 @@ def test_notebooks_read_results_without_torch():
     code = ("import sys; sys.path.insert(0, 'notebooks'); import plotting, readme_table, "
             "run_notebooks; from experiments.results import device_tag; "
             f"print(device_tag({GPU!r}), device_tag('AMD EPYC'), 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                             [os.path.join(ROOT, "kernels"), ROOT])))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["h100", "cpu-amd-epyc", "False"]
+    assert run_uninterpreted("-c", code).stdout.split() == ["h100", "cpu-amd-epyc", "False"]
 
 
 def test_device_name_override(monkeypatch, tmp_path):
