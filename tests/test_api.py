@@ -110,10 +110,10 @@ def test_sdpa_default_scale_and_layout():
 
 
 @pytest.mark.parametrize("kwargs, exc, words", [
-    ({"attn_mask": torch.ones(9, 11, dtype=torch.bool)}, NotImplementedError,
-     ["attn_mask", "scaled_dot_product_attention"]),
+    ({"attn_mask": torch.ones(9, 11, dtype=torch.bool), "is_causal": True, "enable_gqa": True},
+     ValueError, ["attn_mask", "is_causal"]),
     ({"enable_gqa": False}, ValueError, ["enable_gqa"]),
-], ids=["attn_mask", "gqa-not-enabled"])
+], ids=["attn_mask-and-causal", "gqa-not-enabled"])
 def test_sdpa_refuses_what_it_cannot_honour(kwargs, exc, words):
     query, key, value = (x.transpose(1, 2) for x in qkv(h=4, hkv=2))
     with pytest.raises(exc) as info:
@@ -215,27 +215,33 @@ def test_double_backward_is_a_clear_error():
 
 
 @pytest.mark.parametrize("op", ["attention_forward", "attention_backward"])
-def test_opcheck(op):
+@pytest.mark.parametrize("masked", [False, True], ids=["", "attn_mask"])
+def test_opcheck(op, masked):
     """torch.library's own consistency checks of the ops' registration (schema, fake against
     real, torch.compile's tracing). The ops carry no autograd (longflash.attention's
     autograd.Function does): their inputs need no gradient."""
     q, k, v = qkv()
-    o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend="torch")
+    mask = torch.rand(q.shape[0], 1, q.shape[1], k.shape[1]) > 0.3 if masked else None
+    o, lse = longflash.attention(q, k, v, causal=True, return_lse=True, backend="torch",
+                                 attn_mask=mask)
     args = (q, k, v, True, 0.25, "torch") if op == "attention_forward" else \
         (torch.randn_like(o), q, k, v, o, lse, None, True, 0.25, "torch")
-    torch.library.opcheck(getattr(torch.ops.longflash, op).default, args)
+    kwargs = {"attn_mask": mask} if masked else {}
+    torch.library.opcheck(getattr(torch.ops.longflash, op).default, args, kwargs)
 
 
 def test_compile_fullgraph_variants_and_varlen():
-    """Window, ALiBi, softcap, dropout (seeded) and packed sequences inside one graph."""
+    """Window, ALiBi, softcap, dropout (seeded), an attn_mask and packed sequences inside one
+    graph."""
     torch._dynamo.reset()
     slopes = torch.rand(4)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    mask = torch.rand(1, 1, 12, 12, generator=torch.Generator().manual_seed(1)) > 0.3
 
     def fn(q, k, v):
         o = longflash.attention(q[None], k[None], v[None], causal=True, window_size=(4, -1),
                                 alibi_slopes=slopes, softcap=2.0, dropout_p=0.1, seed=3,
-                                backend="torch")
+                                backend="torch", attn_mask=mask)
         o2 = longflash.attention_varlen(q, k, v, cu, cu, 7, 7, causal=True, backend="torch")
         return o.sum() + o2.sum()
 

@@ -289,6 +289,9 @@ class Options(NamedTuple):
     paged (num_pages, page_size, nheads_kv, headdim), read in place through it (`paged_rows`),
     and cu_seqlens_k gives each sequence's number of keys. Forward only.
     deterministic: the backward must give bit-identical gradients run after run (no atomics).
+    attn_mask: None, or a bool or floating tensor broadcastable to (batch, nheads, seqlen_q,
+    seqlen_k), PyTorch's attn_mask (True: the query may see the key; a float: added to the
+    scores after softcap and ALiBi, before the window mask). Not with packed sequences.
     """
     softmax_scale: float
     window_left: int = -1
@@ -303,6 +306,7 @@ class Options(NamedTuple):
     max_seqlen_k: int = 0
     block_table: Optional[torch.Tensor] = None
     deterministic: bool = False
+    attn_mask: Optional[torch.Tensor] = None
 
     @property
     def varlen(self):

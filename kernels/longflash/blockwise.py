@@ -12,7 +12,8 @@ the O(seqlen) inputs, outputs and gradients.
 
 Scores, in FlashAttention-2's order: s = q k^T * softmax_scale; with softcap,
 s = softcap * tanh(s / softcap); with ALiBi, s -= slope * |i + seqlen_k - seqlen_q - j|;
-then the window / causal mask. Dropout multiplies the probabilities by keep / (1 - p)
+with an attn_mask (PyTorch's), s += mask, or -inf where a boolean mask is False; then the
+window / causal mask. Dropout multiplies the probabilities by keep / (1 - p)
 after the softmax (the lse is of the undropped row), with the keep mask drawn from
 a counter-based generator (`_common.dropout_uniform`), so the backward pass
 regenerates it tile by tile.
@@ -51,16 +52,20 @@ class _Tile:
     """Index vectors and per-head constants of one (query block, key block) tile."""
 
     def __init__(self, start_m, size_m, start_n, size_n, seqlen_q, seqlen_k, batch_start, slopes,
-                 device):
+                 bias, device):
         self.i = torch.arange(start_m, start_m + size_m, device=device)[:, None]
         self.j = torch.arange(start_n, start_n + size_n, device=device)[None, :]
         self.seqlen_q, self.seqlen_k, self.batch_start, self.slopes = (
             seqlen_q, seqlen_k, batch_start, slopes)
+        # attn_mask's tile (B, Hkv, G, BM, BN), a view, or None
+        self.bias = None if bias is None else \
+            bias[..., start_m:start_m + size_m, start_n:start_n + size_n]
 
 
 def _scores(q_i, k_j, tile, opts, masked):
     """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
-    softcap gradient (None without softcap)."""
+    softcap gradient (None without softcap). attn_mask after ALiBi: a boolean one hides the
+    keys where it is False, a float one is added."""
     s = q_i @ k_j.transpose(-1, -2) * opts.softmax_scale
     t = None
     if opts.softcap > 0:
@@ -69,6 +74,9 @@ def _scores(q_i, k_j, tile, opts, masked):
     if tile.slopes is not None:  # (B, Hkv, G)
         distance = (tile.i + (tile.seqlen_k - tile.seqlen_q) - tile.j).abs()
         s = s - tile.slopes[..., None, None] * distance
+    if tile.bias is not None:
+        s = (s.masked_fill(~tile.bias, float("-inf")) if tile.bias.dtype == torch.bool
+             else s + tile.bias.to(s.dtype))
     if masked:
         mask = visible(tile.i, tile.j, tile.seqlen_q, tile.seqlen_k, opts.window_left,
                        opts.window_right)
@@ -109,13 +117,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, opts, ctx
 
 
 def _context(q, k, opts, batch_start, block_m, block_n):
-    seqlen_q, seqlen_k, nheads_kv = q.shape[1], k.shape[1], k.shape[2]
-    slopes = None
+    batch, seqlen_q, nheads = q.shape[:3]
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    slopes = bias = None
     if opts.alibi_slopes is not None:  # (batch, nheads) -> (B, Hkv, G) for this slice
         slopes = opts.alibi_slopes[batch_start:batch_start + q.shape[0]]
         slopes = slopes.unflatten(1, (nheads_kv, -1)).to(accumulator_dtype(q.dtype))
+    if opts.attn_mask is not None:  # -> (B, Hkv, G, Nq, Nk), a view (padded batches only)
+        bias = opts.attn_mask.expand(batch, nheads, seqlen_q, seqlen_k)
+        bias = bias.unflatten(1, (nheads_kv, -1))
     return dict(block_m=block_m or BLOCK_M, block_n=block_n or BLOCK_N,
-                tile_args=(seqlen_q, seqlen_k, batch_start, slopes, q.device))
+                tile_args=(seqlen_q, seqlen_k, batch_start, slopes, bias, q.device))
 
 
 def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=None):

@@ -11,7 +11,9 @@ the scaling, which then joins exp2's subtraction in one FFMA per score). Causal 
 windows visit only the key blocks
 that some row can see, and mask only the blocks that straddle a window edge or
 the sequence end. Softcap, ALiBi and dropout (Philox, regenerated in backward)
-are compile-time flags; packed variable-length batches read each sequence's
+are compile-time flags, as is an attn_mask (BIAS_KIND: PyTorch's boolean or float mask,
+read tile by tile through its strides by pointer loads in every kernel, so a broadcast mask
+is never materialized; no warp-specialized candidate takes one); packed variable-length batches read each sequence's
 offsets from cu_seqlens, so no padding is computed, and the forward can read their
 keys and values in place from a paged cache through a block table (PAGED).
 The forward saves the log-sum-exp per row; the backward recomputes the
@@ -211,13 +213,14 @@ def configs_for(kernel, major, headdim):
 
 @functools.lru_cache(maxsize=None)  # once per combination: a launch's host time counts
 def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
-               dropout=False, headdim_v=None):
+               dropout=False, headdim_v=None, bias_kind=0):
     """The compile-time arguments the launcher passes (without the tile sizes), read-only.
     headdim_v: the values' head dim (MLA: another than the queries' and keys'), default
-    headdim."""
+    headdim. bias_kind: attn_mask's kind (_bias_args)."""
     headdim_v = headdim_v or headdim
     return types.MappingProxyType(dict(
         HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_VARLEN=varlen,
+        BIAS_KIND=bias_kind,
         HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)), HEAD_DIM_V=headdim_v,
         BLOCK_DV=max(16, triton.next_power_of_2(headdim_v)),
         INPUT_PRECISION="ieee" if dtype_is_fp32 else "tf32"))
@@ -289,8 +292,8 @@ def _autotune(kernel):
     return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "HEAD_DIM_V", "seqlen_bucket", "window_left",
                                 "window_right",
-                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN", "tma_ok",
-                                "ws_ok"] + extra,
+                                "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN",
+                                "BIAS_KIND", "tma_ok", "ws_ok"] + extra,
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache,
                            **reset)
 
@@ -429,6 +432,22 @@ def _scores(qk, rows, cols, n_rows, n_cols, before, after, qk_scale, softcap, so
         s = tl.where(_visible(rows, cols, n_rows, n_cols, before, after, ROW_BOUNDS), s,
                      float("-inf"))
     return s, t
+
+
+@triton.jit
+def _bias(BIAS, rows, cols, n_rows, n_cols, stride_r, stride_c, BIAS_KIND: tl.constexpr):
+    """attn_mask's tile in log2 units, added to the scores after _scores (as blockwise._scores
+    adds it before the window mask); rows and columns as in _visible. BIAS_KIND 1: a float
+    mask, added; 2: a boolean mask (read as uint8), -inf where it is False. Positions past
+    either length read nothing (0 added)."""
+    ptrs = BIAS + rows.to(tl.int64) * stride_r + cols.to(tl.int64) * stride_c
+    inside = (rows < n_rows) & (cols < n_cols)
+    if BIAS_KIND == 2:
+        keep = tl.load(ptrs, mask=inside, other=1)
+        b = tl.where(keep != 0, 0.0, float("-inf"))
+    else:
+        b = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * 1.4426950408889634
+    return b
 
 
 @triton.jit
@@ -639,22 +658,26 @@ def _attn_fwd_qk(q, K, stride_kn, TABLE, stride_kp, page_size, start_n, seqlen_k
 @triton.jit
 def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_size, offs_m,
                      start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-                     qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                     HAS_DROPOUT: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                     qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
+                     stride_bn, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr):
+                     INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr,
+                     BIAS_KIND: tl.constexpr):
     """The second half of a forward step, from key block start_n's q.k: scores, online
-    softmax, acc += p v."""
+    softmax, acc += p v. bias: this (batch, head)'s attn_mask (BIAS_KIND, _bias)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     # Scores in log2 units are s * scale. Without softcap or ALiBi, s is q.k masked but not
     # scaled: its row max times qk_scale (> 0) is the scaled scores' max, and each score's
     # scaling joins exp2's subtraction in one FFMA (a multiply per score fewer than scaling
     # first, which the max needs on its own)
-    unscaled: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI)
+    unscaled: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or BIAS_KIND != 0)
     s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                    window_right, 1.0 if unscaled else qk_scale, softcap, softmax_scale, slope,
                    MASKED, HAS_SOFTCAP, HAS_ALIBI)
+    if BIAS_KIND != 0:
+        s = s + _bias(bias, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, stride_bm,
+                      stride_bn, BIAS_KIND)
     scale = qk_scale if unscaled else 1.0
     # -- online softmax: new row max, rescale what was accumulated --
     m_ij = tl.maximum(m_i, tl.max(s, 1) * scale)
@@ -676,12 +699,13 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
 def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
                     page_size, start_m, lo, hi, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
                     window_left, window_right, qk_scale, softcap, softmax_scale, slope,
-                    dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr,
-                    PIPELINE: tl.constexpr):
+                    dropout_p, bias, stride_bm, stride_bn, MASKED: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                    WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr, PIPELINE: tl.constexpr,
+                    BIAS_KIND: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m, a step (_attn_fwd_qk, then
     _attn_fwd_update) each. WARP_SPECIALIZE (Hopper, a kernel with this one loop): Triton
     gives the loop's TMA copies a warpgroup of their own and splits the query rows between two
@@ -694,14 +718,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     qk_args = (q, K, stride_kn, TABLE, stride_kp, page_size)  # no constexpr in a tuple
     up_args = (V, stride_vn, TABLE, stride_vp, page_size, offs_m)
     rest = (bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p)
+            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn)
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
                               INPUT_PRECISION, USE_TMA, PAGED)
             acc, l_i, m_i = _attn_fwd_update(
                 acc, l_i, m_i, qk, *up_args, start_n, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
+                BIAS_KIND)
     elif PIPELINE:
         if lo < hi:
             qk = _attn_fwd_qk(*qk_args, lo, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
@@ -712,19 +737,21 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
                 acc, l_i, m_i = _attn_fwd_update(
                     acc, l_i, m_i, qk, *up_args, start_n - BLOCK_N, *rest, MASKED, HAS_SOFTCAP,
                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION,
-                    USE_TMA, PAGED)
+                    USE_TMA, PAGED, BIAS_KIND)
                 qk = qk_next
             last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N
             acc, l_i, m_i = _attn_fwd_update(
                 acc, l_i, m_i, qk, *up_args, last, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
+                BIAS_KIND)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
                               INPUT_PRECISION, USE_TMA, PAGED)
             acc, l_i, m_i = _attn_fwd_update(
                 acc, l_i, m_i, qk, *up_args, start_n, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
-                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED)
+                HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
+                BIAS_KIND)
     return acc, l_i, m_i
 
 
@@ -748,7 +775,9 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              FULL_TILES: tl.constexpr, PIPELINE: tl.constexpr = False):
+              FULL_TILES: tl.constexpr, PIPELINE: tl.constexpr = False,
+              BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
+              stride_bn=0):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -768,6 +797,9 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
+    bias = LSE  # attn_mask of this (batch, head) (BIAS_KIND); never read without one
+    if BIAS_KIND != 0:
+        bias = BIAS + off_b * stride_bb + off_h * stride_bh
 
     q = _load_held(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -786,20 +818,20 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, TABLE, stride_kb, stride_vb, page_size, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p)
+            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                     HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                    USE_TMA, WARP_SPECIALIZE, PAGED, PIPELINE)
+                                    USE_TMA, WARP_SPECIALIZE, PAGED, PIPELINE, BIAS_KIND)
     if not WARP_SPECIALIZE:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                        USE_TMA, False, PAGED, PIPELINE)
+                                        USE_TMA, False, PAGED, PIPELINE, BIAS_KIND)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                        USE_TMA, False, PAGED, PIPELINE)
+                                        USE_TMA, False, PAGED, PIPELINE, BIAS_KIND)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -860,10 +892,12 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
                         HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                         INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                         GROUPED: tl.constexpr, PASS: tl.constexpr = 0, DQ_ACC=None,
-                        stride_dqn=0, ATOMIC_DQ: tl.constexpr = False):
+                        stride_dqn=0, ATOMIC_DQ: tl.constexpr = False, bias=None, stride_bm=0,
+                        stride_bn=0, BIAS_KIND: tl.constexpr = 0):
     """One query block (of query head g) of dK/dV: p^T recomputed from the saved lse,
     dV += p^T dO, dK += dS^T q (PASS 0: both; 1: dV alone; 2: dK alone, SPLIT); with ATOMIC_DQ
-    also dQ += dS k, added into DQ_ACC (fp32, BLOCK_D columns: _tiles) by atomics."""
+    also dQ += dS k, added into DQ_ACC (fp32, BLOCK_D columns: _tiles) by atomics. bias: head
+    g's attn_mask (BIAS_KIND, _bias)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_head_tile(Q, start_m, g, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, not MASKED,
                         USE_TMA, GROUPED)
@@ -877,6 +911,9 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
     sT, tT = _scores(qkT, offs_n[:, None], offs_m[None, :], seqlen_k, seqlen_q, window_right,
                      window_left, qk_scale, softcap, softmax_scale, slope, MASKED,
                      HAS_SOFTCAP, HAS_ALIBI, GROUPED)
+    if BIAS_KIND != 0:
+        sT = sT + _bias(bias, offs_n[:, None], offs_m[None, :], seqlen_k, seqlen_q, stride_bn,
+                        stride_bm, BIAS_KIND)
     pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
     # -- dV += p_dropped^T dO --
     do = _load_head_tile(DO, start_m, g, stride_don, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
@@ -910,13 +947,15 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, start_n, lo, hi,
                          bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-                         qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                         qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
+                         stride_bn, MASKED: tl.constexpr,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         PASS: tl.constexpr, DQ_ACC, stride_dqn, ATOMIC_DQ: tl.constexpr):
+                         PASS: tl.constexpr, DQ_ACC, stride_dqn, ATOMIC_DQ: tl.constexpr,
+                         BIAS_KIND: tl.constexpr):
     """Query blocks [lo, hi) of one query head for key block start_n."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
@@ -926,7 +965,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                                      slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
                                      HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                      BLOCK_M, INPUT_PRECISION, USE_TMA, False, PASS, DQ_ACC,
-                                     stride_dqn, ATOMIC_DQ)
+                                     stride_dqn, ATOMIC_DQ, bias, stride_bm, stride_bn,
+                                     BIAS_KIND)
     return dk, dv
 
 
@@ -936,16 +976,17 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
                          stride_ab, stride_ah, stride_dqb, stride_dqn, stride_dqh, off_b, off_hk,
                          q_start, start_n, lo, mid_lo, mid_hi, hi,
                          nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap, softmax_scale, dropout_p,
-                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                         window_right, qk_scale, softcap, softmax_scale, dropout_p, bias,
+                         stride_bh, stride_bm, stride_bn, HAS_SOFTCAP: tl.constexpr,
+                         HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                         PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BIAS_KIND: tl.constexpr):
     """Every query head of key head off_hk's group, in turn, over the query blocks [lo, mid_lo)
     masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked. GQA without atomics: dK, dV are
-    deterministic (dQ, with ATOMIC_DQ, is not)."""
+    deterministic (dQ, with ATOMIC_DQ, is not). bias: batch off_b's attn_mask (BIAS_KIND)."""
     for g in range(group_size):
         off_h = off_hk * group_size + g
         Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
@@ -961,21 +1002,28 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
+        bias_h = bias
+        if BIAS_KIND != 0:
+            bias_h = bias + off_h * stride_bh
         args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
         rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p)
+                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias_h,
+                stride_bm, stride_bn)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
-                                      DQ_h, stride_dqn, ATOMIC_DQ)
+                                      DQ_h, stride_dqn, ATOMIC_DQ,
+                                      BIAS_KIND)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                       HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ)
+                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ,
+                                      BIAS_KIND)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
-                                      DQ_h, stride_dqn, ATOMIC_DQ)
+                                      DQ_h, stride_dqn, ATOMIC_DQ,
+                                      BIAS_KIND)
     return dk, dv
 
 
@@ -1036,7 +1084,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                    FULL_TILES: tl.constexpr, SPLIT: tl.constexpr = False,
-                   ATOMIC_DQ: tl.constexpr = False):
+                   ATOMIC_DQ: tl.constexpr = False, BIAS_KIND: tl.constexpr = 0, BIAS=None,
+                   stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0):
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -1047,6 +1096,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
     V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    bias = LSE  # attn_mask of this batch entry (BIAS_KIND); never read without one
+    if BIAS_KIND != 0:
+        bias = BIAS + off_b * stride_bb
 
     # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
     # specialized, all of [lo, hi), of every query head of the group, in one loop, masked
@@ -1060,20 +1112,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
              stride_don, stride_doh, stride_lb, stride_lh, stride_ab, stride_ah, stride_dqb,
              stride_dqn, stride_dqh, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi,
              nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-             qk_scale, softcap, softmax_scale, dropout_p)
+             qk_scale, softcap, softmax_scale, dropout_p, bias, stride_bh, stride_bm, stride_bn)
     if SPLIT:  # program_id(2): 0 accumulates dV alone, 1 dK alone
         if tl.program_id(2) == 0:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                           BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 1,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, BIAS_KIND)
             _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
                          start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
         else:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                           BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 2,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, BIAS_KIND)
             _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                          dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N,
                          BLOCK_D)
@@ -1095,7 +1147,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                           BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 0,
-                                          ATOMIC_DQ)
+                                          ATOMIC_DQ, BIAS_KIND)
         _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                      dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
@@ -1109,8 +1161,10 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """One key block of dQ: p recomputed from the saved lse, dQ += dS k."""
+                      INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, bias=None,
+                      stride_bm=0, stride_bn=0, BIAS_KIND: tl.constexpr = 0):
+    """One key block of dQ: p recomputed from the saved lse, dQ += dS k. bias: this (batch,
+    head)'s attn_mask (BIAS_KIND, _bias)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
                    USE_TMA)
@@ -1121,6 +1175,9 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
     s, t = _scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left,
                    window_right, qk_scale, softcap, softmax_scale, slope, MASKED, HAS_SOFTCAP,
                    HAS_ALIBI)
+    if BIAS_KIND != 0:
+        s = s + _bias(bias, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, stride_bm,
+                      stride_bn, BIAS_KIND)
     p = tl.math.exp2(s - lse[:, None])
     # -- dS = p * (dP - delta), through dropout and softcap; dQ += dS k --
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
@@ -1137,13 +1194,14 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, lo, hi, bh,
                        seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                       softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
+                       softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn,
+                       MASKED: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr):
+                       WARP_SPECIALIZE: tl.constexpr, BIAS_KIND: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m; WARP_SPECIALIZE as in _attn_fwd_inner."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
@@ -1152,14 +1210,16 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
                 seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                 softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, bias,
+                stride_bm, stride_bn, BIAS_KIND)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq = _attn_bwd_dq_step(
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
                 seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                 softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, bias,
+                stride_bm, stride_bn, BIAS_KIND)
     return dq
 
 
@@ -1178,7 +1238,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                 FULL_TILES: tl.constexpr):
+                 FULL_TILES: tl.constexpr, BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0,
+                 stride_bh=0, stride_bm=0, stride_bn=0):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -1203,6 +1264,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah)
+    bias = LSE  # attn_mask of this (batch, head) (BIAS_KIND); never read without one
+    if BIAS_KIND != 0:
+        bias = BIAS + off_b * stride_bb + off_h * stride_bh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # -- keys: the same ranges as the forward (warp-specialized: all of [lo, hi) in one loop,
@@ -1216,20 +1280,20 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p)
+            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, not FULL_TILES,
                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                             BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                            WARP_SPECIALIZE)
+                            WARP_SPECIALIZE, BIAS_KIND)
     if not WARP_SPECIALIZE:
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                                False)
+                                False, BIAS_KIND)
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                                False)
+                                False, BIAS_KIND)
     _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
@@ -1367,10 +1431,24 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
                                      for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
+def _bias_args(mask, batch, nheads, seqlen_q, seqlen_k):
+    """attn_mask as the kernels read it: {} without one, else BIAS, a (batch, nheads, seqlen_q,
+    seqlen_k) view (broadcast dimensions at stride 0: nothing copied), its strides, and
+    BIAS_KIND: 1 a float mask, added to the scores; 2 a boolean one, read as uint8."""
+    if mask is None:
+        return {}
+    bias = mask.expand(batch, nheads, seqlen_q, seqlen_k)
+    if bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    return dict(BIAS=bias, **dict(zip(("stride_bb", "stride_bh", "stride_bm", "stride_bn"),
+                                      bias.stride())))
+
+
 def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
     `tiled` (what a loop copies) fit, warp-specialized ones of `ws_kernel` where `ws_tiled`
-    (every tile) do and LONGFLASH_WS allows them (_ws_ok)."""
+    (every tile) do and LONGFLASH_WS allows them (_ws_ok), none with an attn_mask (their loops
+    read only TMA copies)."""
     if opts.varlen:
         batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
             opts.max_seqlen_k
@@ -1379,7 +1457,7 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lse_strides = lse.stride()[:2]  # lse: (batch, nheads, seqlen_q)
     nheads, headdim, nheads_kv = q.shape[-2], q.shape[-1], k.shape[-2]
-    alibi = opts.alibi_slopes
+    alibi, mask = opts.alibi_slopes, opts.attn_mask
     dummy = lse  # a valid pointer for the disabled features; never read
     pointers = dict(ALIBI=dummy if alibi is None else alibi,
                     CU_Q=dummy if not opts.varlen else opts.cu_seqlens_q,
@@ -1390,13 +1468,15 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         seqlen_bucket=seqlen_bucket(seqlen_q, seqlen_k), tma_ok=_tma_ok(*tiled),
-        ws_ok=_ws_ok(ws_kernel, *ws_tiled), window_left=opts.window_left,
+        ws_ok=int(mask is None and _ws_ok(ws_kernel, *ws_tiled)), window_left=opts.window_left,
         window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
         **constexprs(headdim, q.dtype == torch.float32, opts.varlen, opts.softcap > 0,
-                     alibi is not None, opts.dropout_p > 0, v.shape[-1]),
+                     alibi is not None, opts.dropout_p > 0, v.shape[-1],
+                     0 if mask is None else 2 if mask.dtype == torch.bool else 1),
+        **_bias_args(mask, batch, nheads, seqlen_q, seqlen_k),
     )
     return batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars
 
@@ -1461,8 +1541,10 @@ def backward(do, q, k, v, o, lse, dlse, opts):
             *_strides(dv), *dq_strides, atomic_dq=int(atomic), **scalars)
     if atomic:
         return dq.copy_(dq_acc[..., :q.shape[-1]].mul_(opts.softmax_scale)), dk, dv
-    # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized dQ.
-    scalars["ws_ok"] = int(not opts.varlen and _ws_ok("dq", q, k, v, do))
+    # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized
+    # dQ; nor with an attn_mask (_launch_args).
+    scalars["ws_ok"] = int(not opts.varlen and opts.attn_mask is None
+                           and _ws_ok("dq", q, k, v, do))
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _launch(_attn_bwd_dq, grid_q, *tensors, dq, *extra, *strides, *_strides(dq), **scalars)
     return dq, dk, dv

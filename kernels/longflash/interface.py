@@ -95,6 +95,28 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     return float(softmax_scale), _resolve_backend(backend, q)
 
 
+def _check_attn_mask(attn_mask, q, k):
+    """attn_mask: None, or a bool or floating-point tensor on q's device, broadcastable to
+    (batch, nheads, seqlen_q, seqlen_k), with no gradient wanted."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor) or not (
+            attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise TypeError(f"attn_mask must be a bool or floating-point tensor, or None, got "
+                        f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
+    target = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(n not in (1, t) for n, t in zip(shape[::-1], target[::-1])):
+        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, seqlen_k)"
+                         f" = {target}, got shape {shape}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must match")
+    if _needs_grad(attn_mask):
+        raise NotImplementedError("attn_mask has requires_grad=True: longflash computes no "
+                                  "gradient for it; detach it, or use torch.nn.functional."
+                                  "scaled_dot_product_attention")
+
+
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       paged=False):
     """Packed-sequence metadata; returns the number of sequences. paged: k and v are paged
@@ -208,13 +230,14 @@ def _implementation(backend):
 
 def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap, dropout_p,
              seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
-             deterministic=False):
+             deterministic=False, attn_mask=None):
     if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
     return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, dropout_p, 0 if seed is None else int(seed), cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, deterministic)
+                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, deterministic,
+                   attn_mask)
 
 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
@@ -228,17 +251,18 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   cu_seqlens_q: Optional[torch.Tensor] = None,
                   cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
                   max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
-                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  deterministic: bool = False, attn_mask: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    block_table)
+                    block_table, attn_mask=attn_mask)
     return _implementation(backend).forward(q, k, v, opts)
 
 
 def _forward_fake(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None,
                   cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None,
-                  deterministic=False):
+                  deterministic=False, attn_mask=None):
     return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
@@ -250,11 +274,12 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    seed: Optional[torch.Tensor] = None,
                    cu_seqlens_q: Optional[torch.Tensor] = None,
                    cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                   max_seqlen_k: int = 0, deterministic: bool = False
+                   max_seqlen_k: int = 0, deterministic: bool = False,
+                   attn_mask: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    deterministic=deterministic)
+                    deterministic=deterministic, attn_mask=attn_mask)
     return _implementation(backend).backward(do, q, k, v, o, lse, dlse, opts)
 
 
@@ -279,9 +304,9 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, args):
         o, lse = _forward_op(q, k, v, *args)
         ctx.save_for_backward(q, k, v, o, lse)
-        # block_table (args[-2]) is dropped: a forward over paged keys is never
+        # block_table (args[13]) is dropped: a forward over paged keys is never
         # differentiated (with a gradient, attention_varlen packs the keys in use first)
-        ctx.args = args[:-2] + args[-1:]
+        ctx.args = args[:13] + args[14:]
         # an unused lse gets no gradient (None: no zeros to fill and subtract), nor an unused o
         ctx.set_materialize_grads(False)
         return o, lse
@@ -297,7 +322,7 @@ class _Attention(torch.autograd.Function):
 def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                        alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                       block_table=None, deterministic=False):
+                       block_table=None, deterministic=False, attn_mask=None):
     """(o, lse) of checked arguments, differentiable in q, k and v."""
     if torch.compiler.is_compiling():
         # attention(x, x, x): each its own alias, Dynamo refusing one tensor as two inputs
@@ -306,7 +331,7 @@ def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, 
     return _Attention.apply(q, k, v, (causal, softmax_scale, backend, window_left, window_right,
                                       alibi_slopes, softcap, dropout_p, seed, cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                      deterministic))
+                                      deterministic, attn_mask))
 
 
 # ----------------------------------------------------------------------------- decoding route
@@ -353,7 +378,7 @@ def _seed_tensor(dropout_p, seed, generator):
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
               window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
-              generator=None, deterministic=False, learnable_sink=None):
+              generator=None, deterministic=False, learnable_sink=None, attn_mask=None):
     """Exact softmax attention, computed block by block without the N x N matrix.
 
     Arguments:
@@ -395,6 +420,17 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             and attending to no value, so the probabilities of the keys sum to less than 1.
             Gradients flow to it. Applied to the output and lse of attention without it
             (`_common.with_learnable_sink`): one more elementwise pass over o.
+        attn_mask: None, or a bool or floating-point tensor broadcastable to (batch, nheads,
+            seqlen_q, seqlen_k), as torch.nn.functional.scaled_dot_product_attention's
+            (note the (B, H, Nq, Nk) order, as lse's): True where query i may see key j; a
+            float mask is added to the scores (after softcap and ALiBi; -inf hides a key).
+            Combines with causal and window_size (a key must pass both). The kernels read it
+            tile by tile through its strides, so a broadcast mask ((batch, 1, 1, seqlen_k)
+            padding, (seqlen_q, seqlen_k) shared by every head) costs only its own memory
+            (expand, never materialize it). A row that sees no key gives o = 0 and lse -inf;
+            a float mask's entries below about -2.4e38 act as -inf (they overflow in the
+            kernels' log2 units). No gradient flows to it (requires_grad raises); no
+            warp-specialized candidates run with it.
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -406,14 +442,15 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic, learnable_sink=learnable_sink)
-    if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
+    _check_attn_mask(attn_mask, q, k)
+    if attn_mask is None and _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1])
     else:
         o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                     alibi_slopes, float(softcap), float(dropout_p),
                                     _seed_tensor(dropout_p, seed, generator),
-                                    deterministic=deterministic)
+                                    deterministic=deterministic, attn_mask=attn_mask)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
@@ -500,14 +537,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         difference from `attention(causal=True)`, which is bottom-right aligned.)
     scale: default 1 / sqrt(headdim). enable_gqa: allow nheads_kv < nheads.
     Returns (batch, nheads, seqlen_q, headdim_v).
+    attn_mask: bool (True: take part) or float (added to the scores), broadcastable to
+        (batch, nheads, seqlen_q, seqlen_k), as in PyTorch; not with is_causal (PyTorch
+        refuses both too). No gradient flows to it. A row that sees no key gives 0 (PyTorch's
+        math backend gives NaN there, or, for a float mask of finite entries, their average).
     dropout_p: as in `attention` (a counter-based mask; seed drawn from torch's generator).
-    Not supported (NotImplementedError): attn_mask and 3-D inputs; use
-    torch.nn.functional.scaled_dot_product_attention or FlexAttention for those.
+    Not supported (NotImplementedError): 3-D inputs; use
+    torch.nn.functional.scaled_dot_product_attention for those.
     """
-    if attn_mask is not None:
-        raise NotImplementedError("attn_mask is not supported by longflash; use is_causal=True for"
-                                  " causal masks, or torch.nn.functional.scaled_dot_product_"
-                                  "attention / FlexAttention for arbitrary masks")
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask and is_causal=True together: pass one of them (fold the "
+                         "causal mask into attn_mask), as PyTorch requires")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if isinstance(x, torch.Tensor) and x.dim() != 4:
             raise NotImplementedError(f"{name} must be 4-D (batch, nheads, seqlen, headdim), got "
@@ -521,7 +561,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                for x in (query, key, value))  # (B, N, H, D) views, no copy
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     if not is_causal or seqlen_q == seqlen_k:
-        o = attention(q, k, v, causal=is_causal, softmax_scale=scale, dropout_p=dropout_p)
+        o = attention(q, k, v, causal=is_causal, softmax_scale=scale, dropout_p=dropout_p,
+                      attn_mask=attn_mask)
     elif seqlen_q < seqlen_k:
         # Top-left causal never reaches keys >= seqlen_q: bottom-right causal on the first
         # seqlen_q keys is the same function.

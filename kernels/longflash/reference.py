@@ -15,7 +15,7 @@ baseline of the experiments. Same conventions as `longflash.attention`:
                                                     1 1
 
 window_size = (left, right) is aligned the same way (-1: unbounded; causal sets
-right = 0). Scores in FlashAttention-2's order: scale, softcap, ALiBi, mask. A
+right = 0). Scores in FlashAttention-2's order: scale, softcap, ALiBi, attn_mask, mask. A
 query row that sees no key gives output 0 and lse -inf. Dropout uses the same
 counter-based mask as the other implementations, materialized here.
 """
@@ -39,7 +39,7 @@ def error_bound(err_lowp, ref_absmax, dtype):
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, batch_offset=0,
-                  upcast=True, learnable_sink=None):
+                  upcast=True, learnable_sink=None, attn_mask=None):
     """Materializing attention. Returns (o, lse).
 
     o: (batch, seqlen_q, nheads, headdim) in q's dtype
@@ -51,6 +51,8 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
         precision" that the tolerance rule of the tests compares against.
     learnable_sink: (nheads,) or None: one more column of scores, learnable_sink[h] in every
         row, in the softmax and lse, then dropped (it attends to no value), as gpt-oss does.
+    attn_mask: bool or float, broadcastable to (batch, nheads, seqlen_q, seqlen_k), or None:
+        False hides a key from a query; a float is added to the scores (after ALiBi).
     """
     dtype = q.dtype
     if upcast:
@@ -69,6 +71,11 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
     if alibi_slopes is not None:
         slopes = alibi_slopes.expand(batch, nheads).to(scores.dtype)[:, :, None, None]
         scores = scores - slopes * (i + seqlen_k - seqlen_q - j).abs()
+    if attn_mask is not None:  # -inf entries as masked_fill: no gradient through them
+        hidden = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == float("-inf")
+        if attn_mask.dtype != torch.bool:
+            scores = scores + attn_mask.masked_fill(hidden, 0).to(scores.dtype)
+        scores = scores.masked_fill(hidden, float("-inf"))
     left, right = window_size
     if causal or left >= 0 or right >= 0:
         mask = visible(i, j, seqlen_q, seqlen_k, left, 0 if causal else right)
