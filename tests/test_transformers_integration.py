@@ -119,7 +119,7 @@ def logits_and_grads(model, input_ids, mask, position_ids, weight, valid):
 
 CASES = [(arch, padding) for arch in CONFIGS for padding in ("none", "left", "right")
          if (arch, padding) not in (("mistral-window4", "right"), ("gpt-oss-sinks", "right"))]
-# (right padding with a sliding window raises: see below)
+# (right padding with a sliding window runs on the dense mask: see below)
 
 
 @pytest.mark.parametrize("arch, padding", CASES, ids=[f"{a}-{p}" for a, p in CASES])
@@ -180,31 +180,53 @@ def test_4d_padding_mask_is_read_exactly():
     check_close("4D mask logits", outs[2], outs[1], outs[0])
 
 
-def _longflash_model():
-    return make_models("llama-gqa", (torch.float32,), (NAME,))[0]
+def _pattern_and_bias(batch=2, seqlen=8):
+    """Additive 4D masks (a user's 4D mask goes to eager as it is, which adds it): a pattern
+    that is not padding x causal / full / window (every row sees key 0 and itself; 0 / the
+    dtype's minimum), and a real-valued bias on a causal mask (a float mask that is not a
+    mask)."""
+    pattern = torch.eye(seqlen, dtype=torch.bool)
+    pattern[:, 0] = True
+    pattern = torch.zeros(batch, 1, seqlen, seqlen).masked_fill(~pattern,
+                                                                torch.finfo(torch.float32).min)
+    bias = torch.zeros(batch, 1, seqlen, seqlen).masked_fill(
+        ~torch.ones(seqlen, seqlen, dtype=torch.bool).tril(), -1e9)
+    bias[:, :, :, 0] = -0.5
+    return pattern, bias
+
+
+@pytest.mark.parametrize("case", ["pattern", "bias", "packed", "right-padding-window"])
+def test_masks_beyond_padding_match_eager(case):
+    """Masks that are not padding x (full | causal | window) run with the kernels reading them
+    as attn_mask: a custom 4D pattern, a float bias, packed sequences (position_ids that
+    restart: transformers builds a block-diagonal causal mask), and right padding with a
+    sliding window. The logits of the valid positions equal eager's (float32)."""
+    arch = "mistral-window4" if case == "right-padding-window" else "llama-gqa"
+    eager, longflash = make_models(arch, (torch.float32,) * 2, ("eager", NAME))
+    input_ids, mask, _ = make_batch("right" if case == "right-padding-window" else "none",
+                                    batch=2, seqlen=13 if case == "right-padding-window" else 8)
+    kwargs = dict(input_ids=input_ids)
+    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    if case in ("pattern", "bias"):
+        kwargs["attention_mask"] = _pattern_and_bias()[case == "bias"]
+    elif case == "packed":
+        kwargs.update(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2), use_cache=False)
+    else:
+        kwargs["attention_mask"] = mask
+        valid = mask.bool()
+    ref, out = (model(**kwargs).logits.detach()[valid] for model in (eager, longflash))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_masks_raise():
-    model = _longflash_model()
-    input_ids, _, _ = make_batch("none", batch=2, seqlen=8)
-    # a pattern that is not padding x causal / full / window: every row sees key 0 and itself
-    pattern = torch.eye(8, dtype=torch.bool)
-    pattern[:, 0] = True
-    with pytest.raises(NotImplementedError, match="not padding combined"):
-        model(input_ids=input_ids, attention_mask=pattern.expand(2, 1, 8, 8))
-    bias = torch.zeros(2, 1, 8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -1e9)
-    bias[:, :, :, 0] = -0.5  # a real-valued bias is not a mask
-    with pytest.raises(NotImplementedError, match="attention bias"):
-        model(input_ids=input_ids, attention_mask=bias)
-    # right padding with a sliding window: padding rows see part of a window
-    longflash_window = make_models("mistral-window4", (torch.float32,), (NAME,))[0]
-    input_ids_right, mask, _ = make_batch("right")
-    with pytest.raises(NotImplementedError, match="pad on the left"):
-        longflash_window(input_ids=input_ids_right, attention_mask=mask)
-    # packed sequences, detected by transformers from position_ids that restart (without a cache)
-    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    """A dense mask the attention function cannot read: another shape, an integer dtype."""
+    q = torch.randn(2, 4, 8, 16)
+    k = v = torch.randn(2, 2, 8, 16)
+    with pytest.raises(NotImplementedError, match="a mask of shape"):
+        lf_hf.longflash_attention_forward(None, q, k, v, torch.ones(2, 8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dtype"):
+        lf_hf.longflash_attention_forward(None, q, k, v,
+                                          torch.ones(2, 1, 8, 8, dtype=torch.int32))
 
 
 def test_register_rejects_flash_names():

@@ -38,13 +38,15 @@ implementation computes:
 - any other mask function (sliding window, chunked attention, packed sequences detected
   from position_ids, overlays such as image tokens), and a 4D mask passed by the user: the
   mask is materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2)
-  memory, as sdpa needs), and read exactly: it is used only if it equals
-  valid_q x valid_k x (full | causal | causal with the layer's `sliding_window`), aligned
-  per sequence, where valid_q are the rows that see some key and valid_k the keys that
-  some row sees. Every row that sees a key is compared, so right padding with a sliding
-  window (whose padding rows see part of a window) raises: pad on the left. Float masks
-  must hold only 0 and -inf (or the dtype's minimum). Anything else raises
-  NotImplementedError naming what was found; it never computes another mask.
+  memory, as sdpa needs), and read exactly: if it equals valid_q x valid_k x (full |
+  causal | causal with the layer's `sliding_window`), aligned per sequence, where valid_q
+  are the rows that see some key and valid_k the keys that some row sees (every row that
+  sees a key is compared), the valid tokens are packed as above; otherwise (packed
+  sequences, chunks, overlays, right padding with a sliding window, a float mask with
+  other values than 0 and the dtype's minimum: an attention bias) the kernels read the
+  mask itself as `attn_mask`, tile by tile (`longflash.attention`). A float mask's dtype
+  minimum then counts as -inf (in float32 and bfloat16; float16's is finite, as in eager).
+  A mask of another shape or dtype raises NotImplementedError naming what was found.
 - padding queries give output 0: a query whose own token is padding (2D padding mask),
   or a row that sees no key (4D mask). Eager gives such rows an average over masked keys
   (left padding) or attention over the valid keys (right padding); no other position
@@ -152,8 +154,9 @@ def longflash_mask(**kwargs):
 def _unsupported(what):
     return NotImplementedError(
         f"longflash.integrations.transformers: {what}. Supported: causal or full attention "
-        f"with a 2D padding attention_mask (left or right padding, KV caches), and causal "
-        f"sliding windows given by the layer's sliding_window; use attn_implementation="
+        f"with a 2D padding attention_mask (left or right padding, KV caches), causal "
+        f"sliding windows given by the layer's sliding_window, and 4D boolean or float masks "
+        f"of shape (batch | 1, heads | 1, seqlen_q, seqlen_k); use attn_implementation="
         f"'sdpa' or 'eager' for other masks")
 
 
@@ -188,7 +191,8 @@ def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
 
 def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
     """(causal, window_left, valid_q, valid_k) for a (batch | 1, heads | 1, seqlen_q, seqlen_k)
-    mask, if it is exactly padding x (full | causal | causal window); else raise."""
+    mask, if it is exactly padding x (full | causal | causal window); else (False, -1, None,
+    None, mask): the kernels read the mask. A mask of another shape or dtype raises."""
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (seqlen_q, seqlen_k):
         raise _unsupported(f"a mask of shape {tuple(mask.shape)} (expected (batch, 1, "
                            f"{seqlen_q}, {seqlen_k}))")
@@ -197,13 +201,12 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
     elif mask.is_floating_point():
         allowed = mask == 0
         blocked = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min / 2)
-        if not bool((allowed | blocked).all()):
-            raise _unsupported("an additive float mask with values other than 0 and -inf "
-                               "(an attention bias)")
+        if not bool((allowed | blocked).all()):  # an attention bias
+            return False, -1, None, None, mask
     else:
         raise _unsupported(f"a mask of dtype {mask.dtype}")
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
-        raise _unsupported("a mask that differs between heads")
+        return False, -1, None, None, mask  # a mask that differs between heads
     allowed = allowed[:, 0].expand(batch, seqlen_q, seqlen_k)
     # A row that sees no key is padding; every other row is compared with the rule below.
     valid_q, valid_k = allowed.any(-1), allowed.any(-2)
@@ -221,23 +224,19 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
             if bool(valid_q.all()) and bool(valid_k.all()):
                 return causal, window_left, None, None
             return causal, window_left, valid_q, valid_k
-    if sliding_window:
-        raise _unsupported(f"a mask that is not padding combined with full, causal or "
-                           f"sliding-window ({sliding_window}) attention, aligned to each "
-                           f"sequence's end (with a sliding window, pad on the left: the "
-                           f"padding rows of right padding see part of a window)")
-    raise _unsupported("a mask that is not padding combined with full or causal attention "
-                       "(a sliding window with no sliding_window argument, packed sequences, "
-                       "chunks, or a custom pattern)")
+    # not padding x (full | causal | window): packed sequences, chunks, a custom pattern, or
+    # right padding with a sliding window (whose padding rows see part of a window)
+    return False, -1, None, None, mask
 
 
 # ----------------------------------------------------------------------------- attention
 
-def _run(q, k, v, causal, window_left, valid_q, valid_k, **kwargs):
+def _run(q, k, v, causal, window_left, valid_q, valid_k, attn_mask=None, **kwargs):
     """q: (B, Nq, H, D), k: (B, Nk, Hkv, D), v: (B, Nk, Hkv, Dv) views -> o: (B, Nq, H, Dv)."""
     window = (window_left, -1)
     if valid_q is None and valid_k is None:
-        return attention(q, k, v, causal=causal, window_size=window, **kwargs)
+        return attention(q, k, v, causal=causal, window_size=window, attn_mask=attn_mask,
+                         **kwargs)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, headdim_v = k.shape[1], v.shape[3]
     if valid_q is None:
