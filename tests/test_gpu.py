@@ -386,6 +386,22 @@ def test_variants_gpu(dtype, name, kw):
     check_variant((2, 2047, 2049, 8, 2, 128), dtype, kw, "triton", device="cuda")
 
 
+@pytest.mark.parametrize("kind, dims, kw", [("bool", "B11K", dict(causal=True)),
+                                             ("float", "1HQK", dict(window_size=(300, 200)))],
+                         ids=["bool-padding-causal", "float-heads-window"])
+def test_attn_mask_gpu(kind, dims, kw):
+    """attn_mask in bf16 through the Triton kernels (BIAS_KIND: pointer loads of the mask's
+    tiles in every kernel, TMA candidates included), forward and backward, against the
+    float64 reference (tolerance rule): a broadcast key-padding mask and a float mask per head
+    with -inf entries and a row that sees no key."""
+    from test_attn_mask import _case_kwargs
+    from test_variants import check_variant
+    shape = (2, 777, 1031, 8, 2, 128)
+    kw = _case_kwargs(shape, kind, dims, kw)
+    kw["attn_mask"] = kw["attn_mask"].cuda()
+    check_variant(shape, torch.bfloat16, kw, "triton", device="cuda")
+
+
 def test_learnable_sink_gpu():
     """Attention sinks in bf16 through the Triton kernels: forward, and the backward with the
     lse gradient the sink adds, against the float64 reference (tolerance rule), at

@@ -612,13 +612,13 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     that turns it on for the later steps), RQ1's rows that still time the old backward tiles
     (1K-2K, part long) measured again, and its 4K-16K rows if the gate passed, the GPU tests
     no window finished, the sweep at d256's backward targets with rows from before
-    TILES_CHANGED measured again. The estimates fit, and each reserve leaves its step its
-    estimate and keeps the next one's."""
+    TILES_CHANGED measured again, and last attn_mask's GPU test. The estimates fit, and each
+    reserve leaves its step its estimate and keeps the next one's."""
     from experiments import tuning
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     names = ["env", "host_time", "pytest_ws_fwd", "speedup_batch", "speedup_short",
              "speedup_long", "pytest_triton", "pytest_compile", "tuning", "preflight_ws",
-             "scaling_exact"]
+             "scaling_exact", "pytest_mask"]
     for dry in (False, True):
         steps = gc.stage_steps(7, dry)
         assert [s.name for s in steps] == names
@@ -643,6 +643,9 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     select = ws_fwd.argv[ws_fwd.argv.index("-k") + 1]
     assert [n for n in dir(test_gpu) if n.startswith("test_") and select in n] == [
         "test_forward_warp_specialized_gpu", "test_forward_warp_specialized_varlen_gpu"]
+    mask = next(s for s in gc.stage_steps(7, False) if s.name == "pytest_mask")
+    assert [n for n in dir(test_gpu) if mask.argv[mask.argv.index("-k") + 1] in n] == [
+        "test_attn_mask_gpu"]
     from longflash import flash_triton as ft
     for (kernel, headdim), tiles in gc.WS_TRIALS.items():  # tiles the table lacks, each a WS one
         table = ft.CONFIGS[ft._table_key(kernel, 9, headdim)]
