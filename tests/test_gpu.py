@@ -402,6 +402,14 @@ def test_attn_mask_gpu(kind, dims, kw):
     check_variant(shape, torch.bfloat16, kw, "triton", device="cuda")
 
 
+def test_attn_mask_gradient_gpu():
+    """A float mask per head that requires grad (a learned bias): its gradient, and q, k, v's,
+    in bf16 through the Triton kernels against float64 (the dQ kernel writes dL/ds)."""
+    from test_attn_mask import check_mask_gradient
+    check_mask_gradient((2, 777, 1031, 8, 2, 128), torch.bfloat16, "1HQK", dict(causal=True),
+                        "triton", device="cuda")
+
+
 def test_learnable_sink_gpu():
     """Attention sinks in bf16 through the Triton kernels: forward, and the backward with the
     lse gradient the sink adds, against the float64 reference (tolerance rule), at

@@ -292,6 +292,9 @@ class Options(NamedTuple):
     attn_mask: None, or a bool or floating tensor broadcastable to (batch, nheads, seqlen_q,
     seqlen_k), PyTorch's attn_mask (True: the query may see the key; a float: added to the
     scores after softcap and ALiBi, before the window mask). Not with packed sequences.
+    attn_mask_grad: None, or a (batch, nheads, seqlen_q, seqlen_k) float32 tensor of zeros into
+    which the backward writes the gradient of the scores, dL/ds (a float attn_mask's, before
+    the sum over its broadcast dimensions). Backward only.
     """
     softmax_scale: float
     window_left: int = -1
@@ -307,6 +310,7 @@ class Options(NamedTuple):
     block_table: Optional[torch.Tensor] = None
     deterministic: bool = False
     attn_mask: Optional[torch.Tensor] = None
+    attn_mask_grad: Optional[torch.Tensor] = None
 
     @property
     def varlen(self):

@@ -195,13 +195,13 @@ def _probs(q_i, k_j, lse2_i, tile, opts, masked):
 
 
 def _grad_scores(p, dp, delta_i, t, tile, opts):
-    """dL/d(q k^T): dS = p * (dP - delta) through dropout, softcap and the scale."""
+    """dL/d(q k^T): dS = p * (dP - delta) through dropout, softcap and the scale; and dL/ds,
+    the scores' gradient before softcap and the scale (an attn_mask's)."""
     if opts.dropout_p > 0:
         dp = dp * _dropout_scale(p, tile, opts)
     ds = p * (dp - delta_i[..., None])
-    if t is not None:  # d softcap * tanh(s / softcap) / ds = 1 - tanh^2
-        ds = ds * (1 - t * t)
-    return ds * opts.softmax_scale
+    ds_qk = ds * (1 - t * t) if t is not None else ds  # d softcap * tanh(s / softcap) / ds
+    return ds_qk * opts.softmax_scale, ds
 
 
 def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, block_m=None,
@@ -221,6 +221,8 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
     k5, v5 = _grouped(k, nheads_kv), _grouped(v, nheads_kv)
     lse2, delta = lse2.unflatten(1, (nheads_kv, -1)), delta.unflatten(1, (nheads_kv, -1))
     dq5 = _grouped(dq, nheads_kv)
+    dmask5 = None if opts.attn_mask_grad is None else \
+        opts.attn_mask_grad.unflatten(1, (nheads_kv, -1))  # (B, Hkv, G, Nq, Nk)
     dk4, dv4 = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)  # (B, Hkv, Nk, D)
 
     # -- dK, dV: one key block at a time, over the query blocks that see it --
@@ -239,7 +241,8 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
             p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
             p_kept = p * _dropout_scale(p, tile, opts) if opts.dropout_p > 0 else p
             dv_j += (p_kept.transpose(-1, -2) @ do_i).sum(2)  # sum over the group's heads
-            ds = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t, tile, opts)
+            ds, _ = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t, tile,
+                                 opts)
             dk_j += (ds.transpose(-1, -2) @ q_i).sum(2)
         dk4[:, :, start_n:start_n + block_n] = dk_j
         dv4[:, :, start_n:start_n + block_n] = dv_j
@@ -256,8 +259,11 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
             tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
             masked = not mid_lo <= start_n < mid_hi
             p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
-            ds = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t, tile, opts)
+            ds, ds_scores = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t,
+                                         tile, opts)
             dq_i += ds @ k_j
+            if dmask5 is not None:  # the mask's gradient, written by the dQ loop alone
+                dmask5[..., rows, start_n:start_n + block_n] = ds_scores
         dq5[..., rows, :] = dq_i
 
 

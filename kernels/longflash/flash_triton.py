@@ -13,7 +13,8 @@ that some row can see, and mask only the blocks that straddle a window edge or
 the sequence end. Softcap, ALiBi and dropout (Philox, regenerated in backward)
 are compile-time flags, as is an attn_mask (BIAS_KIND: PyTorch's boolean or float mask,
 read tile by tile through its strides by pointer loads in every kernel, so a broadcast mask
-is never materialized; no warp-specialized candidate takes one); packed variable-length batches read each sequence's
+is never materialized; with BIAS_GRAD the dQ kernel stores its gradient, dS; no
+warp-specialized candidate takes one); packed variable-length batches read each sequence's
 offsets from cu_seqlens, so no padding is computed, and the forward can read their
 keys and values in place from a paged cache through a block table (PAGED).
 The forward saves the log-sum-exp per row; the backward recomputes the
@@ -287,7 +288,7 @@ def _autotune(kernel):
     cache = ({"cache_results": True}
              if "cache_results" in inspect.signature(triton.autotune).parameters else {})
     # dK/dV's ATOMIC candidates add into DQ_ACC: zeroed before each one is timed.
-    extra = {"fwd": ["PAGED"], "dkdv": ["atomic_dq"]}.get(kernel, [])
+    extra = {"fwd": ["PAGED"], "dkdv": ["atomic_dq"], "dq": ["BIAS_GRAD"]}.get(kernel, [])
     reset = {"reset_to_zero": ["DQ_ACC"]} if kernel == "dkdv" else {}
     return triton.autotune(configs=[_config(c) for c in all_configs(kernel)],
                            key=["HEAD_DIM", "HEAD_DIM_V", "seqlen_bucket", "window_left",
@@ -1162,9 +1163,11 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
                       HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, bias=None,
-                      stride_bm=0, stride_bn=0, BIAS_KIND: tl.constexpr = 0):
+                      stride_bm=0, stride_bn=0, dbias=None, stride_dbm=0,
+                      BIAS_KIND: tl.constexpr = 0, BIAS_GRAD: tl.constexpr = False):
     """One key block of dQ: p recomputed from the saved lse, dQ += dS k. bias: this (batch,
-    head)'s attn_mask (BIAS_KIND, _bias)."""
+    head)'s attn_mask (BIAS_KIND, _bias); BIAS_GRAD: dS before softcap and the scale (the
+    mask's gradient) stored into dbias, this (batch, head)'s rows of the scores' gradient."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_tile(K, start_n, stride_kn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, not MASKED,
                    USE_TMA)
@@ -1185,6 +1188,10 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
         dp = dp * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
                                  dropout_p)
     ds = p * (dp - delta[:, None])
+    if BIAS_GRAD:
+        rows, cols = offs_m[:, None], offs_n[None, :]
+        tl.store(dbias + rows.to(tl.int64) * stride_dbm + cols, ds,
+                 mask=(rows < seqlen_q) & (cols < seqlen_k))
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -1195,13 +1202,14 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, lo, hi, bh,
                        seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                        softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn,
-                       MASKED: tl.constexpr,
+                       dbias, stride_dbm, MASKED: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr, BIAS_KIND: tl.constexpr):
+                       WARP_SPECIALIZE: tl.constexpr, BIAS_KIND: tl.constexpr,
+                       BIAS_GRAD: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m; WARP_SPECIALIZE as in _attn_fwd_inner."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
@@ -1211,7 +1219,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                 seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                 softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, bias,
-                stride_bm, stride_bn, BIAS_KIND)
+                stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq = _attn_bwd_dq_step(
@@ -1219,7 +1227,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                 seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
                 softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, bias,
-                stride_bm, stride_bn, BIAS_KIND)
+                stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
     return dq
 
 
@@ -1239,7 +1247,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                  FULL_TILES: tl.constexpr, BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0,
-                 stride_bh=0, stride_bm=0, stride_bn=0):
+                 stride_bh=0, stride_bm=0, stride_bn=0, BIAS_GRAD: tl.constexpr = False,
+                 DBIAS=None, stride_dbh=0, stride_dbm=0):
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -1267,6 +1276,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     bias = LSE  # attn_mask of this (batch, head) (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h * stride_bh
+    dbias = LSE  # its gradient's rows (BIAS_GRAD: (batch, nheads, ...) contiguous)
+    if BIAS_GRAD:
+        dbias = DBIAS + off_bh * stride_dbh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # -- keys: the same ranges as the forward (warp-specialized: all of [lo, hi) in one loop,
@@ -1280,20 +1292,21 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn)
+            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn, dbias,
+            stride_dbm)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, not FULL_TILES,
                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                             BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                            WARP_SPECIALIZE, BIAS_KIND)
+                            WARP_SPECIALIZE, BIAS_KIND, BIAS_GRAD)
     if not WARP_SPECIALIZE:
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                                False, BIAS_KIND)
+                                False, BIAS_KIND, BIAS_GRAD)
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                                False, BIAS_KIND)
+                                False, BIAS_KIND, BIAS_GRAD)
     _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
@@ -1422,7 +1435,8 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
     if len(configs) == 1:
         atomic = bool(configs[0].kwargs.get("ATOMIC_DQ"))
         if atomic and deterministic:
-            raise ValueError("deterministic=True (or torch.use_deterministic_algorithms) with a "
+            raise ValueError("deterministic=True (or torch.use_deterministic_algorithms, or a "
+                             "gradient for attn_mask, which the dQ kernel computes) with a "
                              "forced dK/dV config that adds dQ by atomics (flash_triton.ATOMIC): "
                              "force another config or pass deterministic=False")
         return atomic
@@ -1529,7 +1543,9 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     tensors = (q, k, v, do, lse, delta)
     extra = (pointers["ALIBI"], pointers["CU_Q"], pointers["CU_K"])
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    atomic = _atomic_dq(q, max(q.shape[-1], v.shape[-1]), opts.deterministic, scalars["tma_ok"])
+    # (the attn_mask's gradient comes from the dQ kernel: no atomic dQ with it)
+    atomic = _atomic_dq(q, max(q.shape[-1], v.shape[-1]),
+                        opts.deterministic or opts.attn_mask_grad is not None, scalars["tma_ok"])
     if atomic:  # fp32, BLOCK_D columns: rows of 16-byte multiples for a TMA reduction, no mask
         dq_acc = q.new_zeros((*q.shape[:-1], scalars["BLOCK_D"]), dtype=torch.float32)
         dq_strides = _strides(dq_acc)
@@ -1546,7 +1562,11 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     scalars["ws_ok"] = int(not opts.varlen and opts.attn_mask is None
                            and _ws_ok("dq", q, k, v, do))
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
-    _launch(_attn_bwd_dq, grid_q, *tensors, dq, *extra, *strides, *_strides(dq), **scalars)
+    dbias = opts.attn_mask_grad  # (batch, nheads, seqlen_q, seqlen_k) float32 zeros, or None
+    dbias_args = {} if dbias is None else dict(DBIAS=dbias, stride_dbh=dbias.stride(1),
+                                               stride_dbm=dbias.stride(2))
+    _launch(_attn_bwd_dq, grid_q, *tensors, dq, *extra, *strides, *_strides(dq), **scalars,
+            BIAS_GRAD=dbias is not None, **dbias_args)
     return dq, dk, dv
 
 

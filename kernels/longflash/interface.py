@@ -97,7 +97,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
 
 def _check_attn_mask(attn_mask, q, k):
     """attn_mask: None, or a bool or floating-point tensor on q's device, broadcastable to
-    (batch, nheads, seqlen_q, seqlen_k), with no gradient wanted."""
+    (batch, nheads, seqlen_q, seqlen_k)."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor) or not (
@@ -111,10 +111,6 @@ def _check_attn_mask(attn_mask, q, k):
                          f" = {target}, got shape {shape}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must match")
-    if _needs_grad(attn_mask):
-        raise NotImplementedError("attn_mask has requires_grad=True: longflash computes no "
-                                  "gradient for it; detach it, or use torch.nn.functional."
-                                  "scaled_dot_product_attention")
 
 
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -230,14 +226,14 @@ def _implementation(backend):
 
 def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap, dropout_p,
              seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
-             deterministic=False, attn_mask=None):
+             deterministic=False, attn_mask=None, attn_mask_grad=None):
     if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
     return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, dropout_p, 0 if seed is None else int(seed), cu_seqlens_q,
                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, deterministic,
-                   attn_mask)
+                   attn_mask, attn_mask_grad)
 
 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
@@ -275,16 +271,31 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    cu_seqlens_q: Optional[torch.Tensor] = None,
                    cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
                    max_seqlen_k: int = 0, deterministic: bool = False,
-                   attn_mask: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   attn_mask: Optional[torch.Tensor] = None, attn_mask_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dscores): dscores (batch, nheads, seqlen_q, seqlen_k) float32, the scores'
+    gradient (an attn_mask's before the sum over its broadcast dimensions) if attn_mask_grad,
+    else empty."""
+    dscores = _scores_grad(q, k, attn_mask_grad, torch.zeros)
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    deterministic=deterministic, attn_mask=attn_mask)
-    return _implementation(backend).backward(do, q, k, v, o, lse, dlse, opts)
+                    deterministic=deterministic, attn_mask=attn_mask,
+                    attn_mask_grad=dscores if attn_mask_grad else None)
+    return (*_implementation(backend).backward(do, q, k, v, o, lse, dlse, opts), dscores)
 
 
-def _backward_fake(do, q, k, v, o, lse, dlse, *args, **kwargs):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _scores_grad(q, k, wanted, make):
+    """The backward's dscores output: (batch, nheads, seqlen_q, seqlen_k) float32, or empty."""
+    shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1]) if wanted else (0,)
+    return make(shape, dtype=torch.float32, device=q.device)
+
+
+def _backward_fake(do, q, k, v, o, lse, dlse, causal, softmax_scale, backend, window_left=-1,
+                   window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                   deterministic=False, attn_mask=None, attn_mask_grad=False):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            _scores_grad(q, k, attn_mask_grad, torch.empty))
 
 
 # torch.ops.longflash.attention_forward / attention_backward (define_op: one dispatcher hop
@@ -296,14 +307,15 @@ _backward_op = define_op("attention_backward", _backward_impl, _backward_fake)
 class _Attention(torch.autograd.Function):
     """The forward op, with the backward op as its gradient. Dynamo traces it (forward and
     backward, one op each), so torch.compile(fullgraph=True) captures both without graph
-    breaks. args: the forward op's arguments after q, k, v, in one tuple: Dynamo refuses an
+    breaks. attn_mask: an input of its own (a float one may want its gradient). args: the
+    forward op's other arguments after q, k, v, in one tuple: Dynamo refuses an
     autograd.Function that gets one tensor as two of its inputs (cu_seqlens_q and
     cu_seqlens_k are often one tensor), and none of these has a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
-        o, lse = _forward_op(q, k, v, *args)
-        ctx.save_for_backward(q, k, v, o, lse)
+    def forward(ctx, q, k, v, attn_mask, args):
+        o, lse = _forward_op(q, k, v, *args, attn_mask)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask)
         # block_table (args[13]) is dropped: a forward over paged keys is never
         # differentiated (with a gradient, attention_varlen packs the keys in use first)
         ctx.args = args[:13] + args[14:]
@@ -314,24 +326,29 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # no double backward: a clear error
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask = ctx.saved_tensors
         do = torch.zeros_like(o) if do is None else do  # only lse was used
-        return (*_backward_op(do, q, k, v, o, lse, dlse, *ctx.args), None)
+        mask_grad = ctx.needs_input_grad[3]
+        dq, dk, dv, dscores = _backward_op(do, q, k, v, o, lse, dlse, *ctx.args, attn_mask,
+                                           mask_grad)
+        # the mask's gradient: the scores' summed over the dimensions it broadcasts
+        dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
+        return dq, dk, dv, dmask, None
 
 
 def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                        alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
                        block_table=None, deterministic=False, attn_mask=None):
-    """(o, lse) of checked arguments, differentiable in q, k and v."""
+    """(o, lse) of checked arguments, differentiable in q, k, v and a float attn_mask."""
     if torch.compiler.is_compiling():
         # attention(x, x, x): each its own alias, Dynamo refusing one tensor as two inputs
         k = k.view_as(k) if k is q else k
         v = v.view_as(v) if v is q or v is k else v
-    return _Attention.apply(q, k, v, (causal, softmax_scale, backend, window_left, window_right,
-                                      alibi_slopes, softcap, dropout_p, seed, cu_seqlens_q,
-                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                      deterministic, attn_mask))
+    return _Attention.apply(q, k, v, attn_mask, (causal, softmax_scale, backend, window_left,
+                                                 window_right, alibi_slopes, softcap, dropout_p,
+                                                 seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                 max_seqlen_k, block_table, deterministic))
 
 
 # ----------------------------------------------------------------------------- decoding route
@@ -429,8 +446,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             padding, (seqlen_q, seqlen_k) shared by every head) costs only its own memory
             (expand, never materialize it). A row that sees no key gives o = 0 and lse -inf;
             a float mask's entries below about -2.4e38 act as -inf (they overflow in the
-            kernels' log2 units). No gradient flows to it (requires_grad raises); no
-            warp-specialized candidates run with it.
+            kernels' log2 units). A float mask that requires grad gets its gradient (the
+            scores' gradient, dL/ds, summed over the dimensions it broadcasts; the backward
+            then writes a float32 (batch, nheads, seqlen_q, seqlen_k) buffer: O(N^2) memory,
+            as PyTorch's memory-efficient backend). No warp-specialized candidates run with
+            a mask.
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -539,7 +559,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns (batch, nheads, seqlen_q, headdim_v).
     attn_mask: bool (True: take part) or float (added to the scores), broadcastable to
         (batch, nheads, seqlen_q, seqlen_k), as in PyTorch; not with is_causal (PyTorch
-        refuses both too). No gradient flows to it. A row that sees no key gives 0 (PyTorch's
+        refuses both too). A float mask may require grad. A row that sees no key gives 0 (PyTorch's
         math backend gives NaN there, or, for a float mask of finite entries, their average).
     dropout_p: as in `attention` (a counter-based mask; seed drawn from torch's generator).
     Not supported (NotImplementedError): 3-D inputs; use
