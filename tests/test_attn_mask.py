@@ -157,3 +157,23 @@ def test_sdpa_attn_mask_with_is_causal_raises():
     with pytest.raises(ValueError, match="attn_mask"):
         longflash.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(9, 9, dtype=bool),
                                                is_causal=True)
+
+
+def test_compile_fullgraph_learned_bias():
+    """A float mask that requires grad inside torch.compile(fullgraph=True): one graph, and
+    the same loss and gradients (q, k, v and the mask's) as eager."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 19, 4, 16, generator=gen, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 4, 19, 19, generator=gen, requires_grad=True)
+
+    def fn(q, k, v, bias):
+        return longflash.attention(q, k, v, causal=True, backend="torch",
+                                   attn_mask=bias).square().sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    loss, loss_c = fn(q, k, v, bias), compiled(q, k, v, bias)
+    torch.testing.assert_close(loss_c, loss)
+    for g, g_c in zip(torch.autograd.grad(loss, (q, k, v, bias)),
+                      torch.autograd.grad(loss_c, (q, k, v, bias))):
+        torch.testing.assert_close(g_c, g)
