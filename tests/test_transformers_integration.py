@@ -24,6 +24,7 @@ import torch  # noqa: E402
 transformers = pytest.importorskip(
     "transformers", reason="transformers not installed: pip install .[transformers]")
 
+import longflash  # noqa: E402
 import longflash.integrations.transformers as lf_hf  # noqa: E402
 from conftest import check_close  # noqa: E402
 
@@ -195,12 +196,14 @@ def _pattern_and_bias(batch=2, seqlen=8):
     return pattern, bias
 
 
-@pytest.mark.parametrize("case", ["pattern", "bias", "packed", "right-padding-window"])
+@pytest.mark.parametrize("case", ["pattern", "bias", "packed", "right-padding-window",
+                                  "middle-padding"])
 def test_masks_beyond_padding_match_eager(case):
     """Masks that are not padding x (full | causal | window) run with the kernels reading them
     as attn_mask: a custom 4D pattern, a float bias, packed sequences (position_ids that
-    restart: transformers builds a block-diagonal causal mask), and right padding with a
-    sliding window. The logits of the valid positions equal eager's (float32)."""
+    restart: transformers builds a block-diagonal causal mask), right padding with a sliding
+    window; and a 2D padding mask with padding between valid tokens (packed: varlen). The
+    logits of the valid positions equal eager's (float32)."""
     arch = "mistral-window4" if case == "right-padding-window" else "llama-gqa"
     eager, longflash = make_models(arch, (torch.float32,) * 2, ("eager", NAME))
     input_ids, mask, _ = make_batch("right" if case == "right-padding-window" else "none",
@@ -211,11 +214,32 @@ def test_masks_beyond_padding_match_eager(case):
         kwargs["attention_mask"] = _pattern_and_bias()[case == "bias"]
     elif case == "packed":
         kwargs.update(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2), use_cache=False)
+    elif case == "middle-padding":
+        mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 1, 1]])
+        kwargs["attention_mask"] = mask
+        valid = mask.bool()
     else:
         kwargs["attention_mask"] = mask
         valid = mask.bool()
     ref, out = (model(**kwargs).logits.detach()[valid] for model in (eager, longflash))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_padding_mask_with_keys_after_the_queries():
+    """A causal PaddingMask whose valid keys go on past the queries (queries at key positions
+    2..5 of 10) is no packed bottom-right problem: it runs on the dense mask transformers
+    means, query i seeing the keys up to position 2 + i, against the float64 reference."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 4, 16, generator=gen, dtype=torch.float64)  # (B, H, Nq, D)
+    k, v = (torch.randn(2, 2, 10, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    valid_k = torch.ones(2, 10, dtype=torch.bool)
+    valid_k[1, 7] = False
+    mask = lf_hf.PaddingMask(valid_k=valid_k, causal=True, q_offset=2)
+    assert lf_hf._plan_padding(mask, 2, 4, 10, q.device)[4].shape == (2, 1, 4, 10)  # dense
+    out, _ = lf_hf.longflash_attention_forward(None, q, k, v, mask)
+    allowed = valid_k[:, None, None, :] & (torch.arange(10) <= torch.arange(2, 6)[:, None])
+    ref, _ = longflash.attention_ref(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=allowed)
+    torch.testing.assert_close(out, ref)
 
 
 def test_unsupported_masks_raise():

@@ -34,7 +34,7 @@ implementation computes:
   each sequence's end. In transformers' causal mask a query sees the keys up to its own
   position; packed, that is the bottom-right rule exactly when the valid keys after a
   sequence's first valid query are its valid queries (true for padding and caches); this
-  is checked, O(batch * seqlen), and anything else raises.
+  is checked, O(batch * seqlen), and a mask with holes runs as the dense mask below.
 - any other mask function (sliding window, chunked attention, packed sequences detected
   from position_ids, overlays such as image tokens), and a 4D mask passed by the user: the
   mask is materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2)
@@ -161,7 +161,9 @@ def _unsupported(what):
 
 
 def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
-    """(causal, window_left, valid_q, valid_k) for a PaddingMask; valid_* None: no padding."""
+    """(causal, window_left, valid_q, valid_k) for a PaddingMask; valid_* None: no padding. A
+    causal padding mask with holes (valid keys after a sequence's first valid query that are
+    not its queries) is no packed causal problem: (False, -1, None, None, its dense mask)."""
     offset = mask.q_offset
     if mask.valid_k is not None and tuple(mask.valid_k.shape) != (batch, seqlen_k):
         raise _unsupported(f"a padding mask of shape {tuple(mask.valid_k.shape)} for a batch "
@@ -184,8 +186,11 @@ def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
     rank_q = valid_q.cumsum(-1)
     nk, nq = valid_k.sum(-1, keepdim=True), valid_q.sum(-1, keepdim=True)
     if not bool(((keys_seen - rank_q == nk - nq) | ~valid_q).all()):
-        raise _unsupported("a causal padding mask with valid keys after the first valid query "
-                           "that are not queries (holes in the sequence)")
+        # transformers' mask itself: query i (key position offset + i) sees the valid keys up
+        # to its own position, (batch, 1, seqlen_q, seqlen_k), O(seqlen^2) as sdpa's
+        keys = torch.arange(seqlen_k, device=valid_k.device)
+        dense = valid_k[:, None, None, :] & (keys <= positions[:, None])[None, None]
+        return False, -1, None, None, dense
     return True, -1, valid_q, valid_k
 
 
