@@ -559,8 +559,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns (batch, nheads, seqlen_q, headdim_v).
     attn_mask: bool (True: take part) or float (added to the scores), broadcastable to
         (batch, nheads, seqlen_q, seqlen_k), as in PyTorch; not with is_causal (PyTorch
-        refuses both too). A float mask may require grad. A row that sees no key gives 0 (PyTorch's
-        math backend gives NaN there, or, for a float mask of finite entries, their average).
+        refuses both too). A float mask may require grad. A row that sees no key gives 0, as
+        in PyTorch (a float mask of finite entries only: their softmax, as in PyTorch).
     dropout_p: as in `attention` (a counter-based mask; seed drawn from torch's generator).
     Not supported (NotImplementedError): 3-D inputs; use
     torch.nn.functional.scaled_dot_product_attention for those.
