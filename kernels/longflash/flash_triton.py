@@ -1013,18 +1013,15 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
-                                      DQ_h, stride_dqn, ATOMIC_DQ,
-                                      BIAS_KIND)
+                                      DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                       HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ,
-                                      BIAS_KIND)
+                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
-                                      DQ_h, stride_dqn, ATOMIC_DQ,
-                                      BIAS_KIND)
+                                      DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND)
     return dk, dv
 
 
