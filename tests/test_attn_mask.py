@@ -36,9 +36,14 @@ CASES = [
      dict(causal=True, alibi=(2, 4), softcap=1.0, dropout_p=0.2, seed=7)),
     ("bool-rows-see-nothing", (1, 61, 29, 2, 2, 16), "bool", "1QK", dict(causal=True)),
 ]
-RUNS = [("torch", (16, 32)), ("torch", None)] + \
-    ([("triton", None), ("triton", "tma"), ("triton", "split"), ("triton", "atomic"),
-      ("triton", "pipe")] if INTERPRET else [])
+RUNS = [("torch", (16, 32)), ("torch", None)] + ([("triton", None)] if INTERPRET else [])
+# the TMA tiles and the sweep's trials: fp32, one mask of each kind (every dim, and the floats)
+TRIAL_RUNS = [("triton", t) for t in ("tma", "split", "atomic", "pipe")] if INTERPRET else []
+PARAMS = [pytest.param(b, t, d, *c[1:], id=f"{c[0]}-{b}{'-' + t if isinstance(t, str) else ''}"
+                       f"{'-' + 'x'.join(map(str, t)) if isinstance(t, tuple) else ''}-{n}")
+          for c in CASES for d, n in ((torch.float32, "fp32"), (torch.float16, "fp16"))
+          for b, t in RUNS + (TRIAL_RUNS if n == "fp32" and (c[2] == "float" or c[3] == "BHQK")
+                              else [])]
 
 
 def _case_kwargs(shape, kind, dims, kw):
@@ -48,15 +53,8 @@ def _case_kwargs(shape, kind, dims, kw):
     return dict(kw, attn_mask=mask)
 
 
-@pytest.mark.parametrize("backend, tiles", RUNS,
-                         ids=[f"{b}-{t if isinstance(t, str) else 'x'.join(map(str, t or ()))}"
-                              .rstrip("-") for b, t in RUNS])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("shape, kind, dims, kw", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("backend, tiles, dtype, shape, kind, dims, kw", PARAMS)
 def test_attn_mask_against_reference(backend, tiles, dtype, shape, kind, dims, kw, monkeypatch):
-    if tiles in ("split", "atomic", "pipe", "tma") and (dtype == torch.float16 or kind == "bool"
-                                                        and dims != "BHQK"):
-        pytest.skip("the sweep's trials and TMA tiles: fp32, one mask of each kind")
     use_tiles(monkeypatch, tiles)
     check_variant(shape, dtype, _case_kwargs(shape, kind, dims, kw), backend)
 
