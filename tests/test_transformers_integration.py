@@ -225,6 +225,51 @@ def test_masks_beyond_padding_match_eager(case):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_t5_relative_position_bias(monkeypatch):
+    """T5 (encoder-decoder) passes its learned relative position bias as position_bias: it runs
+    as a float attn_mask beside the padding masks (encoder: left and right padding; decoder:
+    causal; cross-attention), and its embedding gets its gradient through the kernels'. Logits
+    and every parameter gradient against eager in float64 (tolerance rule, eager in float32 as
+    the low precision)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask"))
+        return lf_hf_attention(*args, **kwargs)
+
+    lf_hf_attention = lf_hf.attention
+    monkeypatch.setattr(lf_hf, "attention", spy)
+    config = lambda: transformers.T5Config(  # noqa: E731
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
+        pad_token_id=0)
+    torch.manual_seed(0)
+    models = []
+    for dtype, impl in ((torch.float64, "eager"), (torch.float32, "eager"), (torch.float32, NAME)):
+        model = transformers.T5ForConditionalGeneration._from_config(
+            config(), attn_implementation=impl, dtype=dtype)
+        if models:
+            model.load_state_dict(models[0].state_dict())
+        models.append(model.eval())
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, 100, (3, 11), generator=gen)
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 7:], mask[2, :3] = 0, 0
+    decoder_ids = torch.randint(1, 100, (3, 6), generator=gen)
+    results = []
+    for model in models:
+        model.zero_grad()
+        logits = model(input_ids=input_ids, attention_mask=mask,
+                       decoder_input_ids=decoder_ids).logits
+        logits.square().sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref, ref_grads), (low, low_grads), (out, out_grads) = results
+    check_close("t5 logits", out, low, ref)
+    assert any(m is not None and m.requires_grad for m in calls)  # the bias, with its gradient
+    for name in ref_grads:
+        check_close(f"d {name}", out_grads[name], low_grads[name], ref_grads[name])
+
+
 def test_causal_padding_mask_with_keys_after_the_queries():
     """A causal PaddingMask whose valid keys go on past the queries (queries at key positions
     2..5 of 10) is no packed bottom-right problem: it runs on the dense mask transformers

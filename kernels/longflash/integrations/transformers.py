@@ -56,8 +56,9 @@ implementation computes:
   FlashAttention-2 path does.
 
 Attention sinks (gpt-oss: the `s_aux` argument, or `module.sinks`) run as LongFlash's
-`learnable_sink`, forward and backward. NotImplementedError, also: `position_bias` (T5-style
-relative bias). `output_attentions=True` returns no weights (None), as sdpa.
+`learnable_sink`, forward and backward. `position_bias` (T5's relative position bias, learned)
+runs as a float `attn_mask`, its gradient included (with padding, added to the layer's mask
+made dense). `output_attentions=True` returns no weights (None), as sdpa.
 
 Tested with transformers 5.23 (mask functions called with q_length / q_offset); the
 older call with cache_position (transformers 5.0) is handled too.
@@ -186,12 +187,23 @@ def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
     rank_q = valid_q.cumsum(-1)
     nk, nq = valid_k.sum(-1, keepdim=True), valid_q.sum(-1, keepdim=True)
     if not bool(((keys_seen - rank_q == nk - nq) | ~valid_q).all()):
-        # transformers' mask itself: query i (key position offset + i) sees the valid keys up
-        # to its own position, (batch, 1, seqlen_q, seqlen_k), O(seqlen^2) as sdpa's
-        keys = torch.arange(seqlen_k, device=valid_k.device)
-        dense = valid_k[:, None, None, :] & (keys <= positions[:, None])[None, None]
-        return False, -1, None, None, dense
+        return False, -1, None, None, _padding_dense(mask, batch, seqlen_q, seqlen_k, device)
     return True, -1, valid_q, valid_k
+
+
+def _padding_dense(mask, batch, seqlen_q, seqlen_k, device):
+    """transformers' own mask for a PaddingMask, (batch, 1, seqlen_q, seqlen_k) bool, O(seqlen^2)
+    as sdpa's: a query (key position q_offset + i) sees the valid keys, up to its own position
+    if causal."""
+    valid_k = mask.valid_k
+    if valid_k is None:
+        valid_k = torch.ones(batch, seqlen_k, dtype=torch.bool, device=device)
+    dense = valid_k.to(device)[:, None, None, :].expand(batch, 1, seqlen_q, seqlen_k)
+    if mask.causal:
+        keys = torch.arange(seqlen_k, device=device)
+        positions = torch.arange(mask.q_offset, mask.q_offset + seqlen_q, device=device)
+        dense = dense & (keys <= positions[:, None])
+    return dense
 
 
 def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
@@ -232,6 +244,20 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
     # not padding x (full | causal | window): packed sequences, chunks, a custom pattern, or
     # right padding with a sliding window (whose padding rows see part of a window)
     return False, -1, None, None, mask
+
+
+def _with_bias(plan, bias, attention_mask, batch, seqlen_q, seqlen_k, device):
+    """The plan with an additive bias (T5's position_bias, which may want its gradient) as
+    attn_mask: beside causal / window if there is no padding, else added to the layer's mask
+    made dense, -inf where it hides a key."""
+    if len(plan) == 4 and plan[2] is None and plan[3] is None:
+        return (*plan, bias)
+    dense = plan[4] if len(plan) == 5 else attention_mask
+    if isinstance(dense, PaddingMask):
+        dense = _padding_dense(dense, batch, seqlen_q, seqlen_k, device)
+    if dense.dtype == torch.bool:
+        return False, -1, None, None, bias.masked_fill(~dense, float("-inf"))
+    return False, -1, None, None, bias + dense
 
 
 # ----------------------------------------------------------------------------- attention
@@ -278,10 +304,8 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
     `module.sinks`): attention sinks (gpt-oss), (nheads,), passed as `learnable_sink`.
     Returns (attn_output (batch, seqlen_q, nheads, headdim of value), None).
     """
-    for name in ("sinks", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise _unsupported(f"the argument {name} (attention sinks in another form, or an "
-                               f"attention bias)")
+    if kwargs.get("sinks") is not None:
+        raise _unsupported("the argument sinks (attention sinks in another form)")
     sink = kwargs.get("s_aux")
     sink = getattr(module, "sinks", None) if sink is None else sink
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
@@ -296,6 +320,10 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
     else:
         raise _unsupported(f"a mask of type {type(attention_mask).__name__} (another "
                            f"implementation's mask)")
+    bias = kwargs.get("position_bias")  # T5's relative position bias, (1, heads, Nq, Nk)
+    if bias is not None:
+        plan = _with_bias(plan, bias, attention_mask, query.shape[0], seqlen_q, seqlen_k,
+                          query.device)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
     o = _run(q, k, v, *plan, softmax_scale=scaling, dropout_p=float(dropout),
              softcap=float(softcap or 0.0), backend=_backend, learnable_sink=sink)
