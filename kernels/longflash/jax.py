@@ -420,9 +420,11 @@ def _triton_strides(name, x):
 
 
 def _triton_unused():
-    """Valid pointers for the disabled ALiBi and varlen arguments; never read."""
+    """Valid pointers (and strides) for the disabled ALiBi, varlen and attn_mask arguments
+    (BIAS_KIND 0: the binding takes no mask); never read."""
     return dict(ALIBI=jnp.zeros((1,), jnp.float32), CU_Q=jnp.zeros((2,), jnp.int32),
-                CU_K=jnp.zeros((2,), jnp.int32))
+                CU_K=jnp.zeros((2,), jnp.int32), BIAS=jnp.zeros((1,), jnp.float32),
+                stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0)
 
 
 def _triton_forward(q, k, v, cfg):
@@ -480,7 +482,9 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
         kernel=flash_triton.jit_function(flash_triton._attn_bwd_dq),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(triton.cdiv(seqlen_q, launch["BLOCK_M"]), batch * nheads),
-        **tensors, **strides, **_triton_strides("dq", q), **launch)
+        **tensors, **strides, **_triton_strides("dq", q), DBIAS=_triton_unused()["BIAS"],
+        stride_dbh=0, stride_dbm=0,
+        **{**flash_triton.constexpr_defaults(flash_triton._attn_bwd_dq), **launch})
     return dq, dk, dv
 
 
