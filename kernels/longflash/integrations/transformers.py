@@ -34,7 +34,8 @@ implementation computes:
   each sequence's end. In transformers' causal mask a query sees the keys up to its own
   position; packed, that is the bottom-right rule exactly when the valid keys after a
   sequence's first valid query are its valid queries (true for padding and caches); this
-  is checked, O(batch * seqlen), and a mask with holes runs as the dense mask below.
+  is checked, O(batch * seqlen); otherwise (valid keys after the queries, as in a cache
+  longer than the tokens seen) transformers' dense mask runs as below.
 - any other mask function (sliding window, chunked attention, packed sequences detected
   from position_ids, overlays such as image tokens), and a 4D mask passed by the user: the
   mask is materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2)
@@ -163,8 +164,9 @@ def _unsupported(what):
 
 def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
     """(causal, window_left, valid_q, valid_k) for a PaddingMask; valid_* None: no padding. A
-    causal padding mask with holes (valid keys after a sequence's first valid query that are
-    not its queries) is no packed causal problem: (False, -1, None, None, its dense mask)."""
+    causal padding mask with valid keys after a sequence's first valid query that are not its
+    queries (keys past the last query) is no packed bottom-right problem: (False, -1, None,
+    None, its dense mask)."""
     offset = mask.q_offset
     if mask.valid_k is not None and tuple(mask.valid_k.shape) != (batch, seqlen_k):
         raise _unsupported(f"a padding mask of shape {tuple(mask.valid_k.shape)} for a batch "
