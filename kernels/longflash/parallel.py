@@ -189,7 +189,7 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
         plan = _step_plan(ring, (ring.rank - step) % ring.world_size, causal, k.shape[1])
         if plan is not None:
             rows, cols, block_causal = plan
-            dq_blk, dk_blk, dv_blk = torch.ops.longflash.attention_backward(
+            dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
                 do[:, rows], q[:, rows], k[:, cols], v[:, cols], o[:, rows], lse[:, :, rows],
                 None if dlse is None else dlse[:, :, rows], block_causal, softmax_scale, backend)
             dq[:, rows] += dq_blk
