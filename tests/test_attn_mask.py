@@ -37,13 +37,15 @@ CASES = [
     ("bool-rows-see-nothing", (1, 61, 29, 2, 2, 16), "bool", "1QK", dict(causal=True)),
 ]
 RUNS = [("torch", (16, 32)), ("torch", None)] + ([("triton", None)] if INTERPRET else [])
-# the TMA tiles and the sweep's trials: fp32, one mask of each kind (every dim, and the floats)
-TRIAL_RUNS = [("triton", t) for t in ("tma", "split", "atomic", "pipe")] if INTERPRET else []
+# fp32, where the interpreter has them: the TMA tiles with a boolean and a float mask, the
+# sweep's trials (their own loops, the same _bias) with the case that has every option
+EXTRA_RUNS = {"bool-every-dim-causal": ["tma"], "float-2d-window": ["tma"],
+              "float-heads-all": ["split", "atomic", "pipe"]} if INTERPRET else {}
 PARAMS = [pytest.param(b, t, d, *c[1:], id=f"{c[0]}-{b}{'-' + t if isinstance(t, str) else ''}"
                        f"{'-' + 'x'.join(map(str, t)) if isinstance(t, tuple) else ''}-{n}")
           for c in CASES for d, n in ((torch.float32, "fp32"), (torch.float16, "fp16"))
-          for b, t in RUNS + (TRIAL_RUNS if n == "fp32" and (c[2] == "float" or c[3] == "BHQK")
-                              else [])]
+          for b, t in RUNS + ([("triton", t) for t in EXTRA_RUNS.get(c[0], [])]
+                              if n == "fp32" else [])]
 
 
 def _case_kwargs(shape, kind, dims, kw):
