@@ -50,8 +50,8 @@ PARAMS = [pytest.param(b, t, d, *c[1:], id=f"{c[0]}-{b}{'-' + t if isinstance(t,
 
 def _case_kwargs(shape, kind, dims, kw):
     mask = _mask(kind, shape, dims)
-    if len(dims) >= 3 and dims[-2] == "Q":  # a row that sees no key, and the mask's rows
-        mask[..., 3, :] = False if kind == "bool" else float("-inf")  # read through a view
+    if len(dims) >= 3 and dims[-2] == "Q":  # a row that sees no key: o = 0, lse = -inf
+        mask[..., 3, :] = False if kind == "bool" else float("-inf")
     return dict(kw, attn_mask=mask)
 
 
