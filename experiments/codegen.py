@@ -23,8 +23,8 @@ sequences; "paged" (forward) packed sequences whose keys are read from a paged c
 block table; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
 every block). The decoding kernels' signatures are built by hand (compile_one): "plain", and
-paged and leftpad (cache_leftpad) for the split-KV kernel, paged and rotary (half-split,
-queries in order) for the append.
+paged, leftpad (cache_leftpad) and mask (a boolean attn_mask over the keys, contiguous along
+them) for the split-KV kernel, paged and rotary (half-split, queries in order) for the append.
 
 Causal attention is a runtime argument of the kernels (window_right = 0); a causal launch
 compiles the same code (checked: registers, spills and hot loop alike), so each compile is
@@ -100,9 +100,9 @@ ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
 FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
-FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary"]
+FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "mask"]
 KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"], "preprocess": ["plain", "varlen"],
-                "decode": ["plain", "softcap", "alibi", "paged", "leftpad"],
+                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask"],
                 "decode_merge": ["plain"], "decode_append": ["plain", "paged", "rotary"]}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
@@ -151,10 +151,10 @@ def _signature(fn, pointers, constexprs):
 
 
 # Strides of a decoding step that are not multiples of 16 elements: the ALiBi slopes', the
-# block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1) and the rotary
-# table's (rotary_dim / 2, any).
+# block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1), the rotary
+# table's (rotary_dim / 2, any) and an attn_mask's (not specialized: they grow with the cache).
 DECODE_UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb", "stride_lh", "stride_qsh",
-                            "stride_cos")
+                            "stride_cos", "stride_bb", "stride_bh", "stride_bm")
 
 
 def _divisibility(fn, pointers):
@@ -197,7 +197,8 @@ def kernel_spec(kernel, dtype, flags, headdim):
     if kernel in ("decode", "decode_merge"):
         block_d = max(16, triton.next_power_of_2(headdim))
         tensors = dict(Q=p, K_CACHE=p, V_CACHE=p, O=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
-                       LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32")
+                       LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32",
+                       BIAS="*u8")
         if kernel == "decode_merge":
             return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim, BLOCK_D=block_d)
         # split: the long-cache case the goal is about (SPLIT=False only drops the merge)
@@ -207,7 +208,10 @@ def kernel_spec(kernel, dtype, flags, headdim):
             UNIFORM_SEQLEN=flags not in ("paged", "leftpad"), PAGED=flags == "paged",
             SPLIT=True, HAS_LEFTPAD=flags == "leftpad", HAS_SOFTCAP=flags == "softcap",
             HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, HEAD_DIM_V=headdim,
-            INPUT_PRECISION="tf32")
+            INPUT_PRECISION="tf32",
+            # a boolean mask (read as uint8), its keys contiguous: stride 1, which Triton
+            # specializes as a constant
+            **(dict(BIAS_KIND=2, stride_bn=1) if flags == "mask" else {}))
 
 
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):

@@ -112,7 +112,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      preflight_ws  at head dim 128: dK/dV's WS candidate (NaN in stage 6) beside WS_TRIALS'
                 tiles (32 rows with 2 stages, 64 rows)
      scaling_exact  as in stage 5, with what is left
-     pytest_mask  attn_mask through the kernels against float64, its gradient too
+     pytest_mask  attn_mask through the kernels against float64, its gradient too, and
+                through the decoding kernel (attention_with_kvcache, attention's route)
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -276,7 +277,7 @@ EXACT_TESTS = ("test_variants_gpu or test_learnable_sink_gpu or test_varlen_gpu 
                "test_paged_varlen_gpu or test_headdim_v_gpu or test_kvcache_headdim_v_gpu or "
                "test_tma_only_where_a_copy_can_read_gpu or test_warp_specialized_full_tiles_gpu or "
                "test_compiling_then_running_gpu or test_attn_mask_gpu or "
-               "test_attn_mask_gradient_gpu")
+               "test_attn_mask_gradient_gpu or test_attn_mask_kvcache_gpu")
 
 
 def _pytest(name, select, **kw):
@@ -586,10 +587,12 @@ def stage_steps(stage, dry):
             # A failure switches WS off (LONGFLASH_WS=0) for what follows, the gate's too:
             # scaling_exact, whose ranks run on the CPU.
             _preflight_ws("128", dry, estimate_s=30, timeout_s=150, reserve_s=60),
-            _scaling_exact(dry, estimate_s=60, timeout_s=150, reserve_s=30),
-            # attn_mask (new since stage 6) against float64, with what is left: three cases,
-            # each autotuning its own specialization of the kernels (about 20 s each)
-            _pytest("pytest_mask", "test_attn_mask", estimate_s=30, timeout_s=120),
+            _scaling_exact(dry, estimate_s=60, timeout_s=150, reserve_s=35),
+            # attn_mask (new since stage 6) against float64, with what is left (the estimate
+            # is the least worth starting for): three cases of the training kernels, each
+            # autotuning its own specialization (about 20 s each), then four of the
+            # decoding kernel (one compile each, a few seconds)
+            _pytest("pytest_mask", "test_attn_mask", estimate_s=35, timeout_s=150),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6 or 7, got {stage!r}")
 

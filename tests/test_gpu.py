@@ -410,6 +410,28 @@ def test_attn_mask_gradient_gpu():
                         "triton", device="cuda")
 
 
+@pytest.mark.parametrize("case, mask_kind", [(DECODE_LONG[2], "bool-keys"),
+                                             (DECODE_LONG[1], "float-heads"),
+                                             (DECODE_LONG[3], "bool-rows")],
+                         ids=["spec4-window-tree", "paged-ragged-float", "leftpad-rows"])
+def test_attn_mask_kvcache_gpu(case, mask_kind):
+    """attn_mask in decoding (the split-KV kernel's BIAS_KIND) in bf16 against float64: a
+    boolean mask shared by the heads over a speculative step's 4 queries (tree attention's
+    shape), a float mask per head over a ragged paged cache, one boolean per row."""
+    check_case(case, torch.bfloat16, "triton", 0, device="cuda", mask_kind=mask_kind)
+
+
+def test_attn_mask_routes_decoding_to_split_kv_gpu(route_small):
+    """attention() with a key-padding attn_mask, 4 queries over 5K keys, no gradient: the
+    split-KV kernel, in bf16 within the tolerance rule."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 32, 128, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 5000, 8, 128, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = (torch.arange(5000) < torch.tensor([5000, 3100])[:, None])[:, None, None]
+    check_attention_routes_to_split_kv(route_small, q, k, v, torch.bfloat16, "cuda",
+                                       causal=True, attn_mask=mask)
+
+
 def test_learnable_sink_gpu():
     """Attention sinks in bf16 through the Triton kernels: forward, and the backward with the
     lse gradient the sink adds, against the float64 reference (tolerance rule), at

@@ -645,7 +645,8 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
         "test_forward_warp_specialized_gpu", "test_forward_warp_specialized_varlen_gpu"]
     mask = next(s for s in gc.stage_steps(7, False) if s.name == "pytest_mask")
     assert [n for n in dir(test_gpu) if mask.argv[mask.argv.index("-k") + 1] in n] == [
-        "test_attn_mask_gpu", "test_attn_mask_gradient_gpu"]
+        "test_attn_mask_gpu", "test_attn_mask_gradient_gpu", "test_attn_mask_kvcache_gpu",
+        "test_attn_mask_routes_decoding_to_split_kv_gpu"]
     from longflash import flash_triton as ft
     for (kernel, headdim), tiles in gc.WS_TRIALS.items():  # tiles the table lacks, each a WS one
         table = ft.CONFIGS[ft._table_key(kernel, 9, headdim)]

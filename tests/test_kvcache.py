@@ -93,12 +93,38 @@ def expected_cache(cache, new, block_table, lengths):
     return out
 
 
+def make_mask(kind, q, keys, seed=1):
+    """An attn_mask of q's (batch, nheads, seqlen_q) over `keys` key positions: "bool-keys"
+    (batch, 1, seqlen_q, keys), a boolean shared by the heads (tree attention's shape);
+    "float-heads" (batch, nheads, seqlen_q, keys), a float per head with -inf entries;
+    "bool-rows" (nheads, seqlen_q, 1), one boolean per row for every key (some rows see no
+    key)."""
+    batch, seqlen_q, nheads, _ = q.shape
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "bool-keys":
+        return torch.rand(batch, 1, seqlen_q, keys, generator=gen) < 0.7
+    if kind == "float-heads":
+        mask = torch.randn(batch, nheads, seqlen_q, keys, generator=gen, dtype=torch.float64)
+        mask[torch.rand(mask.shape, generator=gen) < 0.2] = float("-inf")
+        return mask.to(q.dtype)
+    assert kind == "bool-rows"
+    return torch.rand(nheads, seqlen_q, 1, generator=gen) < 0.7
+
+
+MASK_KINDS = ["bool-keys", "float-heads", "bool-rows"]
+
+
 def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False,
-               fn=longflash.attention_with_kvcache):
+               fn=longflash.attention_with_kvcache, mask_kind=None):
     """One case on `device` (the reference on the CPU); int_seqlens: cache_seqlens as an int
-    (the case's lengths must all be equal); fn: attention_with_kvcache or a compiled one."""
+    (the case's lengths must all be equal); fn: attention_with_kvcache or a compiled one;
+    mask_kind: an attn_mask (make_mask) over the positions of the longest sequence's keys
+    and two more, or None."""
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, kw = make_case(case, dtype)
     lengths = cache_seqlens.tolist()
+    new = 0 if k is None else k.shape[1]
+    if mask_kind is not None:
+        kw["attn_mask"] = make_mask(mask_kind, q, max(lengths) + new + 2)
     k_after = expected_cache(k_cache, k, block_table, lengths)
     v_after = expected_cache(v_cache, v, block_table, lengths)
     on = (lambda x: x if x is None else x.to(device))  # noqa: E731
@@ -114,16 +140,18 @@ def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False
     assert o.shape == q.shape and o.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    new = 0 if k is None else k.shape[1]
     pads = kw.get("cache_leftpad", torch.zeros(len(lengths), dtype=torch.int32)).tolist()
     for b, n in enumerate(lengths):
         keys = seq_keys(k_cache, block_table, b, n + new)[:, pads[b]:]
         values = seq_keys(v_cache, block_table, b, n + new)[:, pads[b]:]
         slopes = kw.get("alibi_slopes")
         ref_kw = {key: val for key, val in kw.items()
-                  if key not in ("alibi_slopes", "cache_leftpad")}
+                  if key not in ("alibi_slopes", "cache_leftpad", "attn_mask")}
         if slopes is not None:
             ref_kw["alibi_slopes"] = slopes.expand(q.shape[0], q.shape[2])[b:b + 1]
+        if mask_kind is not None:  # sequence b's rows, at its keys' positions
+            mask = kw["attn_mask"].expand(*q.shape[:1], q.shape[2], q.shape[1], -1)[b:b + 1]
+            ref_kw["attn_mask"] = mask if mask.shape[-1] == 1 else mask[..., pads[b]:n + new]
         ref = attention_ref(q[b:b + 1].double(), keys.double(), values.double(), **ref_kw)
         low = attention_ref(q[b:b + 1], keys, values, upcast=False, **ref_kw)
         check_close(f"o[{b}]", o[b:b + 1], low[0], ref[0])
@@ -145,6 +173,24 @@ def test_torch_path(dtype, case, num_splits, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_interpreter(dtype, case, num_splits):
     check_case(case, dtype, "triton", num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["splits1", "splits3"])
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attn_mask_torch_path(dtype, case, mask_kind, num_splits, monkeypatch):
+    monkeypatch.setattr(kvcache, "BLOCK_N", 8)
+    check_case(case, dtype, "torch", num_splits, mask_kind=mask_kind)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["splits1", "splits3"])
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_attn_mask_triton_interpreter(dtype, case, mask_kind, num_splits):
+    check_case(case, dtype, "triton", num_splits, mask_kind=mask_kind)
 
 
 def test_gqa_ratios_and_float64():
@@ -239,17 +285,30 @@ def test_compile_fullgraph(backend, paged):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_fullgraph_with_attn_mask(backend):
+    """A decoding step with an attn_mask under torch.compile(fullgraph=True): the mask is an
+    input of the decoding op, at int and tensor lengths, within the tolerance rule."""
+    step, graphs = _compile_recorded(longflash.attention_with_kvcache, "aot_eager")
+    for lengths, kind in (([40, 40], "bool-keys"), ([52, 7], "float-heads")):
+        case = ("compiled-mask", 2, 3, 8, 2, 32, None, 60, lengths, 1, dict(causal=True))
+        check_case(case, torch.float32, backend, 0, int_seqlens=kind == "bool-keys", fn=step,
+                   mask_kind=kind)
+    assert graphs and all("longflash.kvcache_forward" in _ops(g) for g in graphs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_opcheck(backend):
     """torch.library's consistency checks of the decoding op (fake vs real, schema), with
-    lengths as a tensor and as one int, with and without cache_leftpad."""
+    lengths as a tensor and as one int, with and without cache_leftpad, and with an
+    attn_mask."""
     case = ("op", 2, 2, 4, 2, 16, None, 30, [20, 20], 0, {})
     q, k_cache, v_cache, _, _, cache_seqlens, _, _ = make_case(case, torch.float32)
     rest = (True, 0.25, -1, -1, 0.0, None, 0, backend)
     leftpad = torch.tensor([3, 17], dtype=torch.int32)
     for lengths in ((cache_seqlens.long(), 0, 20), (None, 20, 20)):
-        for pads in (None, leftpad):
+        for pads, mask in ((None, None), (leftpad, None), (None, make_mask("bool-keys", q, 20))):
             torch.library.opcheck(torch.ops.longflash.kvcache_forward.default,
-                                  lengths + (q, k_cache, v_cache, None, pads) + rest)
+                                  lengths + (q, k_cache, v_cache, None, pads) + rest + (mask,))
 
 
 def check_compiled_route(compile_backend, dtype, device="cpu"):
@@ -546,7 +605,7 @@ def _error_inputs():
 
 
 def _per_sequence(arg, value):
-    """Inputs with a bad (batch,) per-sequence tensor argument."""
+    """Inputs with a bad keyword argument (cache_seqlens 1, two keys appended)."""
     return lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, 1, None, {arg: value})
 
 
@@ -647,6 +706,19 @@ ERRORS = [
 ]
 
 
+ERRORS += [  # attn_mask: its last dimension spans the keys of the longest sequence (3 here)
+    ("mask-keys", ValueError, r"attn_mask must be broadcastable to \(batch, nheads, seqlen_q, L\)",
+     _per_sequence("attn_mask", torch.ones(2, 4, 1, 2, dtype=torch.bool))),
+    ("mask-keys-tensor", ValueError, "attn_mask",
+     lambda q, kc, vc, k, v, pk, pv, t: (q, kc, vc, k, v, torch.tensor([1, 4]), None,
+                                         dict(attn_mask=torch.ones(1, 5)))),
+    ("mask-heads", ValueError, "attn_mask",
+     _per_sequence("attn_mask", torch.ones(2, 3, 1, 3, dtype=torch.bool))),
+    ("mask-dtype", TypeError, "attn_mask",
+     _per_sequence("attn_mask", torch.ones(2, 4, 1, 3, dtype=torch.int32))),
+    ("mask-dims", ValueError, "attn_mask",
+     _per_sequence("attn_mask", torch.ones(1, 2, 4, 1, 3, dtype=torch.bool))),
+]
 ERRORS += [(f"{arg}-{what}", TypeError, arg, _per_sequence(arg, bad))
            for arg in ("cache_batch_idx", "cache_leftpad")
            for what, bad in (("shape", torch.tensor([0])), ("dtype", torch.tensor([0.0, 1.0])))]
@@ -680,7 +752,8 @@ def route_small(monkeypatch):
     monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 20)
     calls = []
     original = kvcache._forward
-    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(a[3]) or original(*a))
+    monkeypatch.setattr(kvcache, "_forward",
+                        lambda *a, **kw: calls.append(a[3]) or original(*a, **kw))
     return calls
 
 
@@ -710,7 +783,10 @@ def check_attention_routes_to_split_kv(calls, q, k, v, dtype, device="cpu", **kw
 
 @pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0), softcap=0.5),
-                                dict(alibi=(6,))], ids=["causal", "window-softcap", "alibi"])
+                                dict(alibi=(6,)), dict(causal=True, mask="padding"),
+                                dict(window_size=(9, 0), mask="float-heads")],
+                         ids=["causal", "window-softcap", "alibi", "causal-padding-mask",
+                              "window-float-mask"])
 def test_attention_routes_decoding_to_split_kv(route_small, kw):
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 3, 6, 24, generator=gen, dtype=torch.float64)
@@ -719,7 +795,22 @@ def test_attention_routes_decoding_to_split_kv(route_small, kw):
     kw = dict(kw)
     if "alibi" in kw:
         kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
+    if kw.get("mask") == "padding":  # (batch, 1, 1, seqlen_k): keys 30 and on of sequence 1
+        kw["attn_mask"] = (torch.arange(41) < torch.tensor([41, 30])[:, None])[:, None, None]
+    elif "mask" in kw:
+        kw["attn_mask"] = make_mask(kw["mask"], q, 41)[0]  # (nheads, seqlen_q, seqlen_k)
+    kw.pop("mask", None)
     check_attention_routes_to_split_kv(route_small, q, k, v, torch.float32, **kw)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")
+def test_attention_with_a_learned_mask_keeps_the_main_kernel(route_small):
+    """A float attn_mask that requires grad needs the main kernels' backward (its gradient):
+    attention does not route it to the split-KV path, which is inference only."""
+    q, k, v = (torch.randn(1, n, 2, 16) for n in (2, 41, 41))
+    mask = torch.randn(2, 2, 41, requires_grad=True)
+    longflash.attention(q, k, v, attn_mask=mask).sum().backward()
+    assert route_small == [] and mask.grad is not None
 
 
 @pytest.mark.skipif(not INTERPRET, reason="routing is on the Triton backend (interpreter here)")

@@ -120,7 +120,8 @@ def test_paged_decoding_reads_the_pages_in_place(route_small, monkeypatch):  # n
     and block_table (no copy), giving what the packed keys give."""
     from longflash import kvcache
     tables, route = [], kvcache._forward
-    monkeypatch.setattr(kvcache, "_forward", lambda *a: tables.append(a[4]) or route(*a))
+    monkeypatch.setattr(kvcache, "_forward",
+                        lambda *a, **kw: tables.append(a[4]) or route(*a, **kw))
     lengths_k = [30, 21, 45]
     q, k, v, cu_q, cu_k, k_pages, v_pages, table = make_paged(
         [1, 1, 1], lengths_k, 8, 2, 32, 8, torch.float32)

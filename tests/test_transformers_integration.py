@@ -324,7 +324,8 @@ def test_generate_with_cache_uses_split_kv(padding, monkeypatch):
     monkeypatch.setattr(interface, "SPLIT_KV_MIN_SEQLEN_K", 8)
     calls = []
     original = kvcache._forward
-    monkeypatch.setattr(kvcache, "_forward", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(kvcache, "_forward",
+                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
     eager, longflash = make_models("llama-gqa", (torch.float32,) * 2, ("eager", NAME))
     input_ids, mask, _ = make_batch(padding, batch=2, seqlen=17)  # prefill: 17 > 16 queries
     try:

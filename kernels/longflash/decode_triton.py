@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2E, empty_outputs, fix_triton_interpreter
-from .flash_triton import page_rows
+from .flash_triton import _bias, page_rows
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -162,7 +162,9 @@ def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLEN
 
 # ----------------------------------------------------------------------------- split kernel
 
-@triton.jit(do_not_specialize=["seqlen_k_all"])  # it grows by one per decoding step
+# seqlen_k_all grows by one per decoding step, and so may an attn_mask's length and strides
+@triton.jit(do_not_specialize=["seqlen_k_all", "stride_bb", "stride_bh", "stride_bm",
+                               "mask_len"])
 def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, O, LSE,
                  O_PARTIAL, LSE_PARTIAL,
                  stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -175,7 +177,11 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                  HAS_LEFTPAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
+                 stride_bn=0, mask_len=0):
+    """BIAS_KIND, BIAS: attn_mask (flash_triton._bias), (batch, nheads, seqlen_q, mask_len)
+    through its strides, indexed by key position."""
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
@@ -203,6 +209,9 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah, mask=m_mask, other=0.0)
     diag = i + (seqlen_k - seqlen_q)  # (BLOCK_M,) key aligned with each row
+    bias = Q  # attn_mask's row of each (query, head) pair (BIAS_KIND); never read without one
+    if BIAS_KIND != 0:
+        bias = BIAS + off_b * stride_bb + off_h[:, None].to(tl.int64) * stride_bh
 
     # -- this split's keys: [split_lo, split_hi) of the keys the block's rows can see --
     first = start_m // group_size + (seqlen_k - seqlen_q)
@@ -222,6 +231,9 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < split_hi
         # -- compute scores --
+        if BIAS_KIND != 0:  # loaded first: then Triton keeps the softmax in the MMA layout
+            b_ij = _bias(bias, i[:, None], offs_n[None, :], seqlen_q, mask_len, stride_bm,
+                         stride_bn, BIAS_KIND)
         k = tl.load(_kv_ptrs(K_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
                              page_size, stride_kb, stride_kn, stride_kh, stride_tb, PAGED),
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
@@ -233,6 +245,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         if HAS_ALIBI:
             distance = tl.abs(diag[:, None] - offs_n[None, :]).to(tl.float32)
             s = s - (slope[:, None] * 1.4426950408889634) * distance
+        if BIAS_KIND != 0:
+            s = s + b_ij
         visible = n_mask[None, :] & ((window_right < 0) | (offs_n[None, :] <= diag[:, None]
                                                             + window_right))
         visible = visible & ((window_left < 0) | (offs_n[None, :] >= diag[:, None]
@@ -359,6 +373,17 @@ def merge_config(num_splits):
     return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
 
 
+def _bias_args(mask):
+    """attn_mask, a (batch, nheads, seqlen_q, L) view indexed by key position, as _fwd_splitkv
+    reads it: a boolean mask as uint8; L = 1 is read at stride 0 for every key."""
+    bias = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    length = bias.shape[-1]
+    return dict(BIAS_KIND=2 if mask.dtype == torch.bool else 1, BIAS=bias,
+                stride_bb=bias.stride(0), stride_bh=bias.stride(1), stride_bm=bias.stride(2),
+                stride_bn=bias.stride(3) if length > 1 else 0,
+                mask_len=length if length > 1 else 2**31 - 1)
+
+
 def check_cache_layout(k_cache, v_cache):
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"k_cache and v_cache must have a contiguous last dimension (headdim) on "
@@ -446,6 +471,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         leftpad_k = leftpad_k.to(device=q.device, dtype=torch.int32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
+    bias = {} if opts.attn_mask is None else _bias_args(opts.attn_mask)
     _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
         q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
         seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,
@@ -460,7 +486,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_LEFTPAD=leftpad_k is not None,
         HAS_SOFTCAP=opts.softcap > 0,
         HAS_ALIBI=alibi is not None, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **bias,
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         merge = merge_config(num_splits)

@@ -95,20 +95,26 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     return float(softmax_scale), _resolve_backend(backend, q)
 
 
-def _check_attn_mask(attn_mask, q, k):
+def _check_attn_mask(attn_mask, q, seqlen_k, keys_at_least=False):
     """attn_mask: None, or a bool or floating-point tensor on q's device, broadcastable to
-    (batch, nheads, seqlen_q, seqlen_k)."""
+    (batch, nheads, seqlen_q, seqlen_k); keys_at_least (attention_with_kvcache, whose mask
+    spans the cache's key positions): its last dimension may also exceed seqlen_k, the
+    longest sequence's keys (None: not known without reading the lengths, not checked)."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor) or not (
             attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
         raise TypeError(f"attn_mask must be a bool or floating-point tensor, or None, got "
                         f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
-    target = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(n not in (1, t) for n, t in zip(shape[::-1], target[::-1])):
-        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, seqlen_k)"
-                         f" = {target}, got shape {shape}")
+    target = (q.shape[0], q.shape[2], q.shape[1], seqlen_k)
+    fits = [n in (1, t) for n, t in zip(shape[::-1], target[::-1])]
+    if keys_at_least and shape:
+        fits[0] = shape[-1] == 1 or seqlen_k is None or shape[-1] >= seqlen_k
+    if len(shape) > 4 or not all(fits):
+        keys = "L) with L = 1 or L >= seqlen_k" if keys_at_least else "seqlen_k)"
+        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, {keys};"
+                         f" (batch, nheads, seqlen_q, seqlen_k) = {target}, got shape {shape}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must match")
 
@@ -364,7 +370,8 @@ SPLIT_KV_MIN_SEQLEN_K = 1024
 
 
 def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    """tensors: tensors or None."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
@@ -373,13 +380,14 @@ def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
 
 
 def _split_kv(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size, softcap,
-              alibi_slopes, backend, max_seqlen_k):
+              alibi_slopes, backend, max_seqlen_k, attn_mask=None):
     """seqlens_k: (batch,) tensor, or an int for every sequence; max_seqlen_k: max(seqlens_k),
     known here, so the launcher reads nothing back."""
     from .kvcache import _forward  # imported on first use: kvcache imports this module
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     return _forward(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size,
-                    float(softcap), alibi_slopes, 0, backend, max_seqlen_k)
+                    float(softcap), alibi_slopes, 0, backend, max_seqlen_k,
+                    attn_mask=attn_mask)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -462,10 +470,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend, window_size,
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic, learnable_sink=learnable_sink)
-    _check_attn_mask(attn_mask, q, k)
-    if attn_mask is None and _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v):
+    _check_attn_mask(attn_mask, q, k.shape[1])
+    if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v, attn_mask):
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
-                           alibi_slopes, backend, k.shape[1])
+                           alibi_slopes, backend, k.shape[1], attn_mask)
     else:
         o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                     alibi_slopes, float(softcap), float(dropout_p),

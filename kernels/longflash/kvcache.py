@@ -72,7 +72,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     """Split-KV forward. q: (batch, seqlen_q, nheads, headdim); seqlens_k: (batch,) int, the
     number of keys of each sequence (after any append), or one int for every sequence;
     leftpad_k: (batch,) int or None, the first key of each sequence (keys before it are
-    padding; positions are counted from the start of the cache). Returns o like q and lse
+    padding; positions are counted from the start of the cache). opts.attn_mask: None, or a
+    (batch, nheads, seqlen_q, L) view (broadcast dimensions at stride 0) indexed by key
+    position, L = 1 or at least every sequence's key count. Returns o like q and lse
     (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key); o has
     v_cache's head dim, which may differ from q's and k_cache's."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -90,11 +92,12 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         # cache do not merge into one batch stride, and matmul would copy every block.
         for seq in range(batch):
             one = slice(seq, seq + 1)
-            slopes = None if opts.alibi_slopes is None else opts.alibi_slopes[one]
+            slopes, mask = (None if x is None else x[one]
+                            for x in (opts.alibi_slopes, opts.attn_mask))
             pad = None if leftpad_k is None else leftpad_k[one]
             o[one], lse[one] = forward(q[one], k_cache[one], v_cache[one], seqlens_k[one], None,
-                                       opts._replace(alibi_slopes=slopes), num_splits, block_n,
-                                       pad)
+                                       opts._replace(alibi_slopes=slopes, attn_mask=mask),
+                                       num_splits, block_n, pad)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
     block_n = block_n or BLOCK_N
@@ -112,6 +115,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         slope = opts.alibi_slopes.to(dtype).view(batch, nheads_kv, 1, group)
         slope = slope.expand(batch, nheads_kv, seqlen_q, group).reshape(
             batch, nheads_kv, 1, M)[..., None]
+    bias = opts.attn_mask  # (B, H, Nq, L), read at (batch, head, query, key) of each score
+    if bias is not None:
+        heads = torch.arange(nheads_kv, device=device)[:, None] * group + offs_m % group
+        bias_h, bias_i = heads.view(1, nheads_kv, 1, M, 1), i.view(1, 1, 1, M, 1)
     # -- this split's keys: [split_lo, split_hi) of the keys the rows can see --
     offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
     lo, hi = key_limits(offset, offset + seqlen_q - 1, seqlens_k, opts.window_left,
@@ -168,6 +175,13 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         j = offs_n[:, None, :, None, :]  # (B, 1, S, 1, BN)
         if slope is not None:
             qk = qk - slope * (diag - j).abs()
+        if bias is not None:  # (B, Hkv, S, M, BN); keys past a sequence's end are masked below
+            pos5 = offs_n.clamp(max=bias.shape[-1] - 1)[:, None, :, None, :]
+            bias_ij = bias[b[..., None, None], bias_h, bias_i, pos5]
+            if bias_ij.dtype == torch.bool:
+                mask = bias_ij if mask is None else mask & bias_ij
+            else:
+                qk = qk + bias_ij.to(dtype)
         if window_edge:
             mask = True if mask is None else mask
             if opts.window_right >= 0:
@@ -446,7 +460,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_lse=False, backend="auto", *, num_splits=0,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                           cache_batch_idx=None, cache_leftpad=None, learnable_sink=None):
+                           cache_batch_idx=None, cache_leftpad=None, learnable_sink=None,
+                           attn_mask=None):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
     (FlashAttention-2's flash_attn_with_kvcache).
 
@@ -505,6 +520,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         learnable_sink: (nheads,) floating-point tensor, or None: attention sinks, as in
             `longflash.attention` (one more logit per head in each row's softmax, attending
             to no value; lse includes it).
+        attn_mask: None, or a bool or floating-point tensor broadcastable to (batch, nheads,
+            seqlen_q, L), as in `longflash.attention` (True: query i may see the key; a float
+            is added to the scores after softcap and ALiBi), whose last dimension is the key's
+            position in its sequence (cache row, as cache_seqlens and cache_leftpad count
+            them): L = 1, or L >= every sequence's key count after the append (entries past a
+            sequence's end are not read). Combines with causal, windows and cache_leftpad
+            (a key must pass every one). For tree attention in speculative decoding: the
+            draft tokens' tree as a (batch, 1, seqlen_q, L) boolean mask. The kernels read it
+            in place, tile by tile (a broadcast mask is never materialized). L is checked
+            against the lengths where they are read (not under torch.compile with a tensor
+            cache_seqlens).
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
     sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only
     (no autograd in q and the caches; a learnable_sink's gradient flows).
@@ -517,7 +543,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     changes between calls becomes symbolic after the first change, so a compiled decoding
     loop compiles twice, not once per token.
     """
-    from .interface import _check_inputs, _outputs  # interface routes decoding here: late
+    from .interface import _check_attn_mask, _check_inputs, _outputs  # it imports us: late
 
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
@@ -537,6 +563,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     softmax_scale, backend = _check_inputs(q, keys, values, causal, softmax_scale, backend,
                                            window_size, alibi_slopes, softcap,
                                            learnable_sink=learnable_sink)
+    _check_attn_mask(attn_mask, q, None if max_seqlen is None else max_seqlen + seqlen_new,
+                     keys_at_least=True)
     q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
                   q_in_order)
@@ -558,18 +586,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
-                      cache_leftpad)
+                      cache_leftpad, attn_mask)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
-             softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None, leftpad_k=None):
+             softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None, leftpad_k=None,
+             attn_mask=None):
     """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
     of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
     device); None: found from seqlens_k when needed. leftpad_k: each sequence's first key
-    (cache_leftpad) or None."""
+    (cache_leftpad) or None. attn_mask: None, or broadcastable to (batch, nheads, seqlen_q,
+    L), indexed by key position."""
     args = (q, k_cache, v_cache, block_table, leftpad_k, causal, softmax_scale, *window_size,
-            float(softcap), alibi_slopes, num_splits, backend)
+            float(softcap), alibi_slopes, num_splits, backend, attn_mask)
     if not torch.compiler.is_compiling():
         return _run(seqlens_k, max_seqlen_k, *args)
     # Traced by torch.compile: one opaque op, since the PyTorch path loops over as many key
@@ -585,11 +615,15 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
 
 
 def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
-         softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, backend):
+         softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, backend,
+         attn_mask=None):
+    batch, seqlen_q, nheads, _ = q.shape
     if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.expand(q.shape[0], q.shape[2])
+        alibi_slopes = alibi_slopes.expand(batch, nheads)
+    if attn_mask is not None:  # a view: broadcast dimensions at stride 0
+        attn_mask = attn_mask.expand(batch, nheads, seqlen_q, attn_mask.shape[-1])
     opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
-                   softcap)
+                   softcap, attn_mask=attn_mask)
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
@@ -604,13 +638,14 @@ def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqle
                      causal: bool, softmax_scale: float,
                      window_left: int, window_right: int, softcap: float,
                      alibi_slopes: Optional[torch.Tensor], num_splits: int,
-                     backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     backend: str, attn_mask: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """_run under torch.compile. seqlens_k: (batch,) lengths, or None for one length seqlen_k
     of every sequence."""
     lengths = seqlen_k if seqlens_k is None else seqlens_k
     return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits,
-                backend)
+                backend, attn_mask)
 
 
 def _kvcache_fake(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):
