@@ -26,6 +26,12 @@ the keys turned by the rotary embedding if one is given, and q's rotated copy.
 
 Every key tile is masked (visibility, window, end of split): decoding is memory-bound and the
 mask is a few integer operations per score. Key blocks outside the rows' window are skipped.
+An attn_mask (BIAS_KIND, flash_triton._bias: boolean as uint8, or float) is read by pointers
+through its strides, a (BLOCK_M, BLOCK_N) tile at each packed row's (batch, head, query) and
+the tile's key positions, loaded before the key tile: loaded after it, Triton's layout pass
+ran the online softmax twice, in the MMA layout and in the mask load's (255 registers and
+spills at head dims 64 and 256 for sm_90a with Triton 3.6; loaded first, 150-214 registers
+and no spills).
 
 Where it was tested and where it breaks: under TRITON_INTERPRET=1 (Triton 3.9) in fp16 and
 fp32, and compiled (not run) for sm_90 and sm_80 by tests/compile_decode_for_gpu.py; at the
