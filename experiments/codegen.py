@@ -18,7 +18,8 @@ The flash kernels compile as a launch compiles them (compile_launch): their laun
 on CPU tensors with Triton's driver a stand-in of the target GPU, so Triton specializes every
 argument as at that call. The flags of a flash kernel are launches (launch_inputs): "plain" is
 RQ1's call (batch 1, 16 heads, 4000 tokens, non-causal, no variant); "gqa" the same with 4 KV
-heads (grouped query heads); "softcap", "alibi", "dropout" that variant; "varlen" packed
+heads (grouped query heads); "softcap", "alibi", "dropout" that variant; "mask" an attn_mask
+(a boolean key-padding mask, broadcast: no warp-specialized candidate); "varlen" packed
 sequences; "paged" (forward) packed sequences whose keys are read from a paged cache through a
 block table; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
@@ -99,8 +100,8 @@ from longflash._common import Options, empty_outputs  # noqa: E402
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
-FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles"]
-FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "mask"]
+FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles", "mask"]
+FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary"]
 KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"], "preprocess": ["plain", "varlen"],
                 "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask"],
                 "decode_merge": ["plain"], "decode_append": ["plain", "paged", "rotary"]}
@@ -258,7 +259,9 @@ class StandInGPU:
 # attention) or, for "full_tiles", 4096 (a multiple of every tile: the warp-specialized loops
 # compile without masks, as at RQ1's non-causal calls). "gqa": 4 KV heads. "varlen": two
 # packed sequences of 1000 and 3000 tokens; "paged" the same with the keys and values in a
-# paged cache of 256-token pages read through the block table (forward only).
+# paged cache of 256-token pages read through the block table (forward only). "mask": an
+# attn_mask, a (1, 1, 1, 4000) boolean key-padding mask broadcast over heads and rows (stride
+# 0), the common case; no warp-specialized candidate runs with a mask.
 LAUNCH_TOKENS, LAUNCH_TOKENS_FULL, LAUNCH_HEADS, LAUNCH_KV_HEADS_GQA = 4000, 4096, 16, 4
 LAUNCH_SEQLENS, LAUNCH_PAGE = (1000, 3000), 256
 LAUNCHED = {"fwd": "_attn_fwd", "preprocess": "_attn_bwd_preprocess", "dkdv": "_attn_bwd_dkdv",
@@ -294,6 +297,9 @@ def launch_inputs(flags, dtype, headdim):
         opts.update(alibi_slopes=torch.empty(LAUNCH_HEADS).expand(1, LAUNCH_HEADS))
     if flags == "dropout":
         opts.update(dropout_p=0.1, seed=1234)
+    if flags == "mask":  # as interface.py passes it: broadcast to (batch, nheads, N, N)
+        opts.update(attn_mask=torch.empty(1, 1, 1, tokens, dtype=torch.bool).expand(
+            1, LAUNCH_HEADS, tokens, tokens))
     k, v = (torch.empty(kv_shape, dtype=dt) for _ in range(2))
     return q, k, v, Options(**opts)
 
@@ -569,10 +575,12 @@ def sweep(conf, log=print):
                 for dtype in conf.dtypes:
                     for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
                         # full_tiles: what the warp-specialized candidates compile to;
-                        # paged: only the pointer candidates run it (no TMA tile across pages)
+                        # paged: only the pointer candidates run it (no TMA tile across pages);
+                        # mask: no warp-specialized candidate runs it
                         for cfg in [c for c in candidates
                                     if (flags != "full_tiles" or c.kwargs.get("WARP_SPECIALIZE"))
-                                    and (flags != "paged" or not c.kwargs.get("USE_TMA"))]:
+                                    and (flags != "paged" or not c.kwargs.get("USE_TMA"))
+                                    and (flags != "mask" or not c.kwargs.get("WARP_SPECIALIZE"))]:
                             mode = "bwd" if kernel in ("preprocess", "dkdv", "dq") else "fwd"
                             key = dict(arch=arch, kernel=kernel, config=config_name(cfg),
                                        flags=flags, experiment="codegen", provider="longflash",
