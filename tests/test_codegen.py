@@ -292,7 +292,8 @@ def test_report_compiles_each_flag_as_its_launch():
 
 def test_launch_inputs_stand_for_their_calls():
     """The inputs of each flag's launch (nothing compiled): RQ1's shape, grouped KV heads,
-    packed sequences, and a paged cache whose block table covers each sequence's keys."""
+    packed sequences, a paged cache whose block table covers each sequence's keys, and a
+    key-padding attn_mask broadcast over heads and rows."""
     from experiments import codegen as cg
     q, k, v, opts = cg.launch_inputs("plain", "bfloat16", 64)
     assert q.shape == k.shape == (1, cg.LAUNCH_TOKENS, cg.LAUNCH_HEADS, 64)
@@ -313,6 +314,10 @@ def test_launch_inputs_stand_for_their_calls():
         assert getattr(cg.launch_inputs(flag, "bfloat16", 64)[3], field) > 0
     assert cg.launch_inputs("alibi", "bfloat16", 64)[3].alibi_slopes.shape == (
         1, cg.LAUNCH_HEADS)
+    mask = cg.launch_inputs("mask", "bfloat16", 64)[3].attn_mask  # key padding, broadcast
+    assert mask.dtype == torch.bool and mask.shape == (1, cg.LAUNCH_HEADS, cg.LAUNCH_TOKENS,
+                                                       cg.LAUNCH_TOKENS)
+    assert mask.stride()[1:3] == (0, 0)
 
 
 def test_compile_workers_reads_its_variable(monkeypatch):

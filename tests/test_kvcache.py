@@ -6,6 +6,7 @@ ARCHITECTURE.md: `check_close`), and checks that exactly the appended slots of t
 changed. The Triton cases run under the interpreter (tiny, fp16 / fp32).
 """
 
+import functools
 from collections import Counter
 
 import pytest
@@ -201,6 +202,22 @@ def test_gqa_ratios_and_float64():
 
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attn_mask_scalar(backend):
+    """A 0-d attn_mask broadcasts to every score: False hides every key (o = 0, lse = -inf), a
+    float c shifts every score, leaving o as without a mask and lse + c."""
+    q, k_cache, v_cache, _, _, lengths, _, _ = make_case(CASES[1], torch.float32)
+    run = functools.partial(longflash.attention_with_kvcache, q, k_cache, v_cache,
+                            cache_seqlens=lengths, causal=True, return_lse=True,
+                            backend=backend)
+    o, lse = run(attn_mask=torch.tensor(False))
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    o, lse = run()
+    o_c, lse_c = run(attn_mask=torch.tensor(0.5))
+    torch.testing.assert_close(o_c, o)
+    torch.testing.assert_close(lse_c, lse + 0.5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

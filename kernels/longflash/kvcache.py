@@ -621,7 +621,8 @@ def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, c
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(batch, nheads)
     if attn_mask is not None:  # a view: broadcast dimensions at stride 0
-        attn_mask = attn_mask.expand(batch, nheads, seqlen_q, attn_mask.shape[-1])
+        attn_mask = attn_mask.expand(batch, nheads, seqlen_q,
+                                     attn_mask.shape[-1] if attn_mask.dim() else 1)
     opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, attn_mask=attn_mask)
     if backend == "triton":
