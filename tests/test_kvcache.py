@@ -220,6 +220,57 @@ def test_attn_mask_scalar(backend):
     torch.testing.assert_close(lse_c, lse + 0.5)
 
 
+# A speculative step's draft tree: node t's parent (-1: the last token in the cache)
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 5]
+
+
+def tree_mask(parents, prefix, keys):
+    """(len(parents), keys) boolean: node t sees the `prefix` cached keys, its ancestors and
+    itself, each node's key at position prefix + its index (the draft appended in order)."""
+    mask = torch.zeros(len(parents), keys, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for t in range(len(parents)):
+        node = t
+        while node >= 0:
+            mask[t, prefix + node] = True
+            node = parents[node]
+    return mask
+
+
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float64), ("torch", torch.bfloat16)]
+                         + [("triton", torch.float32), ("triton", torch.float16)] * INTERPRET,
+                         ids=lambda x: str(x).removeprefix("torch."))
+def test_tree_attention_is_decoding_each_branch(backend, dtype):
+    """Tree attention in speculative decoding: the draft's 7 nodes appended and attended in one
+    call, with a boolean attn_mask of each node's ancestors (batch, 1, 7, L), give what
+    decoding the node's branch token by token gives: attention over the prefix and the
+    branch, within the tolerance rule of the float64 reference (GQA, two sequences of other
+    prefix lengths, so the tree sits at other cache rows in each)."""
+    gen = torch.Generator().manual_seed(7)
+    prefixes, nodes, keys = [21, 9], len(TREE_PARENTS), 21 + len(TREE_PARENTS)
+    q = torch.randn(2, nodes, 8, 32, generator=gen, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, generator=gen, dtype=torch.float64)
+                        for _ in range(2))
+    k_new, v_new = (torch.randn(2, nodes, 2, 32, generator=gen, dtype=torch.float64)
+                    for _ in range(2))
+    mask = torch.stack([tree_mask(TREE_PARENTS, n, keys) for n in prefixes])[:, None]
+    low = [x.to(dtype) for x in (q, k_cache, v_cache, k_new, v_new)]
+    o, lse = longflash.attention_with_kvcache(
+        *low, cache_seqlens=torch.tensor(prefixes, dtype=torch.int32), return_lse=True,
+        backend=backend, attn_mask=mask)
+    for b, prefix in enumerate(prefixes):
+        for t in range(nodes):
+            branch = mask[b, 0, t, prefix:].nonzero().flatten().tolist()  # in cache order
+            sel = torch.tensor(branch)
+            keys_t, values_t = (torch.cat([c[b:b + 1, :prefix], new[b:b + 1, sel]], 1)
+                                for c, new in ((k_cache, k_new), (v_cache, v_new)))
+            q_t = q[b:b + 1, t:t + 1]
+            ref = attention_ref(q_t, keys_t, values_t)
+            lowp = attention_ref(*(x.to(dtype) for x in (q_t, keys_t, values_t)), upcast=False)
+            check_close(f"o[{b}, node {t}]", o[b:b + 1, t:t + 1], lowp[0], ref[0])
+            check_close(f"lse[{b}, node {t}]", lse[b:b + 1, :, t:t + 1], lowp[1], ref[1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_int_cache_seqlens_and_no_key(backend):
     """An int cache_seqlens; length 0 with nothing appended: o = 0, lse = -inf."""
