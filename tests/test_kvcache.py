@@ -865,8 +865,8 @@ def test_attention_routes_decoding_to_split_kv(route_small, kw):
         kw["alibi_slopes"] = torch.rand(kw.pop("alibi"), generator=gen) * 0.5
     if kw.get("mask") == "padding":  # (batch, 1, 1, seqlen_k): keys 30 and on of sequence 1
         kw["attn_mask"] = (torch.arange(41) < torch.tensor([41, 30])[:, None])[:, None, None]
-    elif "mask" in kw:
-        kw["attn_mask"] = make_mask(kw["mask"], q, 41)[0]  # (nheads, seqlen_q, seqlen_k)
+    elif "mask" in kw:  # (nheads, seqlen_q, seqlen_k), stored keys-major: strided keys
+        kw["attn_mask"] = make_mask(kw["mask"], q, 41)[0].mT.contiguous().mT
     kw.pop("mask", None)
     check_attention_routes_to_split_kv(route_small, q, k, v, torch.float32, **kw)
 
