@@ -115,6 +115,75 @@ def test_learnable_sink(case):
         lj.attention(q, k, v, learnable_sink=sink[:1])
 
 
+# (case, mask shape with B/H/Q/K for the case's dims, kind)
+MASKS = [
+    (CASES[0], "B11K", "bool"),    # key padding, broadcast over heads and rows
+    (CASES[1], "HQK", "float"),    # a bias per head (T5-like), shared by the batch
+    (CASES[2], "BHQK", "float"),   # full, with -inf entries; the first 90 rows see no key
+    (CASES[1], "Q1", "bool"),      # one boolean per row for every key: some rows see none
+    (CASES[3], "1HQK", "bool"),
+]
+
+
+def make_mask(case, dims, kind, seed=4):
+    b, nq, nk, h, _, _, _ = case
+    shape = tuple({"B": b, "H": h, "Q": nq, "K": nk, "1": 1}[c] for c in dims)
+    rng = np.random.default_rng(seed)
+    if kind == "bool":
+        return jnp.asarray(rng.random(shape) < 0.7)
+    mask = rng.standard_normal(shape)
+    mask[rng.random(shape) < 0.2] = -np.inf
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("case, dims, kind", MASKS,
+                         ids=[f"{case_id(c)}-{d}-{k}" for c, d, k in MASKS])
+def test_attn_mask(case, dims, kind):
+    """attn_mask (boolean, or float added to the scores) broadcast in several ways: o, lse and
+    the gradients of q, k, v and of a float mask (dL/ds summed where it broadcasts) in float32
+    against the float64 reference, by the tolerance rule."""
+    causal = case[-1]
+    q, k, v, do, dlse = make_inputs(case)
+    mask = make_mask(case, dims, kind)
+
+    def run(fn, q, k, v, mask):
+        """o, lse and the cotangents of q, k, v, and of a float mask."""
+        if kind == "bool":
+            (o, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask), q, k, v)
+        else:
+            (o, lse), vjp = jax.vjp(fn, q, k, v, mask)
+        dl = jnp.where(jnp.isinf(lse), 0.0, dlse).astype(lse.dtype)  # rows that see no key
+        return (o, lse, *vjp((do.astype(o.dtype), dl)))
+    ref = lambda q, k, v, m: lj.attention_ref(q, k, v, causal=causal,  # noqa: E731
+                                              attn_mask=m)
+    blockwise = lambda q, k, v, m: lj.attention(q, k, v, causal=causal,  # noqa: E731
+                                                return_lse=True, block_m=32, block_n=16,
+                                                attn_mask=m)
+    lowp = [x.astype(jnp.float32) for x in (q, k, v)] + [
+        mask if kind == "bool" else mask.astype(jnp.float32)]
+    ref64 = run(ref, q, k, v, mask)
+    ref32 = run(ref, *lowp)
+    out = run(blockwise, *lowp)
+    names = ("o", "lse", "dq", "dk", "dv") + (("dmask",) if kind == "float" else ())
+    for name, a, b, r in zip(names, out, ref32, ref64):
+        assert a.shape == r.shape, name
+        check_close(f"{case_id(case)} {dims} {name}", to_torch(a), to_torch(b), to_torch(r))
+
+
+def test_attn_mask_under_jit_and_vmap():
+    """attn_mask as a traced argument: jax.jit and jax.vmap (over a batch of masks) give the
+    eager values."""
+    case = CASES[1]
+    q, k, v, _, _ = (x.astype(jnp.float32) for x in make_inputs(case))
+    masks = jnp.stack([make_mask(case, "HQK", "bool", seed=s) for s in (5, 6)])
+    eager = [lj.attention(q, k, v, attn_mask=m, block_m=32, block_n=16) for m in masks]
+    jitted = jax.jit(lambda m: lj.attention(q, k, v, attn_mask=m, block_m=32, block_n=16))
+    mapped = jax.vmap(lambda m: lj.attention(q, k, v, attn_mask=m, block_m=32, block_n=16))
+    for i, m in enumerate(masks):
+        np.testing.assert_allclose(jitted(m), eager[i], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(mapped(masks), jnp.stack(eager), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("headdim_v", [24, 56])
 def test_value_headdim_differs(headdim_v):
     """v narrower (v zero-padded) and wider (q and k zero-padded) than q's 40: the default
@@ -212,6 +281,11 @@ def ones(*shape, dtype=np.float32):
     (dict(block_n=16.0), ValueError, "block_n must be a positive int"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(backend="triton"), ValueError, "backend='triton' needs GPU arrays"),
+    (dict(attn_mask=ones(4, 6)), ValueError, "attn_mask must be broadcastable"),
+    (dict(attn_mask=ones(1, 3, 4, 5)), ValueError, "attn_mask must be broadcastable"),
+    (dict(attn_mask=ones(4, 5, dtype=np.int32)), TypeError, "attn_mask must be a bool"),
+    (dict(attn_mask=[[True]]), TypeError, "attn_mask must be a bool"),
+    (dict(attn_mask=ones(4, 5), backend="triton"), NotImplementedError, "attn_mask"),
 ])
 def test_bad_input(kwargs, error, match):
     args = {**dict(q=ones(1, 4, 2, 8), k=ones(1, 5, 2, 8), v=ones(1, 5, 2, 8)), **kwargs}

@@ -17,7 +17,12 @@ seqlen_q x seqlen_k is ever formed: the query (key) blocks run sequentially unde
 ranges as every other implementation (`_common.key_range`, `_common.query_range`), so
 causal attention skips the blocks above the diagonal, and only the blocks that straddle
 it (or the sequence end) are masked. Sequences are padded to whole blocks; the mask
-covers the padding, and outputs are sliced back. Accumulators are float32 (float64 for
+covers the padding, and outputs are sliced back. An attn_mask (PyTorch's, as in
+`longflash.attention`) becomes an additive bias (0 / -inf for a boolean one) that each tile
+slices along the dimensions it has (one of size 1 is broadcast, never materialized) and adds
+to every tile, masked or not; a float mask's cotangent, dS summed over the dimensions it
+broadcasts, is accumulated by the dQ loop (its key blocks' columns), one query block's rows
+at a time. Accumulators are float32 (float64 for
 float64 inputs, with jax_enable_x64); matmuls use Precision.HIGHEST, so float32 inputs
 are not rounded to TF32 / bfloat16 on accelerators.
 
@@ -64,6 +69,7 @@ class _Config(NamedTuple):
     block_m: int
     block_n: int
     backend: str  # "triton" or "jax", resolved
+    bias_grad: bool = False  # attn_mask is a float array: its cotangent is computed
 
     @property
     def window(self):
@@ -229,10 +235,27 @@ def _unblocks(x, axis):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _scores(q_i, k_j, start_m, start_n, ctx, masked):
-    """One tile of scores in log2 units (B, Hkv, G, BM, BN); masked tiles also hide the
-    padding rows and columns past the sequence ends."""
+def _bias_tile(bias, start_m, start_n, block_m, block_n, shape5):
+    """attn_mask's tile at (start_m, start_n) as an additive (B or 1, Hkv or 1, G or 1, BM or 1,
+    BN or 1) bias: bias is 4-D (batch, nheads, rows, columns), each dimension full (rows and
+    columns padded to whole blocks) or 1 (broadcast, never materialized)."""
+    if bias.shape[2] > 1:
+        bias = lax.dynamic_slice_in_dim(bias, start_m, block_m, axis=2)
+    if bias.shape[3] > 1:
+        bias = lax.dynamic_slice_in_dim(bias, start_n, block_n, axis=3)
+    nheads_kv, group = shape5[1:3]
+    if bias.shape[1] > 1:  # (B, H, ...) -> (B, Hkv, G, ...)
+        return bias.reshape(bias.shape[0], nheads_kv, group, *bias.shape[2:])
+    return bias[:, None]
+
+
+def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None):
+    """One tile of scores in log2 units (B, Hkv, G, BM, BN), attn_mask's bias added (after the
+    scale, before the masks); masked tiles also hide the padding rows and columns past the
+    sequence ends."""
     s = jnp.einsum("bhgmd,bhnd->bhgmn", q_i, k_j, precision=_HIGHEST) * ctx.softmax_scale
+    if bias is not None:
+        s = s + _bias_tile(bias, start_m, start_n, q_i.shape[-2], k_j.shape[-2], s.shape)
     if masked:
         i = start_m + jnp.arange(q_i.shape[-2])[:, None]
         j = start_n + jnp.arange(k_j.shape[-2])[None, :]
@@ -247,14 +270,14 @@ def _block_loop(lo, hi, block, body, carry):
     return lax.fori_loop(lo // block, (hi + block - 1) // block, body, carry)
 
 
-def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx):
+def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias):
     def body(n, carry):
         acc, l_i, m_i = carry
         start_n = n * ctx.block_n
         k_j = lax.dynamic_slice_in_dim(k, start_n, ctx.block_n, axis=2)  # (B, Hkv, BN, D)
         v_j = lax.dynamic_slice_in_dim(v, start_n, ctx.block_n, axis=2)
         # -- compute scores --
-        qk = _scores(q_i, k_j, start_m, start_n, ctx, masked)
+        qk = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias)
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = jnp.maximum(m_i, qk.max(-1))
         m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)  # rows that saw no key yet
@@ -267,8 +290,20 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx):
     return _block_loop(lo, hi, ctx.block_n, body, (acc, l_i, m_i))
 
 
-def _forward_dense(q, k, v, cfg):
-    """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype."""
+def _padded_bias(bias, ctx, padded_q, padded_k):
+    """attn_mask's 4-D bias in the accumulator dtype, its full rows and columns padded to
+    whole blocks (with 0: padding is masked anyway); None stays None."""
+    if bias is None:
+        return None
+    bias = bias.astype(ctx.dtype)
+    if bias.shape[2] > 1:
+        bias = _pad_to(bias, 2, padded_q)
+    return _pad_to(bias, 3, padded_k) if bias.shape[3] > 1 else bias
+
+
+def _forward_dense(q, k, v, cfg, bias=None):
+    """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype. bias: None,
+    or attn_mask as a 4-D additive bias (-inf hides a key; dimensions of 1 broadcast)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv = k.shape[2]
     ctx = _context(q, k, cfg)
@@ -277,6 +312,7 @@ def _forward_dense(q, k, v, cfg):
     q5 = _pad_to(_grouped(q, nheads_kv).astype(ctx.dtype), 3, padded_q)  # (B, Hkv, G, Nq, D)
     k4 = _pad_to(k.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)  # (B, Hkv, Nk, D)
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
+    bias = _padded_bias(bias, ctx, padded_q, padded_k)
 
     def query_block(args):
         start_m, q_i, (lo, mid_lo, mid_hi, hi) = args
@@ -285,7 +321,7 @@ def _forward_dense(q, k, v, cfg):
         acc = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], ctx.dtype)  # (B, Hkv, G, BM, Dv)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k4, v4, start_m, a, b, masked,
-                                            ctx)
+                                            ctx, bias)
         # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
         l_safe = jnp.where(l_i == 0, 1.0, l_i)
         o_i = acc / l_safe[..., None]
@@ -298,17 +334,28 @@ def _forward_dense(q, k, v, cfg):
     return _ungrouped(o5).astype(q.dtype), lse4.reshape(batch, nheads, seqlen_q)
 
 
-def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked):
+def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias):
     """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
-    return jnp.exp2(_scores(q_i, k_j, start_m, start_n, ctx, masked) - lse2_i[..., None])
+    return jnp.exp2(_scores(q_i, k_j, start_m, start_n, ctx, masked, bias) - lse2_i[..., None])
 
 
-def _grad_scores(p, dp, delta_i, ctx):
-    """dL/d(q k^T): dS = p * (dP - delta), times the scale."""
-    return p * (dp - delta_i[..., None]) * ctx.softmax_scale
+def _grad_scores(p, dp, delta_i):
+    """dL/ds, the gradient of the scores (an attn_mask's): dS = p * (dP - delta); times the
+    scale, dL/d(q k^T)."""
+    return p * (dp - delta_i[..., None])
 
 
-def _backward_dense(do, dlse, q, k, v, o, lse, cfg):
+def _sum_to_bias(ds, bias_shape):
+    """A tile of dS (B, Hkv, G, BM, BN) summed over the dimensions attn_mask's bias broadcasts
+    (4-D, each full or 1): (B or 1, H or 1, BM or 1, BN or 1)."""
+    ds = ds.reshape(ds.shape[0], -1, *ds.shape[3:])  # (B, H, BM, BN)
+    axes = tuple(a for a in range(4) if bias_shape[a] == 1)
+    return ds.sum(axes, keepdims=True)
+
+
+def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
+    """dq, dk, dv and, with cfg.bias_grad, the gradient of attn_mask's 4-D bias (dL/ds summed
+    over the dimensions it broadcasts; else None)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv = k.shape[2]
     ctx = _context(q, k, cfg)
@@ -327,6 +374,8 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg):
     do5 = _pad_to(_grouped(do, nheads_kv).astype(ctx.dtype), 3, padded_q)
     k4 = _pad_to(k.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)  # (B, Hkv, Nk, D)
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
+    bias_shape = None if bias is None else bias.shape
+    bias = _padded_bias(bias, ctx, padded_q, padded_k)
 
     # -- dK, dV: one key block at a time, over the query blocks that see it --
     def key_block(args):
@@ -340,11 +389,11 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg):
                              for x in (q5, do5))
                 lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
                                    for x in (lse2, delta))
-                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked)
+                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
                 # sum over the group's heads, which share this key head
                 dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
-                ds = _grad_scores(p, dp, delta_i, ctx)
+                ds = _grad_scores(p, dp, delta_i) * ctx.softmax_scale
                 dk_j += jnp.einsum("bhgmn,bhgmd->bhnd", ds, q_i, precision=_HIGHEST)
                 return dk_j, dv_j
             return step
@@ -360,31 +409,52 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg):
     dk = _unblocks(dk4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)  # (B, Nk, Hkv, D)
     dv = _unblocks(dv4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)
 
-    # -- dQ: one query block at a time, over the key blocks it sees --
+    # -- dQ: one query block at a time, over the key blocks it sees; with cfg.bias_grad also
+    # this block's rows of the bias's gradient (dS, summed where the bias broadcasts) --
+    wants_dbias = bias is not None and cfg.bias_grad
+
     def query_block(args):
         start_m, q_i, do_i, lse2_i, delta_i, (lo, mid_lo, mid_hi, hi) = args
 
         def body(masked):
-            def step(n, dq_i):
+            def step(n, carry):
+                dq_i, dbias_i = carry
                 start_n = n * block_n
                 k_j = lax.dynamic_slice_in_dim(k4, start_n, block_n, axis=2)
                 v_j = lax.dynamic_slice_in_dim(v4, start_n, block_n, axis=2)
-                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked)
+                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
-                ds = _grad_scores(p, dp, delta_i, ctx)
-                return dq_i + jnp.einsum("bhgmn,bhnd->bhgmd", ds, k_j, precision=_HIGHEST)
+                ds = _grad_scores(p, dp, delta_i)
+                if wants_dbias:
+                    tile = _sum_to_bias(ds, bias.shape)
+                    if bias.shape[3] > 1:  # this key block's columns
+                        tile = tile + lax.dynamic_slice_in_dim(dbias_i, start_n, block_n, 3)
+                        dbias_i = lax.dynamic_update_slice_in_dim(dbias_i, tile, start_n, 3)
+                    else:
+                        dbias_i = dbias_i + tile
+                ds = ds * ctx.softmax_scale
+                dq_i = dq_i + jnp.einsum("bhgmn,bhnd->bhgmd", ds, k_j, precision=_HIGHEST)
+                return dq_i, dbias_i
             return step
 
-        dq_i = jnp.zeros_like(q_i)
+        dbias_i = None
+        if wants_dbias:  # (B or 1, H or 1, BM or 1, padded_k or 1)
+            dbias_i = jnp.zeros(bias.shape[:2] + (block_m if bias.shape[2] > 1 else 1,)
+                                + bias.shape[3:], ctx.dtype)
+        carry = (jnp.zeros_like(q_i), dbias_i)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
-            dq_i = _block_loop(a, b, block_n, body(masked), dq_i)
-        return dq_i
+            carry = _block_loop(a, b, block_n, body(masked), carry)
+        return carry
 
     starts_m = jnp.arange(0, padded_q, block_m)
-    dq5 = lax.map(query_block, (starts_m, *(_blocks(x, 3, block_m) for x in (q5, do5, lse2, delta)),
-                                _ranges(ctx, True)))
+    dq5, dbias = lax.map(query_block, (starts_m, *(_blocks(x, 3, block_m)
+                                                   for x in (q5, do5, lse2, delta)),
+                                       _ranges(ctx, True)))
     dq = _ungrouped(_unblocks(dq5, 3)[..., :seqlen_q, :])
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if wants_dbias:  # (query blocks, ...) -> the bias's own shape
+        dbias = _unblocks(dbias, 2) if bias.shape[2] > 1 else dbias.sum(0)
+        dbias = dbias[:, :, :bias_shape[2], :bias_shape[3]]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
 
 
 # ----------------------------------------------------------------------------- Triton path
@@ -490,39 +560,45 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
 
 # ----------------------------------------------------------------------------- custom VJP
 
-def _forward(q, k, v, cfg):
+def _forward(q, k, v, bias, cfg):
     if 0 in q.shape[:2] or 0 in k.shape[:2]:  # empty: o = 0, lse = -inf (no key seen)
         batch, seqlen_q, nheads, _ = q.shape
         return (jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype),
                 jnp.full((batch, nheads, seqlen_q), -jnp.inf, _accumulator_dtype(q.dtype)))
-    return (_triton_forward if cfg.backend == "triton" else _forward_dense)(q, k, v, cfg)
+    if cfg.backend == "triton":  # (no attn_mask there: attention() resolves it to "jax")
+        return _triton_forward(q, k, v, cfg)
+    return _forward_dense(q, k, v, cfg, bias)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, cfg):
-    return _forward(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, bias, cfg):
+    return _forward(q, k, v, bias, cfg)
 
 
-def _attention_fwd(q, k, v, cfg):
-    o, lse = _forward(q, k, v, cfg)
-    return (o, lse), (q, k, v, o, lse)  # saved for backward: O(seqlen), nothing N x N
+def _attention_fwd(q, k, v, bias, cfg):
+    o, lse = _forward(q, k, v, bias, cfg)
+    # saved for backward: O(seqlen), nothing N x N (and attn_mask's bias, the caller's)
+    return (o, lse), (q, k, v, bias, o, lse)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, o, lse = residuals
+    q, k, v, bias, o, lse = residuals
     do, dlse = cotangents
     if 0 in q.shape[:2] or 0 in k.shape[:2]:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    backward = _triton_backward if cfg.backend == "triton" else _backward_dense
-    return backward(do, dlse, q, k, v, o, lse, cfg)
+        return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
+                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias))
+    if cfg.backend == "triton":
+        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None)
+    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias)
+    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=3)
+_attention_jit = jax.jit(_attention, static_argnums=4)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
-              block_n=BLOCK_N, backend="auto", learnable_sink=None):
+              block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -546,6 +622,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
         learnable_sink: (nheads,) floating-point array, or None: attention sinks, as in
             `longflash.attention` (one more logit per head in every row's softmax, attending
             to no value; lse includes it; differentiable).
+        attn_mask: None, or a bool or floating-point array broadcastable to (batch, nheads,
+            seqlen_q, seqlen_k), as in `longflash.attention` (PyTorch's attn_mask; the bias
+            and mask of jax.nn.dot_product_attention): True where query i may see key j; a
+            float is added to the scores (-inf hides a key). Combines with causal. Each tile
+            reads its part of it; dimensions of size 1 are never broadcast in memory. A
+            float mask is differentiable: its cotangent is dL/ds summed over the dimensions
+            it broadcasts, an array of its own shape (computed in the backward for every
+            float mask). Blockwise JAX path only ("auto" takes it; "triton" raises).
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -555,13 +639,40 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     Works under jax.jit, jax.vmap, jax.grad and jax.vjp (the blockwise path; the Triton
     path has no batching rule).
     """
+    if attn_mask is not None and backend == "triton":
+        raise NotImplementedError("attn_mask runs on the blockwise JAX path only: use "
+                                  "backend='auto' or 'jax'")
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
-                                 backend)
+                                 "jax" if attn_mask is not None else backend)
     _check_sink(learnable_sink, q.shape[2])
-    o, lse = _attention_jit(q, k, v, cfg)
+    bias = _mask_bias(attn_mask, q, k)
+    if bias is not None:  # a float mask's cotangent is computed, a boolean one's is not
+        cfg = cfg._replace(bias_grad=attn_mask.dtype != np.bool_)
+    o, lse = _attention_jit(q, k, v, bias, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
+
+
+def _mask_bias(attn_mask, q, k):
+    """attn_mask checked (before any work) and returned as a 4-D additive bias (batch or 1,
+    nheads or 1, seqlen_q or 1, seqlen_k or 1): a boolean one as 0 / -inf in the accumulator
+    dtype, a float one as it is; None stays None."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, (jax.Array, np.ndarray)) or not (
+            attn_mask.dtype == np.bool_ or jnp.issubdtype(attn_mask.dtype, jnp.floating)):
+        raise TypeError(f"attn_mask must be a bool or floating-point array, or None, got "
+                        f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
+    target = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(n not in (1, t) for n, t in zip(shape[::-1], target[::-1])):
+        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, "
+                         f"seqlen_k) = {target}, got shape {shape}")
+    bias = jnp.asarray(attn_mask).reshape((1,) * (4 - len(shape)) + shape)
+    if bias.dtype == jnp.bool_:
+        return jnp.where(bias, 0.0, -jnp.inf).astype(_accumulator_dtype(q.dtype))
+    return bias
 
 
 def _check_sink(learnable_sink, nheads):
@@ -584,17 +695,21 @@ def _with_sink(o, lse, learnable_sink):
     return o, jnp.logaddexp(lse, sink)
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None,
+                  attn_mask=None):
     """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
     the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
-    column of scores appended to every row, then dropped."""
+    column of scores appended to every row, then dropped. attn_mask: as in `attention`."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
     k = jnp.repeat(k, nheads // nheads_kv, axis=2)  # (B, Nk, H, D)
     v = jnp.repeat(v, nheads // nheads_kv, axis=2)
     scores = jnp.einsum("bihd,bjhd->bhij", q, k, precision=_HIGHEST) * scale  # (B, H, Nq, Nk)
+    if attn_mask is not None:
+        scores = (jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_
+                  else scores + attn_mask.astype(scores.dtype))
     if causal:
         i = jnp.arange(seqlen_q)[:, None]
         j = jnp.arange(seqlen_k)[None, :]
