@@ -73,12 +73,12 @@ def test_matches_reference(case):
     assert out[0].dtype == jnp.float32 and out[1].shape == (case[0], case[3], case[1])
 
 
-def check_blockwise(label, q, k, v, do, dlse, causal):
+def check_blockwise(label, q, k, v, do, dlse, causal, **kw):
     """The blockwise path in float32 against the reference in float64, by the tolerance rule
-    (o, lse, dq, dk, dv); returns the blockwise path's."""
-    ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=causal)  # noqa: E731
+    (o, lse, dq, dk, dv); returns the blockwise path's. kw: more keywords of both."""
+    ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=causal, **kw)  # noqa: E731
     blockwise = lambda q, k, v: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
-                                             block_m=32, block_n=16, backend="jax")
+                                             block_m=32, block_n=16, backend="jax", **kw)
     lowp = [x.astype(jnp.float32) for x in (q, k, v)]
     ref64 = values_and_grads(ref, q, k, v, do, dlse)
     ref32 = values_and_grads(ref, *lowp, do, dlse)
@@ -87,6 +87,17 @@ def check_blockwise(label, q, k, v, do, dlse, causal):
         assert a.shape == r.shape, name
         check_close(f"{label} {name}", to_torch(a), to_torch(b), to_torch(r))
     return out
+
+
+@pytest.mark.parametrize("case, window", [(CASES[1], (8, 4)), (CASES[1], (50, -1)),
+                                          (CASES[2], (30, -1)), (CASES[0], (0, 0)),
+                                          (CASES[3], (5, -1))],
+                         ids=lambda x: case_id(x) if len(x) == 7 else f"window{x}")
+def test_window(case, window):
+    """Sliding windows (left, right), with causal (right 0) and without, on query blocks whose
+    windows skip key blocks: o, lse and the gradients against the float64 reference."""
+    check_blockwise(f"{case_id(case)} window{window}", *make_inputs(case), causal=case[-1],
+                    window_size=window)
 
 
 @pytest.mark.parametrize("case", CASES[1:3], ids=[case_id(c) for c in CASES[1:3]])
@@ -281,6 +292,8 @@ def ones(*shape, dtype=np.float32):
     (dict(block_n=16.0), ValueError, "block_n must be a positive int"),
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(backend="triton"), ValueError, "backend='triton' needs GPU arrays"),
+    (dict(window_size=3), TypeError, "window_size must be a pair"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size entries"),
     (dict(attn_mask=ones(4, 6)), ValueError, "attn_mask must be broadcastable"),
     (dict(attn_mask=ones(1, 3, 4, 5)), ValueError, "attn_mask must be broadcastable"),
     (dict(attn_mask=ones(4, 5, dtype=np.int32)), TypeError, "attn_mask must be a bool"),

@@ -79,6 +79,15 @@ def check_real(name, x, accepted):
         raise TypeError(f"{name} must be {accepted}, got {type(x).__name__}")
 
 
+def check_window_size(window_size):
+    """window_size: a pair of ints (left, right), each >= -1 (-1: unbounded)."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
+
+
 def resolve_softmax_scale(softmax_scale, headdim):
     """softmax_scale as a float: default 1 / sqrt(headdim); must be positive and finite."""
     if softmax_scale is None:

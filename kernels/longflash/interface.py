@@ -20,8 +20,8 @@ import torch
 
 from . import blockwise
 from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
-                      define_op, empty_outputs, paged_rows, resolve_softmax_scale,
-                      with_learnable_sink)
+                      check_window_size, define_op, empty_outputs, paged_rows,
+                      resolve_softmax_scale, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,11 +65,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     nheads, _, _ = check_shapes(q.shape, k.shape, v.shape)
     check_bools(causal=causal, deterministic=deterministic)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[3])
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    if min(window_size) < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
+    check_window_size(window_size)
     if alibi_slopes is not None:
         batch = q.shape[0] if batch is None else batch
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:

@@ -15,8 +15,8 @@ blocks that see it, then dQ one query block at a time. Nothing of size
 seqlen_q x seqlen_k is ever formed: the query (key) blocks run sequentially under
 `lax.map`, the inner loops are `lax.fori_loop`s whose bounds come from the same block
 ranges as every other implementation (`_common.key_range`, `_common.query_range`), so
-causal attention skips the blocks above the diagonal, and only the blocks that straddle
-it (or the sequence end) are masked. Sequences are padded to whole blocks; the mask
+causal and sliding-window attention skip the blocks no row sees, and only the blocks that
+straddle a mask edge (the diagonal, a window's edge, the sequence end) are masked. Sequences are padded to whole blocks; the mask
 covers the padding, and outputs are sliced back. An attn_mask (PyTorch's, as in
 `longflash.attention`) becomes an additive bias (0 / -inf for a boolean one) that each tile
 slices along the dimensions it has (one of size 1 is broadcast, never materialized) and adds
@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import (LN2, LOG2E, check_bools, check_shapes, key_range, query_range,
-                      resolve_softmax_scale, visible)
+from ._common import (LN2, LOG2E, check_bools, check_shapes, check_window_size, key_range,
+                      query_range, resolve_softmax_scale, visible)
 
 BLOCK_M = 128  # the blockwise PyTorch path's tiles: on a CPU each tile is one batched matmul
 BLOCK_N = 256
@@ -70,15 +70,18 @@ class _Config(NamedTuple):
     block_n: int
     backend: str  # "triton" or "jax", resolved
     bias_grad: bool = False  # attn_mask is a float array: its cotangent is computed
+    window_left: int = -1
+    window_right: int = -1
 
     @property
     def window(self):
-        return -1, 0 if self.causal else -1
+        return self.window_left, 0 if self.causal else self.window_right
 
 
 # ----------------------------------------------------------------------------- validation
 
-def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, backend):
+def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, backend,
+                  window_size=(-1, -1)):
     """Validate everything before any work; return (q, k, v) as jax arrays and the config."""
     arrays = []
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -97,12 +100,14 @@ def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, 
         raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_shapes(q.shape, k.shape, v.shape)
     check_bools(causal=causal, return_lse=return_lse)
+    check_window_size(window_size)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     for name, block in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"{name} must be a positive int, got {block!r}")
     return q, k, v, _Config(causal, float(softmax_scale), block_m, block_n,
-                            _resolve_backend(backend, q))
+                            _resolve_backend(backend, q), window_left=int(window_size[0]),
+                            window_right=int(window_size[1]))
 
 
 def _on_gpu(x):
@@ -598,7 +603,8 @@ _attention_jit = jax.jit(_attention, static_argnums=4)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
-              block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None):
+              block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None,
+              window_size=(-1, -1)):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -622,6 +628,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
         learnable_sink: (nheads,) floating-point array, or None: attention sinks, as in
             `longflash.attention` (one more logit per head in every row's softmax, attending
             to no value; lse includes it; differentiable).
+        window_size: (left, right), -1 meaning unbounded, as in `longflash.attention`: query i
+            sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+            right (with causal, right is 0). Key blocks outside every row's window are
+            skipped (the shared block ranges), so a window's cost grows linearly in seqlen.
         attn_mask: None, or a bool or floating-point array broadcastable to (batch, nheads,
             seqlen_q, seqlen_k), as in `longflash.attention` (PyTorch's attn_mask; the bias
             and mask of jax.nn.dot_product_attention): True where query i may see key j; a
@@ -643,7 +653,7 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
         raise NotImplementedError("attn_mask runs on the blockwise JAX path only: use "
                                   "backend='auto' or 'jax'")
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
-                                 "jax" if attn_mask is not None else backend)
+                                 "jax" if attn_mask is not None else backend, window_size)
     _check_sink(learnable_sink, q.shape[2])
     bias = _mask_bias(attn_mask, q, k)
     if bias is not None:  # a float mask's cotangent is computed, a boolean one's is not
@@ -696,11 +706,12 @@ def _with_sink(o, lse, learnable_sink):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None,
-                  attn_mask=None):
+                  attn_mask=None, window_size=(-1, -1)):
     """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
     the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
-    column of scores appended to every row, then dropped. attn_mask: as in `attention`."""
+    column of scores appended to every row, then dropped. attn_mask, window_size: as in
+    `attention`."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
@@ -710,10 +721,12 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     if attn_mask is not None:
         scores = (jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_
                   else scores + attn_mask.astype(scores.dtype))
-    if causal:
+    window_left, window_right = window_size[0], 0 if causal else window_size[1]
+    if (window_left, window_right) != (-1, -1):
         i = jnp.arange(seqlen_q)[:, None]
         j = jnp.arange(seqlen_k)[None, :]
-        scores = jnp.where(visible(i, j, seqlen_q, seqlen_k, -1, 0), scores, -jnp.inf)
+        scores = jnp.where(visible(i, j, seqlen_q, seqlen_k, window_left, window_right),
+                           scores, -jnp.inf)
     if learnable_sink is not None:  # (B, H, Nq, Nk + 1)
         sink = jnp.broadcast_to(learnable_sink.astype(scores.dtype)[None, :, None, None],
                                 (batch, nheads, seqlen_q, 1))
