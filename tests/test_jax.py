@@ -100,6 +100,29 @@ def test_window(case, window):
                     window_size=window)
 
 
+@pytest.mark.parametrize("case, kw", [(CASES[1], dict(softcap=0.7)),
+                                      (CASES[0], dict(softcap=2.0, window_size=(6, -1))),
+                                      (CASES[2], dict(softcap=1.5))],
+                         ids=["softcap", "softcap-window-causal", "softcap-causal-empty-rows"])
+def test_softcap(case, kw):
+    """softcap * tanh(s / softcap) (scores scaled up so that tanh saturates): o, lse and the
+    gradients through it against the float64 reference."""
+    q, k, v, do, dlse = make_inputs(case)
+    check_blockwise(f"{case_id(case)} {kw}", q * 3, k, v, do, dlse, causal=case[-1], **kw)
+
+
+def test_softcap_and_attn_mask_order():
+    """A float attn_mask is added after softcap, as in longflash.attention: a mask of c on
+    every score leaves o unchanged and adds c to lse, with a softcap of 0.5 (under which
+    scores alone never exceed 0.5)."""
+    q, k, v, _, _ = make_inputs(CASES[1])
+    o, lse = lj.attention(q, k, v, return_lse=True, softcap=0.5, block_m=32, block_n=16)
+    o_c, lse_c = lj.attention(q, k, v, return_lse=True, softcap=0.5, block_m=32, block_n=16,
+                              attn_mask=jnp.full((1, 1), 3.0))
+    np.testing.assert_allclose(o_c, o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse_c, lse + 3.0, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("case", CASES[1:3], ids=[case_id(c) for c in CASES[1:3]])
 def test_learnable_sink(case):
     """Attention sinks: o, lse and the gradients of q, k, v and the sink against the reference
@@ -293,6 +316,8 @@ def ones(*shape, dtype=np.float32):
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(backend="triton"), ValueError, "backend='triton' needs GPU arrays"),
     (dict(window_size=3), TypeError, "window_size must be a pair"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite float"),
+    (dict(softcap="1"), TypeError, "softcap must be"),
     (dict(window_size=(-2, 0)), ValueError, "window_size entries"),
     (dict(attn_mask=ones(4, 6)), ValueError, "attn_mask must be broadcastable"),
     (dict(attn_mask=ones(1, 3, 4, 5)), ValueError, "attn_mask must be broadcastable"),

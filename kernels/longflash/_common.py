@@ -88,6 +88,13 @@ def check_window_size(window_size):
         raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
 
 
+def check_softcap(softcap):
+    """softcap: a finite real >= 0 (0: no softcap)."""
+    check_real("softcap", softcap, "a float >= 0")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no softcap), got {softcap}")
+
+
 def resolve_softmax_scale(softmax_scale, headdim):
     """softmax_scale as a float: default 1 / sqrt(headdim); must be positive and finite."""
     if softmax_scale is None:

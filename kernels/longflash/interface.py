@@ -12,7 +12,6 @@ in the H100's profiles (PERFLOG "The ops without custom_op's layers").
 """
 
 import importlib.util
-import math
 import os
 from typing import Optional
 
@@ -20,7 +19,7 @@ import torch
 
 from . import blockwise
 from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
-                      check_window_size, define_op, empty_outputs, paged_rows,
+                      check_softcap, check_window_size, define_op, empty_outputs, paged_rows,
                       resolve_softmax_scale, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
@@ -76,9 +75,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
                              f"got {tuple(alibi_slopes.shape)}")
         if alibi_slopes.device != q.device:
             raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
-    check_real("softcap", softcap, "a float >= 0")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap must be a finite float >= 0 (0: no softcap), got {softcap}")
+    check_softcap(softcap)
     check_real("dropout_p", dropout_p, "a float in [0, 1)")
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")

@@ -52,8 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import (LN2, LOG2E, check_bools, check_shapes, check_window_size, key_range,
-                      query_range, resolve_softmax_scale, visible)
+from ._common import (LN2, LOG2E, check_bools, check_shapes, check_softcap,
+                      check_window_size, key_range, query_range, resolve_softmax_scale,
+                      visible)
 
 BLOCK_M = 128  # the blockwise PyTorch path's tiles: on a CPU each tile is one batched matmul
 BLOCK_N = 256
@@ -72,6 +73,7 @@ class _Config(NamedTuple):
     bias_grad: bool = False  # attn_mask is a float array: its cotangent is computed
     window_left: int = -1
     window_right: int = -1
+    softcap: float = 0.0
 
     @property
     def window(self):
@@ -81,7 +83,7 @@ class _Config(NamedTuple):
 # ----------------------------------------------------------------------------- validation
 
 def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, backend,
-                  window_size=(-1, -1)):
+                  window_size=(-1, -1), softcap=0.0):
     """Validate everything before any work; return (q, k, v) as jax arrays and the config."""
     arrays = []
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -101,13 +103,14 @@ def _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n, 
     check_shapes(q.shape, k.shape, v.shape)
     check_bools(causal=causal, return_lse=return_lse)
     check_window_size(window_size)
+    check_softcap(softcap)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     for name, block in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"{name} must be a positive int, got {block!r}")
     return q, k, v, _Config(causal, float(softmax_scale), block_m, block_n,
                             _resolve_backend(backend, q), window_left=int(window_size[0]),
-                            window_right=int(window_size[1]))
+                            window_right=int(window_size[1]), softcap=float(softcap))
 
 
 def _on_gpu(x):
@@ -204,6 +207,7 @@ class _Ctx(NamedTuple):
     window_left: int
     window_right: int
     dtype: object  # accumulator dtype
+    softcap: float
 
 
 def _context(q, k, cfg):
@@ -212,7 +216,7 @@ def _context(q, k, cfg):
     block_m = min(cfg.block_m, max(seqlen_q, 1))
     block_n = min(cfg.block_n, max(seqlen_k, 1))
     return _Ctx(seqlen_q, seqlen_k, block_m, block_n, cfg.softmax_scale, *cfg.window,
-                _accumulator_dtype(q.dtype))
+                _accumulator_dtype(q.dtype), cfg.softcap)
 
 
 def _ranges(ctx, keys):
@@ -255,10 +259,15 @@ def _bias_tile(bias, start_m, start_n, block_m, block_n, shape5):
 
 
 def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None):
-    """One tile of scores in log2 units (B, Hkv, G, BM, BN), attn_mask's bias added (after the
-    scale, before the masks); masked tiles also hide the padding rows and columns past the
-    sequence ends."""
+    """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
+    softcap gradient (None without softcap): softcap after the scale, then attn_mask's bias,
+    then the masks; masked tiles also hide the padding rows and columns past the sequence
+    ends."""
     s = jnp.einsum("bhgmd,bhnd->bhgmn", q_i, k_j, precision=_HIGHEST) * ctx.softmax_scale
+    t = None
+    if ctx.softcap > 0:
+        t = jnp.tanh(s / ctx.softcap)
+        s = ctx.softcap * t
     if bias is not None:
         s = s + _bias_tile(bias, start_m, start_n, q_i.shape[-2], k_j.shape[-2], s.shape)
     if masked:
@@ -267,7 +276,7 @@ def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None):
         mask = visible(i, j, ctx.seqlen_q, ctx.seqlen_k, ctx.window_left, ctx.window_right)
         mask = mask & (i < ctx.seqlen_q) & (j < ctx.seqlen_k)
         s = jnp.where(mask, s, -jnp.inf)
-    return s * LOG2E
+    return s * LOG2E, t
 
 
 def _block_loop(lo, hi, block, body, carry):
@@ -282,7 +291,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias
         k_j = lax.dynamic_slice_in_dim(k, start_n, ctx.block_n, axis=2)  # (B, Hkv, BN, D)
         v_j = lax.dynamic_slice_in_dim(v, start_n, ctx.block_n, axis=2)
         # -- compute scores --
-        qk = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias)
+        qk, _ = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias)
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = jnp.maximum(m_i, qk.max(-1))
         m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)  # rows that saw no key yet
@@ -340,14 +349,21 @@ def _forward_dense(q, k, v, cfg, bias=None):
 
 
 def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias):
-    """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
-    return jnp.exp2(_scores(q_i, k_j, start_m, start_n, ctx, masked, bias) - lse2_i[..., None])
+    """Recompute one block of probabilities p = exp(s - lse) from the saved lse; and
+    tanh(s / softcap) (_scores)."""
+    s, t = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias)
+    return jnp.exp2(s - lse2_i[..., None]), t
 
 
 def _grad_scores(p, dp, delta_i):
-    """dL/ds, the gradient of the scores (an attn_mask's): dS = p * (dP - delta); times the
-    scale, dL/d(q k^T)."""
+    """dL/ds, the gradient of the scores (an attn_mask's): dS = p * (dP - delta)."""
     return p * (dp - delta_i[..., None])
+
+
+def _grad_qk(ds, t, ctx):
+    """dL/d(q k^T) from dL/ds: through softcap (d softcap * tanh(x / softcap) / dx = 1 - t^2)
+    and the scale."""
+    return (ds if t is None else ds * (1 - t * t)) * ctx.softmax_scale
 
 
 def _sum_to_bias(ds, bias_shape):
@@ -394,11 +410,11 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
                              for x in (q5, do5))
                 lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
                                    for x in (lse2, delta))
-                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
+                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
                 # sum over the group's heads, which share this key head
                 dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
-                ds = _grad_scores(p, dp, delta_i) * ctx.softmax_scale
+                ds = _grad_qk(_grad_scores(p, dp, delta_i), t, ctx)
                 dk_j += jnp.einsum("bhgmn,bhgmd->bhnd", ds, q_i, precision=_HIGHEST)
                 return dk_j, dv_j
             return step
@@ -427,7 +443,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
                 start_n = n * block_n
                 k_j = lax.dynamic_slice_in_dim(k4, start_n, block_n, axis=2)
                 v_j = lax.dynamic_slice_in_dim(v4, start_n, block_n, axis=2)
-                p = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
+                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
                 ds = _grad_scores(p, dp, delta_i)
                 if wants_dbias:
@@ -437,7 +453,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
                         dbias_i = lax.dynamic_update_slice_in_dim(dbias_i, tile, start_n, 3)
                     else:
                         dbias_i = dbias_i + tile
-                ds = ds * ctx.softmax_scale
+                ds = _grad_qk(ds, t, ctx)
                 dq_i = dq_i + jnp.einsum("bhgmn,bhnd->bhgmd", ds, k_j, precision=_HIGHEST)
                 return dq_i, dbias_i
             return step
@@ -477,9 +493,10 @@ def _triton_launch(q, k, v, cfg):
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         seqlen_bucket=flash_triton.seqlen_bucket(seqlen_q, seqlen_k), tma_ok=0, ws_ok=0,
         window_left=window_left, window_right=window_right,
-        qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale, softcap=0.0,
-        dropout_p=0.0, seed_lo=0, seed_hi=0,
-        **flash_triton.constexprs(headdim, q.dtype == jnp.float32, headdim_v=v.shape[3]),
+        qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale,
+        softcap=cfg.softcap, dropout_p=0.0, seed_lo=0, seed_hi=0,
+        **flash_triton.constexprs(headdim, q.dtype == jnp.float32, softcap=cfg.softcap > 0,
+                                  headdim_v=v.shape[3]),
         # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims; pointer
         # loads, so no warp specialization either (a TMA descriptor made on the device needs
         # Triton's allocator, which jax-triton's launch does not set up)
@@ -604,7 +621,7 @@ _attention_jit = jax.jit(_attention, static_argnums=4)
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
               block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None,
-              window_size=(-1, -1)):
+              window_size=(-1, -1), softcap=0.0):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -632,6 +649,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
             right (with causal, right is 0). Key blocks outside every row's window are
             skipped (the shared block ranges), so a window's cost grows linearly in seqlen.
+        softcap: > 0 replaces the scores s by softcap * tanh(s / softcap) (Gemma-2, Grok), as
+            in `longflash.attention`; 0: none.
         attn_mask: None, or a bool or floating-point array broadcastable to (batch, nheads,
             seqlen_q, seqlen_k), as in `longflash.attention` (PyTorch's attn_mask; the bias
             and mask of jax.nn.dot_product_attention): True where query i may see key j; a
@@ -653,7 +672,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
         raise NotImplementedError("attn_mask runs on the blockwise JAX path only: use "
                                   "backend='auto' or 'jax'")
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
-                                 "jax" if attn_mask is not None else backend, window_size)
+                                 "jax" if attn_mask is not None else backend, window_size,
+                                 softcap)
     _check_sink(learnable_sink, q.shape[2])
     bias = _mask_bias(attn_mask, q, k)
     if bias is not None:  # a float mask's cotangent is computed, a boolean one's is not
@@ -706,18 +726,20 @@ def _with_sink(o, lse, learnable_sink):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None,
-                  attn_mask=None, window_size=(-1, -1)):
+                  attn_mask=None, window_size=(-1, -1), softcap=0.0):
     """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
     the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
-    column of scores appended to every row, then dropped. attn_mask, window_size: as in
-    `attention`."""
+    column of scores appended to every row, then dropped. attn_mask, window_size, softcap: as
+    in `attention`."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
     k = jnp.repeat(k, nheads // nheads_kv, axis=2)  # (B, Nk, H, D)
     v = jnp.repeat(v, nheads // nheads_kv, axis=2)
     scores = jnp.einsum("bihd,bjhd->bhij", q, k, precision=_HIGHEST) * scale  # (B, H, Nq, Nk)
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
     if attn_mask is not None:
         scores = (jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_
                   else scores + attn_mask.astype(scores.dtype))
