@@ -111,6 +111,19 @@ def test_softcap(case, kw):
     check_blockwise(f"{case_id(case)} {kw}", q * 3, k, v, do, dlse, causal=case[-1], **kw)
 
 
+@pytest.mark.parametrize("case, per_batch, kw", [
+    (CASES[1], False, {}), (CASES[0], True, dict(window_size=(6, -1))),
+    (CASES[2], False, dict(softcap=1.5))], ids=["alibi", "alibi-batch-window-causal",
+                                                 "alibi-softcap-causal"])
+def test_alibi(case, per_batch, kw):
+    """ALiBi slopes, (nheads,) or (batch, nheads), alone and with a window or softcap: o, lse
+    and the gradients against the float64 reference."""
+    b, h = case[0], case[3]
+    slopes = jnp.asarray(np.random.default_rng(8).random((b, h) if per_batch else (h,)))
+    check_blockwise(f"{case_id(case)} alibi", *make_inputs(case), causal=case[-1],
+                    alibi_slopes=slopes, **kw)
+
+
 def test_softcap_and_attn_mask_order():
     """A float attn_mask is added after softcap, as in longflash.attention: a mask of c on
     every score leaves o unchanged and adds c to lse, with a softcap of 0.5 (under which
@@ -317,6 +330,9 @@ def ones(*shape, dtype=np.float32):
     (dict(backend="triton"), ValueError, "backend='triton' needs GPU arrays"),
     (dict(window_size=3), TypeError, "window_size must be a pair"),
     (dict(softcap=-1.0), ValueError, "softcap must be a finite float"),
+    (dict(alibi_slopes=ones(3)), ValueError, "alibi_slopes must have shape"),
+    (dict(alibi_slopes=ones(2, dtype=np.int32)), TypeError, "alibi_slopes must be a float"),
+    (dict(alibi_slopes=ones(2), backend="triton"), NotImplementedError, "alibi_slopes"),
     (dict(softcap="1"), TypeError, "softcap must be"),
     (dict(window_size=(-2, 0)), ValueError, "window_size entries"),
     (dict(attn_mask=ones(4, 6)), ValueError, "attn_mask must be broadcastable"),

@@ -258,16 +258,20 @@ def _bias_tile(bias, start_m, start_n, block_m, block_n, shape5):
     return bias[:, None]
 
 
-def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None):
+def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None, slopes=None):
     """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
-    softcap gradient (None without softcap): softcap after the scale, then attn_mask's bias,
-    then the masks; masked tiles also hide the padding rows and columns past the sequence
-    ends."""
+    softcap gradient (None without softcap): softcap after the scale, then ALiBi (slopes:
+    (B or 1, Hkv, G, 1, 1)), then attn_mask's bias, then the masks; masked tiles also hide the
+    padding rows and columns past the sequence ends."""
     s = jnp.einsum("bhgmd,bhnd->bhgmn", q_i, k_j, precision=_HIGHEST) * ctx.softmax_scale
     t = None
     if ctx.softcap > 0:
         t = jnp.tanh(s / ctx.softcap)
         s = ctx.softcap * t
+    if slopes is not None:  # -slope * |i + seqlen_k - seqlen_q - j|
+        i = start_m + jnp.arange(q_i.shape[-2])[:, None]
+        j = start_n + jnp.arange(k_j.shape[-2])[None, :]
+        s = s - slopes * jnp.abs(i + ctx.seqlen_k - ctx.seqlen_q - j).astype(s.dtype)
     if bias is not None:
         s = s + _bias_tile(bias, start_m, start_n, q_i.shape[-2], k_j.shape[-2], s.shape)
     if masked:
@@ -284,14 +288,14 @@ def _block_loop(lo, hi, block, body, carry):
     return lax.fori_loop(lo // block, (hi + block - 1) // block, body, carry)
 
 
-def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias):
+def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias, slopes):
     def body(n, carry):
         acc, l_i, m_i = carry
         start_n = n * ctx.block_n
         k_j = lax.dynamic_slice_in_dim(k, start_n, ctx.block_n, axis=2)  # (B, Hkv, BN, D)
         v_j = lax.dynamic_slice_in_dim(v, start_n, ctx.block_n, axis=2)
         # -- compute scores --
-        qk, _ = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias)
+        qk, _ = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias, slopes)
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = jnp.maximum(m_i, qk.max(-1))
         m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)  # rows that saw no key yet
@@ -315,9 +319,18 @@ def _padded_bias(bias, ctx, padded_q, padded_k):
     return _pad_to(bias, 3, padded_k) if bias.shape[3] > 1 else bias
 
 
-def _forward_dense(q, k, v, cfg, bias=None):
+def _grouped_slopes(slopes, nheads_kv, dtype):
+    """ALiBi slopes (B or 1, H) as (B or 1, Hkv, G, 1, 1) in the accumulator dtype; None stays
+    None."""
+    if slopes is None:
+        return None
+    return slopes.astype(dtype).reshape(slopes.shape[0], nheads_kv, -1, 1, 1)
+
+
+def _forward_dense(q, k, v, cfg, bias=None, slopes=None):
     """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype. bias: None,
-    or attn_mask as a 4-D additive bias (-inf hides a key; dimensions of 1 broadcast)."""
+    or attn_mask as a 4-D additive bias (-inf hides a key; dimensions of 1 broadcast).
+    slopes: None, or ALiBi's (B or 1, H)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv = k.shape[2]
     ctx = _context(q, k, cfg)
@@ -327,6 +340,7 @@ def _forward_dense(q, k, v, cfg, bias=None):
     k4 = _pad_to(k.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)  # (B, Hkv, Nk, D)
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
+    slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
 
     def query_block(args):
         start_m, q_i, (lo, mid_lo, mid_hi, hi) = args
@@ -335,7 +349,7 @@ def _forward_dense(q, k, v, cfg, bias=None):
         acc = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], ctx.dtype)  # (B, Hkv, G, BM, Dv)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k4, v4, start_m, a, b, masked,
-                                            ctx, bias)
+                                            ctx, bias, slopes)
         # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
         l_safe = jnp.where(l_i == 0, 1.0, l_i)
         o_i = acc / l_safe[..., None]
@@ -348,10 +362,10 @@ def _forward_dense(q, k, v, cfg, bias=None):
     return _ungrouped(o5).astype(q.dtype), lse4.reshape(batch, nheads, seqlen_q)
 
 
-def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias):
+def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes):
     """Recompute one block of probabilities p = exp(s - lse) from the saved lse; and
     tanh(s / softcap) (_scores)."""
-    s, t = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias)
+    s, t = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias, slopes)
     return jnp.exp2(s - lse2_i[..., None]), t
 
 
@@ -374,7 +388,7 @@ def _sum_to_bias(ds, bias_shape):
     return ds.sum(axes, keepdims=True)
 
 
-def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
+def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None):
     """dq, dk, dv and, with cfg.bias_grad, the gradient of attn_mask's 4-D bias (dL/ds summed
     over the dimensions it broadcasts; else None)."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -397,6 +411,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
     bias_shape = None if bias is None else bias.shape
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
+    slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
 
     # -- dK, dV: one key block at a time, over the query blocks that see it --
     def key_block(args):
@@ -410,7 +425,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
                              for x in (q5, do5))
                 lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
                                    for x in (lse2, delta))
-                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
+                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes)
                 # sum over the group's heads, which share this key head
                 dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
@@ -443,7 +458,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None):
                 start_n = n * block_n
                 k_j = lax.dynamic_slice_in_dim(k4, start_n, block_n, axis=2)
                 v_j = lax.dynamic_slice_in_dim(v4, start_n, block_n, axis=2)
-                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias)
+                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
                 ds = _grad_scores(p, dp, delta_i)
                 if wants_dbias:
@@ -582,46 +597,48 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
 
 # ----------------------------------------------------------------------------- custom VJP
 
-def _forward(q, k, v, bias, cfg):
+def _forward(q, k, v, bias, slopes, cfg):
     if 0 in q.shape[:2] or 0 in k.shape[:2]:  # empty: o = 0, lse = -inf (no key seen)
         batch, seqlen_q, nheads, _ = q.shape
         return (jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype),
                 jnp.full((batch, nheads, seqlen_q), -jnp.inf, _accumulator_dtype(q.dtype)))
-    if cfg.backend == "triton":  # (no attn_mask there: attention() resolves it to "jax")
+    if cfg.backend == "triton":  # (no attn_mask or ALiBi there: attention() takes "jax")
         return _triton_forward(q, k, v, cfg)
-    return _forward_dense(q, k, v, cfg, bias)
+    return _forward_dense(q, k, v, cfg, bias, slopes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, bias, cfg):
-    return _forward(q, k, v, bias, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, bias, slopes, cfg):
+    return _forward(q, k, v, bias, slopes, cfg)
 
 
-def _attention_fwd(q, k, v, bias, cfg):
-    o, lse = _forward(q, k, v, bias, cfg)
+def _attention_fwd(q, k, v, bias, slopes, cfg):
+    o, lse = _forward(q, k, v, bias, slopes, cfg)
     # saved for backward: O(seqlen), nothing N x N (and attn_mask's bias, the caller's)
-    return (o, lse), (q, k, v, bias, o, lse)
+    return (o, lse), (q, k, v, bias, slopes, o, lse)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
-    q, k, v, bias, o, lse = residuals
+    """dq, dk, dv, a float attn_mask's gradient (None for a boolean one), None for the ALiBi
+    slopes (not differentiated, as in FlashAttention)."""
+    q, k, v, bias, slopes, o, lse = residuals
     do, dlse = cotangents
     if 0 in q.shape[:2] or 0 in k.shape[:2]:
         return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
-                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias))
+                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias), None)
     if cfg.backend == "triton":
-        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None)
-    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias)
-    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype)
+        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None, None)
+    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias, slopes)
+    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=4)
+_attention_jit = jax.jit(_attention, static_argnums=5)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
               block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None,
-              window_size=(-1, -1), softcap=0.0):
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -651,6 +668,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             skipped (the shared block ranges), so a window's cost grows linearly in seqlen.
         softcap: > 0 replaces the scores s by softcap * tanh(s / softcap) (Gemma-2, Grok), as
             in `longflash.attention`; 0: none.
+        alibi_slopes: (nheads,) or (batch, nheads) floating-point array, or None: adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the scores (after softcap), as in
+            `longflash.attention`; not differentiated. Blockwise JAX path only.
         attn_mask: None, or a bool or floating-point array broadcastable to (batch, nheads,
             seqlen_q, seqlen_k), as in `longflash.attention` (PyTorch's attn_mask; the bias
             and mask of jax.nn.dot_product_attention): True where query i may see key j; a
@@ -668,20 +688,36 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     Works under jax.jit, jax.vmap, jax.grad and jax.vjp (the blockwise path; the Triton
     path has no batching rule).
     """
-    if attn_mask is not None and backend == "triton":
-        raise NotImplementedError("attn_mask runs on the blockwise JAX path only: use "
-                                  "backend='auto' or 'jax'")
+    blockwise_only = attn_mask is not None or alibi_slopes is not None
+    if blockwise_only and backend == "triton":
+        raise NotImplementedError("attn_mask and alibi_slopes run on the blockwise JAX path "
+                                  "only: use backend='auto' or 'jax'")
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
-                                 "jax" if attn_mask is not None else backend, window_size,
-                                 softcap)
+                                 "jax" if blockwise_only else backend, window_size, softcap)
     _check_sink(learnable_sink, q.shape[2])
+    slopes = _check_slopes(alibi_slopes, q.shape[0], q.shape[2])
     bias = _mask_bias(attn_mask, q, k)
     if bias is not None:  # a float mask's cotangent is computed, a boolean one's is not
         cfg = cfg._replace(bias_grad=attn_mask.dtype != np.bool_)
-    o, lse = _attention_jit(q, k, v, bias, cfg)
+    o, lse = _attention_jit(q, k, v, bias, slopes, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
+
+
+def _check_slopes(alibi_slopes, batch, nheads):
+    """ALiBi's slopes checked, as a (1 or batch, nheads) array; None stays None."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, (jax.Array, np.ndarray)) or \
+            not jnp.issubdtype(alibi_slopes.dtype, jnp.floating):
+        raise TypeError(f"alibi_slopes must be a floating-point array of shape (nheads,) or "
+                        f"(batch, nheads), got "
+                        f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    return jnp.asarray(alibi_slopes).reshape(-1, nheads)
 
 
 def _mask_bias(attn_mask, q, k):
@@ -726,12 +762,12 @@ def _with_sink(o, lse, learnable_sink):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None,
-                  attn_mask=None, window_size=(-1, -1), softcap=0.0):
+                  attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
     the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
-    column of scores appended to every row, then dropped. attn_mask, window_size, softcap: as
-    in `attention`."""
+    column of scores appended to every row, then dropped. attn_mask, window_size, softcap,
+    alibi_slopes: as in `attention`."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
@@ -740,6 +776,11 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     scores = jnp.einsum("bihd,bjhd->bhij", q, k, precision=_HIGHEST) * scale  # (B, H, Nq, Nk)
     if softcap > 0:
         scores = softcap * jnp.tanh(scores / softcap)
+    if alibi_slopes is not None:  # (H,) or (B, H) -> (B or 1, H, 1, 1)
+        slopes = jnp.asarray(alibi_slopes).reshape(-1, nheads)[:, :, None, None]
+        i = jnp.arange(seqlen_q)[:, None]
+        j = jnp.arange(seqlen_k)[None, :]
+        scores = scores - slopes.astype(scores.dtype) * jnp.abs(i + seqlen_k - seqlen_q - j)
     if attn_mask is not None:
         scores = (jnp.where(attn_mask, scores, -jnp.inf) if attn_mask.dtype == jnp.bool_
                   else scores + attn_mask.astype(scores.dtype))
