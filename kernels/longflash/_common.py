@@ -88,6 +88,27 @@ def check_window_size(window_size):
         raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
 
 
+def check_alibi_shape(shape, batch, nheads):
+    """ALiBi slopes: (nheads,) or (batch, nheads)."""
+    if tuple(shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                         f"got {tuple(shape)}")
+
+
+def check_attn_mask_shape(shape, batch, nheads, seqlen_q, seqlen_k, keys_at_least=False):
+    """attn_mask's shape: broadcastable to (batch, nheads, seqlen_q, seqlen_k); keys_at_least
+    (a decoding mask, over the cache's key positions): its last dimension may also exceed
+    seqlen_k, the longest sequence's keys (None: unknown, not checked)."""
+    shape, target = tuple(shape), (batch, nheads, seqlen_q, seqlen_k)
+    fits = [n in (1, t) for n, t in zip(shape[::-1], target[::-1])]
+    if keys_at_least and shape:
+        fits[0] = shape[-1] == 1 or seqlen_k is None or shape[-1] >= seqlen_k
+    if len(shape) > 4 or not all(fits):
+        keys = "L) with L = 1 or L >= seqlen_k" if keys_at_least else "seqlen_k)"
+        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, {keys};"
+                         f" (batch, nheads, seqlen_q, seqlen_k) = {target}, got shape {shape}")
+
+
 def check_softcap(softcap):
     """softcap: a finite real >= 0 (0: no softcap)."""
     check_real("softcap", softcap, "a float >= 0")

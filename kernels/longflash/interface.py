@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 
 from . import blockwise
-from ._common import (Options, check_bools, check_learnable_sink, check_real, check_shapes,
-                      check_softcap, check_window_size, define_op, empty_outputs, paged_rows,
+from ._common import (Options, check_alibi_shape, check_attn_mask_shape, check_bools,
+                      check_learnable_sink, check_real, check_shapes, check_softcap,
+                      check_window_size, define_op, empty_outputs, paged_rows,
                       resolve_softmax_scale, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
@@ -70,9 +71,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             raise TypeError("alibi_slopes must be a float32 tensor of shape (nheads,) or "
                             f"(batch, nheads), got {getattr(alibi_slopes, 'dtype', alibi_slopes)}")
-        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-            raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
-                             f"got {tuple(alibi_slopes.shape)}")
+        check_alibi_shape(alibi_slopes.shape, batch, nheads)
         if alibi_slopes.device != q.device:
             raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
     check_softcap(softcap)
@@ -99,15 +98,8 @@ def _check_attn_mask(attn_mask, q, seqlen_k, keys_at_least=False):
             attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
         raise TypeError(f"attn_mask must be a bool or floating-point tensor, or None, got "
                         f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
-    shape = tuple(attn_mask.shape)
-    target = (q.shape[0], q.shape[2], q.shape[1], seqlen_k)
-    fits = [n in (1, t) for n, t in zip(shape[::-1], target[::-1])]
-    if keys_at_least and shape:
-        fits[0] = shape[-1] == 1 or seqlen_k is None or shape[-1] >= seqlen_k
-    if len(shape) > 4 or not all(fits):
-        keys = "L) with L = 1 or L >= seqlen_k" if keys_at_least else "seqlen_k)"
-        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, {keys};"
-                         f" (batch, nheads, seqlen_q, seqlen_k) = {target}, got shape {shape}")
+    check_attn_mask_shape(attn_mask.shape, q.shape[0], q.shape[2], q.shape[1], seqlen_k,
+                          keys_at_least)
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must match")
 

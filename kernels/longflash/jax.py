@@ -52,9 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import (LN2, LOG2E, check_bools, check_shapes, check_softcap,
-                      check_window_size, key_range, query_range, resolve_softmax_scale,
-                      visible)
+from ._common import (LN2, LOG2E, check_alibi_shape, check_attn_mask_shape, check_bools,
+                      check_shapes, check_softcap, check_window_size, key_range, query_range,
+                      resolve_softmax_scale, visible)
 
 BLOCK_M = 128  # the blockwise PyTorch path's tiles: on a CPU each tile is one batched matmul
 BLOCK_N = 256
@@ -714,9 +714,7 @@ def _check_slopes(alibi_slopes, batch, nheads):
         raise TypeError(f"alibi_slopes must be a floating-point array of shape (nheads,) or "
                         f"(batch, nheads), got "
                         f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
-    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
-                         f"got {tuple(alibi_slopes.shape)}")
+    check_alibi_shape(alibi_slopes.shape, batch, nheads)
     return jnp.asarray(alibi_slopes).reshape(-1, nheads)
 
 
@@ -730,11 +728,8 @@ def _mask_bias(attn_mask, q, k):
             attn_mask.dtype == np.bool_ or jnp.issubdtype(attn_mask.dtype, jnp.floating)):
         raise TypeError(f"attn_mask must be a bool or floating-point array, or None, got "
                         f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
-    target = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     shape = tuple(attn_mask.shape)
-    if len(shape) > 4 or any(n not in (1, t) for n, t in zip(shape[::-1], target[::-1])):
-        raise ValueError(f"attn_mask must be broadcastable to (batch, nheads, seqlen_q, "
-                         f"seqlen_k) = {target}, got shape {shape}")
+    check_attn_mask_shape(shape, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     bias = jnp.asarray(attn_mask).reshape((1,) * (4 - len(shape)) + shape)
     if bias.dtype == jnp.bool_:
         return jnp.where(bias, 0.0, -jnp.inf).astype(_accumulator_dtype(q.dtype))
