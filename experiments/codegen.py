@@ -25,7 +25,10 @@ block table; "full_tiles" 4096 tokens, where no block needs a mask: the warp-spe
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
 every block). The decoding kernels' signatures are built by hand (compile_one): "plain", and
 paged, leftpad (cache_leftpad) and mask (a boolean attn_mask over the keys, contiguous along
-them) for the split-KV kernel, paged and rotary (half-split, queries in order) for the append.
+them) for the split-KV kernel, paged and rotary (half-split, queries in order) for the append,
+and fp8 for both (a float8 cache with (batch, nheads_kv) scales, FP8_CACHE). With triton==3.6.0
+compile the architectures' fp8 rows in separate processes (`--arch`): after an sm_90a compile,
+its fp8 conversions for sm_80 come out as sm_90 instructions that ptxas rejects.
 
 Causal attention is a runtime argument of the kernels (window_right = 0); a causal launch
 compiles the same code (checked: registers, spills and hot loop alike), so each compile is
@@ -101,10 +104,14 @@ ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
 FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles", "mask"]
-FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary"]
+FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "fp8"]
 KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"], "preprocess": ["plain", "varlen"],
-                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask"],
-                "decode_merge": ["plain"], "decode_append": ["plain", "paged", "rotary"]}
+                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "fp8"],
+                "decode_merge": ["plain"],
+                "decode_append": ["plain", "paged", "rotary", "fp8"]}
+# "fp8": a float8 cache with (batch, nheads_kv) scales, in the format each architecture's
+# Triton converts: float8_e4m3fn on sm_90 (8.9 and later), float8_e5m2 on sm_80.
+FP8_CACHE = {"sm90a": ("*fp8e4nv", torch.float8_e4m3fn), "sm80": ("*fp8e5", torch.float8_e5m2)}
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
 DECODE_GROUP, DECODE_PROGRAMS, DECODE_KEYS, H100_SMS = 4, 8, 131072, 132
@@ -155,7 +162,8 @@ def _signature(fn, pointers, constexprs):
 # block table's (max_pages), the per-query log-sum-exps' (seqlen_q = 1), the rotary
 # table's (rotary_dim / 2, any) and an attn_mask's (not specialized: they grow with the cache).
 DECODE_UNALIGNED_STRIDES = ("stride_ab", "stride_ah", "stride_tb", "stride_lh", "stride_qsh",
-                            "stride_cos", "stride_bb", "stride_bh", "stride_bm")
+                            "stride_cos", "stride_bb", "stride_bh", "stride_bm", "stride_kdb",
+                            "stride_kdh", "stride_vdb", "stride_vdh")
 
 
 def _divisibility(fn, pointers):
@@ -185,21 +193,26 @@ def configs_for(kernel, major, headdim):
     return flash_triton.configs_for(kernel, major, headdim)
 
 
-def kernel_spec(kernel, dtype, flags, headdim):
+def kernel_spec(kernel, dtype, flags, headdim, arch="sm90a"):
     """(jit function, signature pointers, constexprs) of a decoding kernel, as its launcher
     calls it."""
     p = "*" + DTYPES[dtype]
+    cache, fp8 = p, {}
+    if flags == "fp8":
+        cache = FP8_CACHE[arch][0]
+        fp8 = dict(K_DESCALE="*fp32", V_DESCALE="*fp32")
     if kernel == "decode_append":  # with an int cache_seqlens unless paged (as decode)
-        tensors = dict(Q=p, Q_ROT=p, K_NEW=p, V_NEW=p, K_CACHE=p, V_CACHE=p,
-                       BLOCK_TABLE="*i32", SEQLENS="*i32", COS="*fp32", SIN="*fp32")
+        tensors = dict(Q=p, Q_ROT=p, K_NEW=p, V_NEW=p, K_CACHE=cache, V_CACHE=cache,
+                       BLOCK_TABLE="*i32", SEQLENS="*i32", COS="*fp32", SIN="*fp32", **fp8)
         return decode_triton._append_rotary, tensors, dict(
             UNIFORM_SEQLEN=flags != "paged", PAGED=flags == "paged", ROTARY=flags == "rotary",
-            INTERLEAVED=False, Q_IN_ORDER=True, HEAD_DIM=headdim, HEAD_DIM_V=headdim)
+            INTERLEAVED=False, Q_IN_ORDER=True, HEAD_DIM=headdim, HEAD_DIM_V=headdim,
+            **(decode_triton._fp8_format(FP8_CACHE[arch][1]) if fp8 else {}))
     if kernel in ("decode", "decode_merge"):
         block_d = max(16, triton.next_power_of_2(headdim))
-        tensors = dict(Q=p, K_CACHE=p, V_CACHE=p, O=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
-                       LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32", O_PARTIAL="*fp32", LSE_PARTIAL="*fp32",
-                       BIAS="*u8")
+        tensors = dict(Q=p, K_CACHE=cache, V_CACHE=cache, O=p, BLOCK_TABLE="*i32",
+                       SEQLENS_K="*i32", LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32",
+                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", **fp8)
         if kernel == "decode_merge":
             return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim, BLOCK_D=block_d)
         # split: the long-cache case the goal is about (SPLIT=False only drops the merge)
@@ -212,13 +225,14 @@ def kernel_spec(kernel, dtype, flags, headdim):
             INPUT_PRECISION="tf32",
             # a boolean mask (read as uint8), its keys contiguous: stride 1, which Triton
             # specializes as a constant
-            **(dict(BIAS_KIND=2, stride_bn=1) if flags == "mask" else {}))
+            **(dict(BIAS_KIND=2, stride_bn=1) if flags == "mask" else {}),
+            **(dict(HAS_DESCALE=True) if fp8 else {}))
 
 
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
     """Compile one decoding kernel at one config, its signature built by hand (kernel_spec);
     returns a dict of metrics. The flash kernels compile as launched: compile_launch."""
-    fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim)
+    fn, tensors, meta = kernel_spec(kernel, dtype, flags, headdim, arch)
     meta = {**flash_triton.constexpr_defaults(fn), **meta, **cfg.kwargs}
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     src = ASTSource(fn=fn, signature=_signature(fn, tensors, meta),

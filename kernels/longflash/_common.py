@@ -16,6 +16,7 @@ POISON_OUTPUTS = False
 
 
 MAX_HEADDIM = 256
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # a KV cache's, in decoding
 
 
 # -- the operators torch.ops.longflash.* --
@@ -332,6 +333,8 @@ class Options(NamedTuple):
     attn_mask_grad: None, or a (batch, nheads, seqlen_q, seqlen_k) float32 tensor of zeros into
     which the backward writes the gradient of the scores, dL/ds (a float attn_mask's, before
     the sum over its broadcast dimensions). Backward only.
+    k_descale, v_descale: None, or (batch, nheads_kv) float32: a float8 KV cache's keys and
+    values are the cache's entries times these (decoding only).
     """
     softmax_scale: float
     window_left: int = -1
@@ -348,6 +351,8 @@ class Options(NamedTuple):
     deterministic: bool = False
     attn_mask: Optional[torch.Tensor] = None
     attn_mask_grad: Optional[torch.Tensor] = None
+    k_descale: Optional[torch.Tensor] = None
+    v_descale: Optional[torch.Tensor] = None
 
     @property
     def varlen(self):

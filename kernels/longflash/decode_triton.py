@@ -46,13 +46,14 @@ row; cache_leftpad is LEFTPAD_K (each sequence's first key).
 """
 
 import functools
+import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, empty_outputs, fix_triton_interpreter
+from ._common import FP8_DTYPES, LOG2E, empty_outputs, fix_triton_interpreter
 from .flash_triton import _bias, page_rows
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -108,6 +109,23 @@ def _rotated(X, offs_d, d_mask, COS, SIN, pos, stride_cos, rotary_dim,
     return x * cos + tl.where(first, -x_partner, x_partner) * sin
 
 
+@triton.jit
+def _quantized(x, descale, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr,
+               FP8_MAX: tl.constexpr):
+    """x / descale (float32) rounded to the float8 format with FP8_MANT mantissa bits and
+    smallest normal exponent FP8_EMIN, to nearest even, saturated at +-FP8_MAX: kvcache's
+    quantize. Rounded here, in float32 arithmetic, so that the conversion to float8 after it
+    is exact: adding c = 2^(e - FP8_MANT + 23), e the value's exponent (at least FP8_EMIN),
+    leaves the sum's last bit worth the format's spacing there (Triton 3.9's interpreter
+    rounds some values up across a power of two to half the result)."""
+    x = tl.clamp(x / descale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    c = ((tl.maximum(e, FP8_EMIN) - FP8_MANT + 150) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + c) - c
+    return tl.where(bits < 0, -r, r)  # the sign bit: -0 stays -0
+
+
 @triton.jit(do_not_specialize=["seqlen_all"])
 def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, COS, SIN,
                    stride_qb, stride_qn, stride_qh, stride_rb, stride_rn, stride_rh,
@@ -118,12 +136,16 @@ def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLEN
                    UNIFORM_SEQLEN: tl.constexpr, PAGED: tl.constexpr, ROTARY: tl.constexpr,
                    INTERLEAVED: tl.constexpr, Q_IN_ORDER: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                   BLOCK_DV: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, FP8: tl.constexpr = False,
+                   FP8_MANT: tl.constexpr = 0, FP8_EMIN: tl.constexpr = 0,
+                   FP8_MAX: tl.constexpr = 0.0, K_DESCALE=None, V_DESCALE=None, stride_kdb=0,
+                   stride_kdh=0, stride_vdb=0, stride_vdh=0):
     """One program per (row, sequence): rows t * nheads_kv + h write new key/value t of KV
     head h into the cache at position seqlen + t (the key rotated first if ROTARY); with
     ROTARY, the rows after them turn query i of head h into Q_ROT, at position seqlen + i
     (Q_IN_ORDER: causal or windowed) or seqlen. seqlen: the sequence's length before the
-    append (SEQLENS, or seqlen_all for every sequence)."""
+    append (SEQLENS, or seqlen_all for every sequence). FP8: the cache is float8, the row
+    quantized (_quantized) by K_DESCALE / V_DESCALE[b, h] (broadcast strides may be 0)."""
     row = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     seqlen = seqlen_all
@@ -146,14 +168,21 @@ def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLEN
                          INTERLEAVED)
         else:
             k = tl.load(k_row + offs_d, mask=d_mask)
-        tl.store(K_CACHE + page * stride_kcb + slot * stride_kcn + off_h * stride_kch + offs_d,
-                 k.to(K_CACHE.dtype.element_ty), mask=d_mask)
         offs_dv = tl.arange(0, BLOCK_DV)  # values: a head dim of their own (MLA)
         dv_mask = offs_dv < HEAD_DIM_V
         v = tl.load(V_NEW + off_b * stride_vb + t * stride_vn + off_h * stride_vh + offs_dv,
                     mask=dv_mask)
+        if FP8:  # the key as k's dtype holds it (rotated: rounded), then quantized
+            k = _quantized(k.to(K_NEW.dtype.element_ty).to(tl.float32),
+                           tl.load(K_DESCALE + off_b * stride_kdb + off_h * stride_kdh),
+                           FP8_MANT, FP8_EMIN, FP8_MAX)
+            v = _quantized(v.to(tl.float32),
+                           tl.load(V_DESCALE + off_b * stride_vdb + off_h * stride_vdh),
+                           FP8_MANT, FP8_EMIN, FP8_MAX)
+        tl.store(K_CACHE + page * stride_kcb + slot * stride_kcn + off_h * stride_kch + offs_d,
+                 k.to(K_CACHE.dtype.element_ty), mask=d_mask)
         tl.store(V_CACHE + page * stride_vcb + slot * stride_vcn + off_h * stride_vch + offs_dv,
-                 v, mask=dv_mask)
+                 v.to(V_CACHE.dtype.element_ty), mask=dv_mask)
     elif ROTARY:
         row -= seqlen_new * nheads_kv
         i, off_h = row // nheads, row % nheads
@@ -185,9 +214,13 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                  BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
-                 stride_bn=0, mask_len=0):
+                 stride_bn=0, mask_len=0, HAS_DESCALE: tl.constexpr = False, K_DESCALE=None,
+                 V_DESCALE=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0):
     """BIAS_KIND, BIAS: attn_mask (flash_triton._bias), (batch, nheads, seqlen_q, mask_len)
-    through its strides, indexed by key position."""
+    through its strides, indexed by key position. A float8 cache's tiles are converted to
+    q's dtype as they are loaded (exact); HAS_DESCALE: its scales K_DESCALE, V_DESCALE
+    (batch, nheads_kv), the key's folded into the softmax scale, the value's into the
+    output."""
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
@@ -215,6 +248,10 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah, mask=m_mask, other=0.0)
     diag = i + (seqlen_k - seqlen_q)  # (BLOCK_M,) key aligned with each row
+    if HAS_DESCALE:
+        k_scale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+        qk_scale *= k_scale
+        softmax_scale *= k_scale
     bias = Q  # attn_mask's row of each (query, head) pair (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h[:, None].to(tl.int64) * stride_bh
@@ -242,7 +279,7 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                          stride_bn, BIAS_KIND)
         k = tl.load(_kv_ptrs(K_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
                              page_size, stride_kb, stride_kn, stride_kh, stride_tb, PAGED),
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
             s = _tanh(qk * (softmax_scale / softcap)) * (softcap * 1.4426950408889634)
@@ -269,7 +306,7 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         # -- update output accumulator --
         v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_dv, n_mask,
                              page_size, stride_vb, stride_vn, stride_vh, stride_tb, PAGED),
-                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
@@ -277,6 +314,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     # -- epilogue: normalize by this split's sum; no key seen gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if HAS_DESCALE:
+        acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
     out_mask = m_mask[:, None] & dv_mask[None, :]
     if SPLIT:  # partials (num_splits, batch, nheads, seqlen_q, headdim_v), float32
@@ -390,19 +429,48 @@ def _bias_args(mask):
                 mask_len=length if length > 1 else 2**31 - 1)
 
 
-def check_cache_layout(k_cache, v_cache):
+def check_cache(k_cache, v_cache):
+    """What the Triton backend needs of a cache beyond kvcache's checks."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"k_cache and v_cache must have a contiguous last dimension (headdim) on "
                          f"the Triton backend, got strides {k_cache.stride()} and "
                          f"{v_cache.stride()}")
+    if k_cache.dtype == torch.float8_e4m3fn and k_cache.is_cuda and \
+            torch.cuda.get_device_capability(k_cache.device) < (8, 9):
+        raise NotImplementedError(f"a float8_e4m3fn cache needs a GPU of compute capability 8.9 "
+                                  f"or more for Triton ({torch.cuda.get_device_name()}); use "
+                                  f"float8_e5m2 or backend='torch'")
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_format(dtype):
+    """A float8 cache's format for the append kernel's rounding (_quantized)."""
+    info = torch.finfo(dtype)
+    return dict(FP8=True, FP8_MANT=round(-math.log2(info.eps)),
+                FP8_EMIN=round(math.log2(info.tiny)), FP8_MAX=float(info.max))
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device):  # kept: a decoding step allocates nothing for a missing scale
+    return torch.ones((), dtype=torch.float32, device=device).expand(1, 1)
+
+
+def _descale_args(k_descale, v_descale, device):
+    """A float8 cache's (batch, nheads_kv) scales as the kernels read them (1 if None)."""
+    k_descale, v_descale = (_unit_scale(device) if x is None else x
+                            for x in (k_descale, v_descale))
+    return dict(K_DESCALE=k_descale, V_DESCALE=v_descale,
+                stride_kdb=k_descale.stride(0), stride_kdh=k_descale.stride(1),
+                stride_vdb=v_descale.stride(0), stride_vdh=v_descale.stride(1))
 
 
 def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rotary_sin=None,
-           rotary_interleaved=True, q_in_order=False):
-    """kvcache's _rotate and _append in one launch: k and v (batch, seqlen_new, nheads_kv,
-    headdim) written into the cache in place at positions seqlens[b] + t (seqlens: an int, or
-    the (batch,) lengths before the append), k rotated first if rotary_cos is given; returns q,
-    rotated into a new tensor if rotary_cos is given. Arguments checked by the caller."""
+           rotary_interleaved=True, q_in_order=False, k_descale=None, v_descale=None):
+    """kvcache's _rotate, quantize and _append in one launch: k and v (batch, seqlen_new,
+    nheads_kv, headdim) written into the cache in place at positions seqlens[b] + t (seqlens:
+    an int, or the (batch,) lengths before the append), k rotated first if rotary_cos is
+    given, both quantized by k_descale and v_descale into a float8 cache; returns q, rotated
+    into a new tensor if rotary_cos is given. Arguments checked by the caller."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     batch, seqlen_new, nheads_kv, headdim = k.shape
     headdim_v = v.shape[-1]
@@ -418,6 +486,9 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
     uniform = not isinstance(seqlens, torch.Tensor)
     paged = block_table is not None
     cfg = append_config(headdim, headdim_v)
+    fp8 = {}
+    if k_cache.dtype in FP8_DTYPES:
+        fp8 = dict(**_fp8_format(k_cache.dtype), **_descale_args(k_descale, v_descale, q.device))
     _append_rotary[(rows, batch)](
         q, q_rot, k, v, k_cache, v_cache, block_table if paged else k,
         k if uniform else seqlens, cos, sin,
@@ -427,7 +498,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
         seqlens if uniform else 0, k_cache.shape[1] if paged else 0,
         2 * cos.shape[1] if rotary else 0,
         UNIFORM_SEQLEN=uniform, PAGED=paged, ROTARY=rotary, INTERLEAVED=rotary_interleaved,
-        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v, **cfg.kwargs,
+        Q_IN_ORDER=q_in_order, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v, **fp8, **cfg.kwargs,
         num_warps=cfg.num_warps)
     return q_rot
 
@@ -450,7 +521,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     o, lse = empty_outputs(q, headdim_v=headdim_v)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
-    check_cache_layout(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     cfg = launch_config(seqlen_q, group, headdim, headdim_v)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = _cdiv(seqlen_q * group, block_m)
@@ -477,7 +548,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         leftpad_k = leftpad_k.to(device=q.device, dtype=torch.int32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
-    bias = {} if opts.attn_mask is None else _bias_args(opts.attn_mask)
+    optional = {} if opts.attn_mask is None else _bias_args(opts.attn_mask)
+    if opts.k_descale is not None or opts.v_descale is not None:
+        optional.update(HAS_DESCALE=True, **_descale_args(opts.k_descale, opts.v_descale, q.device))
     _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
         q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
         seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,
@@ -492,7 +565,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_LEFTPAD=leftpad_k is not None,
         HAS_SOFTCAP=opts.softcap > 0,
         HAS_ALIBI=alibi is not None, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **bias,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **optional,
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         merge = merge_config(num_splits)

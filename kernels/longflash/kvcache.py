@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (LN2, LOG2E, Options, accumulator_dtype, check_bools, define_op,
-                      empty_outputs, paged_rows)
+from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, check_bools,
+                      define_op, empty_outputs, paged_rows)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -74,7 +74,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     leftpad_k: (batch,) int or None, the first key of each sequence (keys before it are
     padding; positions are counted from the start of the cache). opts.attn_mask: None, or a
     (batch, nheads, seqlen_q, L) view (broadcast dimensions at stride 0) indexed by key
-    position, L = 1 or at least every sequence's key count. Returns o like q and lse
+    position, L = 1 or at least every sequence's key count. opts.k_descale, opts.v_descale:
+    None, or (batch, nheads_kv) float32 views: a float8 cache's keys and values are
+    k_cache * k_descale and v_cache * v_descale (applied to the scores and to the output, as
+    the kernel does, not to the cache). Returns o like q and lse
     (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key); o has
     v_cache's head dim, which may differ from q's and k_cache's."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -92,11 +95,13 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         # cache do not merge into one batch stride, and matmul would copy every block.
         for seq in range(batch):
             one = slice(seq, seq + 1)
-            slopes, mask = (None if x is None else x[one]
-                            for x in (opts.alibi_slopes, opts.attn_mask))
+            slopes, mask, k_scale, v_scale = (
+                None if x is None else x[one]
+                for x in (opts.alibi_slopes, opts.attn_mask, opts.k_descale, opts.v_descale))
             pad = None if leftpad_k is None else leftpad_k[one]
             o[one], lse[one] = forward(q[one], k_cache[one], v_cache[one], seqlens_k[one], None,
-                                       opts._replace(alibi_slopes=slopes, attn_mask=mask),
+                                       opts._replace(alibi_slopes=slopes, attn_mask=mask,
+                                                     k_descale=k_scale, v_descale=v_scale),
                                        num_splits, block_n, pad)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
@@ -110,6 +115,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         0, 2, 1, 3, 4).reshape(batch, nheads_kv, 1, M, headdim)
     offs_m = torch.arange(M, device=device)
     i = (offs_m // group)[:, None]  # (M, 1) query position of each row
+    qk_scale = opts.softmax_scale  # a float8 cache's key scale folds into it: (B, Hkv, 1, 1, 1)
+    if opts.k_descale is not None:
+        qk_scale = opts.k_descale.to(dtype).view(batch, nheads_kv, 1, 1, 1) * qk_scale
     slope = None
     if opts.alibi_slopes is not None:  # (batch, nheads) -> (B, Hkv, 1, M, 1)
         slope = opts.alibi_slopes.to(dtype).view(batch, nheads_kv, 1, group)
@@ -165,11 +173,11 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         first, last = int(start_n.min()), int(start_n.max()) + width - 1
         window_edge = ((opts.window_right >= 0 and last > diag_lo + opts.window_right)
                        or (opts.window_left >= 0 and first < diag_hi - opts.window_left))
-        # (B, S, BN, Hkv, D) -> (B, Hkv, S, BN, D)
+        # (B, S, BN, Hkv, D) -> (B, Hkv, S, BN, D); a float8 cache's entries as they are
         k = k.permute(0, 3, 1, 2, 4).to(dtype)
         v = v.permute(0, 3, 1, 2, 4).to(dtype)
         # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
-        qk = q_packed @ k.transpose(-1, -2) * opts.softmax_scale
+        qk = q_packed @ k.transpose(-1, -2) * qk_scale
         if opts.softcap > 0:
             qk = opts.softcap * torch.tanh(qk / opts.softcap)
         j = offs_n[:, None, :, None, :]  # (B, 1, S, 1, BN)
@@ -205,6 +213,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     # -- each split's partial output and lse (log2 units), then the merge --
     l_safe = torch.where(l_i == 0, 1.0, l_i)
     o_partial = acc / l_safe[..., None]
+    if opts.v_descale is not None:  # a float8 cache's value scale, (B, Hkv, 1, 1, 1)
+        o_partial = o_partial * opts.v_descale.to(dtype).view(batch, nheads_kv, 1, 1, 1)
     lse_partial = torch.where(l_i == 0, float("-inf"), m_i + torch.log2(l_safe))
     o_merged, lse2 = merge(o_partial, lse_partial, dim=2)
     # (B, Hkv, M, Dv) -> (B, seqlen_q, nheads, Dv)
@@ -263,8 +273,13 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}: they must match")
+        if name.endswith("cache") and k_cache.dtype in FP8_DTYPES:  # a float8 cache
+            if x.dtype != k_cache.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype}, k_cache has {k_cache.dtype}: a "
+                                f"float8 cache's keys and values must have the same dtype")
+        elif x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}: they must match "
+                            f"(or the caches be float8: {', '.join(map(str, FP8_DTYPES))})")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}: they must match")
     if (k is None) != (v is None):
@@ -336,6 +351,42 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         check_pages_in_use(block_table, seqlens + seqlen_new, slots, k_cache.shape[0],
                            table_name, "k_cache")
     return seqlens, seqlen_new, hi
+
+
+def _check_descale(name, descale, q, k_cache):
+    """k_descale or v_descale -> None or a (batch, nheads_kv) float32 view (broadcast
+    dimensions at stride 0) on q's device. Accepted: None (1), a positive finite float, or a
+    float32 tensor broadcastable to (batch, nheads_kv) (its values are not read)."""
+    if descale is None:
+        return None
+    if k_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"{name} dequantizes a float8 cache ({', '.join(map(str, FP8_DTYPES))}); "
+                         f"k_cache has dtype {k_cache.dtype}")
+    shape = (q.shape[0], k_cache.shape[2])  # (batch, nheads_kv)
+    if isinstance(descale, (int, float)) and not isinstance(descale, bool):
+        if not 0 < descale < float("inf"):
+            raise ValueError(f"{name} must be positive and finite, got {descale}")
+        return torch.full((1, 1), descale, dtype=torch.float32, device=q.device).expand(shape)
+    if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or \
+            descale.dim() > 2 or any(n not in (1, m) for n, m in zip(descale.shape[::-1],
+                                                                     shape[::-1])):
+        raise TypeError(f"{name} must be a float, or a float32 tensor broadcastable to (batch, "
+                        f"nheads_kv) = {shape}, got {getattr(descale, 'dtype', type(descale))} "
+                        f"{tuple(getattr(descale, 'shape', ()))}")
+    if descale.device != q.device:
+        raise ValueError(f"{name} is on {descale.device}, q on {q.device}")
+    return descale.expand(shape)
+
+
+def quantize(x, descale, dtype):
+    """x (batch, seqlen, nheads_kv, headdim) as a float8 cache of `dtype` stores it:
+    x / descale rounded to nearest even, saturated at the format's largest finite value
+    (448 for float8_e4m3fn, which has no infinity). descale: None (1) or (batch, nheads_kv)."""
+    x = x.float()
+    if descale is not None:
+        x = x / descale[:, None, :, None]
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
 
 
 def check_cache_pair(k_cache, v_cache, k_name, v_name, same_headdim=False):
@@ -461,7 +512,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            return_lse=False, backend="auto", *, num_splits=0,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                            cache_batch_idx=None, cache_leftpad=None, learnable_sink=None,
-                           attn_mask=None):
+                           attn_mask=None, k_descale=None, v_descale=None):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
     (FlashAttention-2's flash_attn_with_kvcache).
 
@@ -472,10 +523,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             cache (num_pages, page_size, nheads_kv, headdim); nheads % nheads_kv == 0 (GQA:
             the cache is never repeated). v_cache's head dim may differ from q's and
             k_cache's (MLA decoding): the kernels take both as they are, nothing is padded.
-        k, v: (batch, seqlen_new, nheads_kv, headdim) or None (v with v_cache's head dim). If
-            given, written into the cache in place at positions cache_seqlens[b] ...
-            cache_seqlens[b] + seqlen_new - 1 before attending. cache_seqlens itself is not
-            updated (the caller advances it).
+            q's dtype, or both float8 (torch.float8_e4m3fn or torch.float8_e5m2: a quantized
+            cache, half a 16-bit cache's bytes; see k_descale).
+        k, v: (batch, seqlen_new, nheads_kv, headdim) or None (v with v_cache's head dim), q's
+            dtype. If given, written into the cache in place at positions cache_seqlens[b] ...
+            cache_seqlens[b] + seqlen_new - 1 before attending (into a float8 cache quantized:
+            k / k_descale rounded to nearest even, saturated at the format's largest finite
+            value). cache_seqlens itself is not updated (the caller advances it).
         cache_seqlens: int or (batch,) int32/int64 tensor: each sequence's length before the
             append; default: the whole capacity (minus seqlen_new). An int (or the default)
             is checked on the host and costs no device-to-host synchronization with a
@@ -531,6 +585,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             in place, tile by tile (a broadcast mask is never materialized). L is checked
             against the lengths where they are read (not under torch.compile with a tensor
             cache_seqlens).
+        k_descale, v_descale: None (1.0), a positive float, or a float32 tensor broadcastable
+            to (batch, nheads_kv) (FlashAttention-3's shape; per sequence b, as q is indexed,
+            also with cache_batch_idx), only with a float8 cache: the keys and values the
+            attention sees are k_cache * k_descale and v_cache * v_descale, in float32. The
+            kernels fold the key scale into the softmax scale and the value scale into the
+            output (the cache is read once, in its 8 bits, and converted to q's dtype for the
+            dot products, which is exact). q, k and v stay 16- or 32-bit; o has q's dtype.
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
     sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only
     (no autograd in q and the caches; a learnable_sink's gradient flows).
@@ -556,9 +617,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             "cache_batch_idx"
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                    block_table, table_name, cache_leftpad)
+    k_descale = _check_descale("k_descale", k_descale, q, k_cache)
+    v_descale = _check_descale("v_descale", v_descale, q, k_cache)
     # The remaining checks (dtype, head dims, scale, window, softcap, ALiBi, backend) are
-    # attention's, on empty stand-ins for the keys and values.
-    keys, values = (c.new_empty((q.shape[0], 0, c.shape[2], c.shape[3]))
+    # attention's, on empty stand-ins for the keys and values (q's dtype: a float8 cache is
+    # checked above).
+    keys, values = (c.new_empty((q.shape[0], 0, c.shape[2], c.shape[3]), dtype=q.dtype)
                     for c in (k_cache, v_cache))
     softmax_scale, backend = _check_inputs(q, keys, values, causal, softmax_scale, backend,
                                            window_size, alibi_slopes, softcap,
@@ -570,15 +634,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                   q_in_order)
     if backend == "triton":
         from . import decode_triton
-        decode_triton.check_cache_layout(k_cache, v_cache)
+        decode_triton.check_cache(k_cache, v_cache)
     if k is not None and backend == "triton" and not torch.compiler.is_compiling():
         # One launch for both (the PyTorch ops below are a dozen small kernels)
         q = decode_triton.append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos,
-                                 rotary_sin, rotary_interleaved, q_in_order)
+                                 rotary_sin, rotary_interleaved, q_in_order, k_descale,
+                                 v_descale)
     elif k is not None:  # traced by torch.compile, these fuse
         if rotary_cos is not None:
             q, k = _rotate(q, k, rotary_cos, rotary_sin, rotary_interleaved, seqlens,
                            q_in_order)
+        if k_cache.dtype in FP8_DTYPES:
+            k, v = quantize(k, k_descale, k_cache.dtype), quantize(v, v_descale, v_cache.dtype)
         _append(k_cache, k, seqlens, block_table)
         _append(v_cache, v, seqlens, block_table)
     # an int stays an int: no tensor to fill, no read back
@@ -586,20 +653,21 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
-                      cache_leftpad, attn_mask)
+                      cache_leftpad, attn_mask, k_descale, v_descale)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
              softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None, leftpad_k=None,
-             attn_mask=None):
+             attn_mask=None, k_descale=None, v_descale=None):
     """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
     of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
     device); None: found from seqlens_k when needed. leftpad_k: each sequence's first key
     (cache_leftpad) or None. attn_mask: None, or broadcastable to (batch, nheads, seqlen_q,
-    L), indexed by key position."""
+    L), indexed by key position. k_descale, v_descale: None or (batch, nheads_kv) float32, a
+    float8 cache's scales."""
     args = (q, k_cache, v_cache, block_table, leftpad_k, causal, softmax_scale, *window_size,
-            float(softcap), alibi_slopes, num_splits, backend, attn_mask)
+            float(softcap), alibi_slopes, num_splits, backend, attn_mask, k_descale, v_descale)
     if not torch.compiler.is_compiling():
         return _run(seqlens_k, max_seqlen_k, *args)
     # Traced by torch.compile: one opaque op, since the PyTorch path loops over as many key
@@ -616,7 +684,7 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
 
 def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
          softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, backend,
-         attn_mask=None):
+         attn_mask=None, k_descale=None, v_descale=None):
     batch, seqlen_q, nheads, _ = q.shape
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(batch, nheads)
@@ -624,7 +692,7 @@ def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, c
         attn_mask = attn_mask.expand(batch, nheads, seqlen_q,
                                      attn_mask.shape[-1] if attn_mask.dim() else 1)
     opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
-                   softcap, attn_mask=attn_mask)
+                   softcap, attn_mask=attn_mask, k_descale=k_descale, v_descale=v_descale)
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
@@ -639,14 +707,15 @@ def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqle
                      causal: bool, softmax_scale: float,
                      window_left: int, window_right: int, softcap: float,
                      alibi_slopes: Optional[torch.Tensor], num_splits: int,
-                     backend: str, attn_mask: Optional[torch.Tensor]
+                     backend: str, attn_mask: Optional[torch.Tensor],
+                     k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """_run under torch.compile. seqlens_k: (batch,) lengths, or None for one length seqlen_k
     of every sequence."""
     lengths = seqlen_k if seqlens_k is None else seqlens_k
     return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits,
-                backend, attn_mask)
+                backend, attn_mask, k_descale, v_descale)
 
 
 def _kvcache_fake(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):
