@@ -10,23 +10,31 @@ cache holds exactly seqlen_k tokens of every sequence (random normal, never zero
 and 8. Providers, each in its own layout, built outside the measured call:
   longflash       longflash.attention_with_kvcache, split-KV with the number of splits chosen
                   by the library (num_splits 0), and without splitting (num_splits 1). Triton
-                  on a GPU, the blockwise PyTorch path on a CPU.
+                  on a GPU, the blockwise PyTorch path on a CPU. Also over a float8_e4m3fn
+                  cache (splits chosen; kv_dtype "float8_e4m3fn"): the same cache quantized
+                  once, before timing, with one scale per (sequence, KV head), its largest
+                  magnitude / 448 (k_descale, v_descale), a quarter of a float32 cache's bytes
+                  and half of a 16-bit one's.
   sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math, flex (GPU), sdpa_cpu (CPU)
                   scaled_dot_product_attention / flex_attention (compiled once with dynamic
                   shapes) with enable_gqa (torch >= 2.5; "unsupported" where a backend refuses
                   the shape).
-Rows (experiment "speedup", part "decode", mode "fwd", causal False, key column num_splits:
-0 or 1 for longflash, empty for the others):
+Rows (experiment "speedup", part "decode", mode "fwd", causal False, key columns num_splits:
+0 or 1 for longflash, empty for the others, and kv_dtype: the cache's dtype where it is not
+the run's (float8_e4m3fn), else empty):
   time_ms (ms)          median with p20/p80 (experiments.measure.time_ms_interleaved: on a
                         CPU the providers of one shape are called in turn, round robin).
   time_ms_graph (ms)    GPU only: the same step captured in a CUDA graph and replayed
                         (experiments.measure.time_ms_graph): the GPU's time without the host's
                         (Python, checks, kernel launches), which time_ms can measure instead
                         on short caches. A step that cannot be captured is a row "error".
-  read_gbps (GB/s)      the cache's bytes (keys and values, read once) / time; the notebook
-                        divides it by the run's copy_gbps ceiling.
+  read_gbps (GB/s)      the cache's bytes (keys and values, read once, in the cache's dtype)
+                        / time; the notebook divides it by the run's copy_gbps ceiling.
   max_err_o_sampled     longflash only: max |o - o_ref| of the first sequence of the batch,
-                        against attention_ref in float64.
+                        against attention_ref in float64 over the cache it read (a float8
+                        cache's entries times its scales: the kernel's own error).
+  quant_err_o_sampled   float8 caches only: the same against the unquantized cache (the
+                        quantization's effect on the output).
 """
 
 import math
@@ -36,6 +44,7 @@ import time
 import torch
 
 import longflash
+from longflash import kvcache
 from experiments.measure import is_oom, time_ms, time_ms_graph, time_ms_interleaved
 # Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
 # its rules for a failed call, shared.
@@ -44,17 +53,22 @@ from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, 
 
 GPU_PROVIDERS = ("longflash", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "flex")
 CPU_PROVIDERS = ("longflash", "sdpa_cpu")
-SPLITS = (0, 1)  # longflash: splits chosen by the library, and none
-KEY_COLUMNS = ("num_splits",)  # beside experiments.results.KEY_COLUMNS
+FP8 = "float8_e4m3fn"
+# longflash's variants, (num_splits, kv_dtype): splits chosen by the library, none, and
+# chosen over a float8 cache ("": the run's dtype)
+LONGFLASH_VARIANTS = ((0, ""), (1, ""), (0, FP8))
+KEY_COLUMNS = ("num_splits", "kv_dtype")  # beside experiments.results.KEY_COLUMNS
 
 
-def make_decode(provider, device, num_splits=0):
+def make_decode(provider, device, num_splits=0, kv_dtype=""):
     """(step, layout): step(q, k_cache, v_cache) -> o, inputs in layout "bnhd" (batch, seqlen,
-    nheads, headdim) or "bhnd". Raises Unsupported."""
+    nheads, headdim), "bhnd" or, for a float8 cache, "fp8" (q, k_cache, v_cache, k_descale,
+    v_descale: step(*inputs)). Raises Unsupported."""
     if provider == "longflash":
         backend = "triton" if device == "cuda" else "torch"
-        return (lambda q, k, v: longflash.attention_with_kvcache(
-            q, k, v, cache_seqlens=k.shape[1], backend=backend, num_splits=num_splits), "bnhd")
+        return (lambda q, k, v, k_descale=None, v_descale=None: longflash.attention_with_kvcache(
+            q, k, v, cache_seqlens=k.shape[1], backend=backend, num_splits=num_splits,
+            k_descale=k_descale, v_descale=v_descale), "fp8" if kv_dtype else "bnhd")
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
         raise Unsupported(f"torch {torch.__version__}: scaled_dot_product_attention and "
                           "flex_attention take enable_gqa from torch 2.5")
@@ -77,9 +91,24 @@ def _inputs(batch, seqlen_k, nheads, nheads_kv, headdim, dtype, device, seed):
     return {"bnhd": bnhd, "bhnd": [x.transpose(1, 2).contiguous() for x in bnhd]}
 
 
-def _max_err(o, q, k, v):
-    """max |o - attention_ref| of the first sequence, the reference in float64."""
-    ref, _ = longflash.attention_ref(q[:1].double(), k[:1].double(), v[:1].double())
+def _quantized(inputs, kv_dtype):
+    """inputs["fp8"]: q and the "bnhd" cache as a float8 cache with its scales, one per
+    (sequence, KV head): its largest magnitude / the format's largest value."""
+    if "fp8" not in inputs:
+        q, k, v = inputs["bnhd"]
+        dtype = getattr(torch, kv_dtype)
+        scales = [x.abs().amax(dim=(1, 3)).float() / torch.finfo(dtype).max for x in (k, v)]
+        inputs["fp8"] = [q, *(kvcache.quantize(x, s, dtype) for x, s in zip((k, v), scales)),
+                         *scales]
+    return inputs["fp8"]
+
+
+def _max_err(o, q, k, v, k_descale=None, v_descale=None):
+    """max |o - attention_ref| of the first sequence, the reference in float64 (over a float8
+    cache's entries times its scales)."""
+    k, v = (x[:1].double() * (1 if s is None else s[:1, None, :, None].double())
+            for x, s in ((k, k_descale), (v, v_descale)))
+    ref, _ = longflash.attention_ref(q[:1].double(), k, v)
     return (o[:1].double() - ref).abs().max().item()
 
 
@@ -93,12 +122,15 @@ def existing_keys(path):
     if "num_splits" not in df:
         return set()
     df = df[(df["part"] == "decode") & (df["metric"] == "time_ms") & (df["status"] != "error")]
-    return {_key(p, n, d, b, s) for p, n, d, b, s in
-            df[["provider", "num_splits", "dtype", "batch", "seqlen_k"]].itertuples(index=False)}
+    kv = df["kv_dtype"] if "kv_dtype" in df else [""] * len(df)  # older files: none
+    return {_key(p, n, d, b, s, c) for (p, n, d, b, s), c in
+            zip(df[["provider", "num_splits", "dtype", "batch", "seqlen_k"]].itertuples(
+                index=False), kv)}
 
 
-def _key(provider, num_splits, dtype, batch, seqlen_k):
-    return provider, _splits_name(num_splits), str(dtype), int(batch), int(seqlen_k)
+def _key(provider, num_splits, dtype, batch, seqlen_k, kv_dtype=""):
+    kv_dtype = kv_dtype if isinstance(kv_dtype, str) else ""  # empty in a CSV: NaN
+    return provider, _splits_name(num_splits), str(dtype), int(batch), int(seqlen_k), kv_dtype
 
 
 def run(cfg, device, log, machine, started, done=frozenset()):
@@ -122,14 +154,17 @@ def run(cfg, device, log, machine, started, done=frozenset()):
             inputs = _inputs(batch, seqlen_k, cfg.decode_nheads, cfg.decode_nheads_kv,
                              cfg.decode_headdim, dtype, device, seed=seqlen_k + batch)
             cache_bytes = 2 * inputs["bnhd"][1].numel() * inputs["bnhd"][1].element_size()
-            todo = [(provider, num_splits) for provider in providers
-                    for num_splits in (SPLITS if provider == "longflash" else (math.nan,))
-                    if _key(provider, num_splits, cfg.dtype, batch, seqlen_k) not in done]
-            ready = [_prepare(provider, num_splits, inputs, device)
-                     for provider, num_splits in todo]
+            todo = [(provider, num_splits, kv_dtype) for provider in providers
+                    for num_splits, kv_dtype in (LONGFLASH_VARIANTS if provider == "longflash"
+                                                 else ((math.nan, ""),))
+                    if _key(provider, num_splits, cfg.dtype, batch, seqlen_k, kv_dtype)
+                    not in done]
+            ready = [_prepare(provider, num_splits, kv_dtype, inputs, device)
+                     for provider, num_splits, kv_dtype in todo]
             _time(ready, device, cfg)
-            for (provider, num_splits), r in zip(todo, ready):
-                rows += _rows(provider, num_splits, r, base, cache_bytes, log)
+            for (provider, num_splits, kv_dtype), r in zip(todo, ready):
+                size = 1 if not kv_dtype else getattr(torch, kv_dtype).itemsize / dtype.itemsize
+                rows += _rows(provider, num_splits, kv_dtype, r, base, cache_bytes * size, log)
             del inputs
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -140,19 +175,23 @@ def _splits_name(num_splits):
     return "-" if math.isnan(num_splits) else "auto" if num_splits == 0 else str(int(num_splits))
 
 
-def _prepare(provider, num_splits, inputs, device):
+def _prepare(provider, num_splits, kv_dtype, inputs, device):
     """One provider's step at one shape, warmed up (compilation, autotuning), with its error
-    (longflash) and status: {"provider", "step", "err", "status", "message", "times"}."""
-    out = dict(provider=provider, step=None, err=math.nan, status="ok", message="",
-               times=(math.nan,) * 3, graph=None)
+    (longflash; a float8 cache's also against the unquantized cache) and status:
+    {"provider", "step", "err", "quant_err", "status", "message", "times"}."""
+    out = dict(provider=provider, step=None, err=math.nan, quant_err=math.nan, status="ok",
+               message="", times=(math.nan,) * 3, graph=None)
     try:
-        step, layout = make_decode(provider, device, 0 if math.isnan(num_splits) else num_splits)
-        q, k, v = inputs[layout]
-        o = step(q, k, v)  # warm-up: compilation, autotuning
+        step, layout = make_decode(provider, device, 0 if math.isnan(num_splits) else num_splits,
+                                   kv_dtype)
+        args = _quantized(inputs, kv_dtype) if kv_dtype else inputs[layout]
+        o = step(*args)  # warm-up: compilation, autotuning
         if provider == "longflash":
-            out["err"] = _max_err(o, q, k, v)
+            out["err"] = _max_err(o, *args)
+        if kv_dtype:
+            out["quant_err"] = _max_err(o, *inputs["bnhd"])
         del o
-        out["step"] = lambda: step(q, k, v)
+        out["step"] = lambda: step(*args)
     except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
         out.update(status=_status(e, provider), message=_summary(e))
         if is_oom(e) and device == "cuda":
@@ -198,15 +237,16 @@ def _time_calls(ready, device, cfg):
                 torch.cuda.empty_cache()
 
 
-def _rows(provider, num_splits, r, base, cache_bytes, log):
+def _rows(provider, num_splits, kv_dtype, r, base, cache_bytes, log):
     """The rows of one provider at one shape (time_ms, read_gbps, on a GPU time_ms_graph, and
-    longflash's error)."""
-    row = dict(base, provider=provider, num_splits=num_splits)
+    longflash's errors)."""
+    row = dict(base, provider=provider, num_splits=num_splits, kv_dtype=kv_dtype or math.nan)
+    name = _splits_name(num_splits) + (f" {kv_dtype}" if kv_dtype else "")
     times, err, status, message = r["times"], r["err"], r["status"], r["message"]
     med, p20, p80 = times
     gb = (lambda ms: cache_bytes / (ms * 1e-3) / 1e9) if status == "ok" else (lambda ms: math.nan)
     log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "
-        f"splits {_splits_name(num_splits):<4} {med:9.3f} ms "
+        f"splits {name:<4} {med:9.3f} ms "
         f"{gb(med):8.2f} GB/s  err {err:.2e}  [{status}]" + (f"  {message}" if message else ""))
     nan = math.nan
     out = [dict(row, metric="time_ms", value=med, unit="ms", p20=p20, p80=p80, status=status),
@@ -215,12 +255,13 @@ def _rows(provider, num_splits, r, base, cache_bytes, log):
     if r["graph"] is not None:
         (g_med, g_p20, g_p80), g_status, g_message = r["graph"]
         log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "
-            f"splits {_splits_name(num_splits):<4} {g_med:9.3f} ms as CUDA-graph replays "
+            f"splits {name:<4} {g_med:9.3f} ms as CUDA-graph replays "
             f"[{g_status}]" + (f"  {g_message}" if g_message else ""))
         out.append(dict(row, metric="time_ms_graph", value=g_med, unit="ms", p20=g_p20,
                         p80=g_p80, status=g_status))
-    if provider == "longflash":
-        out.append(dict(row, metric="max_err_o_sampled", value=err, unit="abs", p20=nan,
-                        p80=nan, status=status if math.isfinite(err) or status != "ok"
-                        else "error"))
+    errors = ([("max_err_o_sampled", err)] if provider == "longflash" else []) + (
+        [("quant_err_o_sampled", r["quant_err"])] if kv_dtype else [])
+    for metric, value in errors:
+        out.append(dict(row, metric=metric, value=value, unit="abs", p20=nan, p80=nan,
+                        status=status if math.isfinite(value) or status != "ok" else "error"))
     return out

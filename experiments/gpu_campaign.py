@@ -114,6 +114,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      scaling_exact  as in stage 5, with what is left
      pytest_mask  attn_mask through the kernels against float64, its gradient too, and
                 through the decoding kernel (attention_with_kvcache, attention's route)
+     pytest_fp8   a float8 KV cache through the decoding and append kernels against float64
+                (bit for bit the append's quantization)
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -593,6 +595,9 @@ def stage_steps(stage, dry):
             # autotuning its own specialization (about 20 s each), then four of the
             # decoding kernel (one compile each, a few seconds)
             _pytest("pytest_mask", "test_attn_mask", estimate_s=35, timeout_s=150),
+            # the float8 KV cache (new, never run on a GPU): three decoding cases against
+            # float64 and the append's rounding bit for bit, NaN included (one compile each)
+            _pytest("pytest_fp8", "fp8", estimate_s=20, timeout_s=90),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6 or 7, got {stage!r}")
 

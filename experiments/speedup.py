@@ -675,8 +675,10 @@ def summary(out, device):
                 f"{table.round(1).to_string()}")
     if "num_splits" in rows:
         dec = rows[(rows["part"] == "decode") & (rows["metric"] == "time_ms")]
+        kv = dec["kv_dtype"] if "kv_dtype" in dec else pd.Series(math.nan, index=dec.index)
         dec = dec.assign(provider=dec["provider"] + dec["num_splits"].map(
-            lambda n: "" if pd.isna(n) else " (no split)" if n == 1 else " (split-KV)"))
+            lambda n: "" if pd.isna(n) else " (no split)" if n == 1 else " (split-KV)")
+            + kv.map(lambda c: "" if pd.isna(c) else f", {c}"))
         table = dec.pivot_table(index=["batch", "provider"], columns="seqlen_k", values="value",
                                 aggfunc="first")
         log(f"\ntime_ms per decoding step, by cache length ({device}):\n"

@@ -16,7 +16,8 @@ from conftest import check_close
 from longflash import attention_ref
 from test_correctness import KERNEL_FUNCTIONS, check_against_reference, force_configs, shape_id
 from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, check_case,
-                          check_compiled_decoding, check_compiled_route, check_rotary,
+                          check_compiled_decoding, check_compiled_route,
+                          check_fp8_append_rounds_as_torch, check_rotary,
                           route_small)  # noqa: F401 (route_small: a fixture)
 
 pytestmark = pytest.mark.gpu
@@ -419,6 +420,26 @@ def test_attn_mask_kvcache_gpu(case, mask_kind):
     boolean mask shared by the heads over a speculative step's 4 queries (tree attention's
     shape), a float mask per head over a ragged paged cache, one boolean per row."""
     check_case(case, torch.bfloat16, "triton", 0, device="cuda", mask_kind=mask_kind)
+
+
+@pytest.mark.parametrize("case, fp8", [(DECODE_LONG[0], (torch.float8_e4m3fn, "tensors")),
+                                       (DECODE_LONG[1], (torch.float8_e5m2, "floats")),
+                                       (DECODE_LONG[2], (torch.float8_e4m3fn, "none"))],
+                         ids=["4K-e4m3-per-head", "paged-ragged-e5m2-floats", "spec4-window-e4m3"])
+def test_fp8_kvcache_gpu(case, fp8):
+    """A float8 cache (the split-KV kernel converting its tiles, the scales folded in; the
+    append kernel quantizing) in bf16 against float64 over the cache's entries times its
+    scales, and the appended entries bit for bit kvcache.quantize's."""
+    check_case(case, torch.bfloat16, "triton", 0, device="cuda", fp8=fp8)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_fp8_append_rounds_as_torch_gpu(cache_dtype):
+    """The append kernel's quantization compiled (cvt to float8 after _quantized's rounding):
+    bit for bit torch's on every kind of value, NaN included (the interpreter's NaN is
+    wrong)."""
+    check_fp8_append_rounds_as_torch("triton", cache_dtype, device="cuda", nan=True)
 
 
 def test_attn_mask_routes_decoding_to_split_kv_gpu(route_small):

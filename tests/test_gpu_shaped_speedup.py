@@ -103,12 +103,21 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     # against the fastest other provider of each (batch, cache length).
     d = rows[(rows["part"] == "decode") & (rows["metric"] == "time_ms_graph")
              & (rows["status"] == "ok")]
-    lf = d[(d["provider"] == "longflash") & (d["num_splits"] == 0)]
+    lf = d[(d["provider"] == "longflash") & (d["num_splits"] == 0) & d["kv_dtype"].isna()]
     best = d[d["provider"] != "longflash"].groupby(["batch", "seqlen_k"])["value"].min()
     ratio = (best / lf.set_index(["batch", "seqlen_k"])["value"]).dropna()
     assert m[f"{P}DecodeGraphOverBestPeerMin"] == f"{ratio.min():.2f}"
     assert m[f"{P}DecodeGraphOverBestPeerMax"] == f"{ratio.max():.2f}"
     assert m[f"{P}DecodeGraphOverBestPeerConfigs"] == str(len(ratio)) == "16"
+    # the float8 cache against the bf16 one (per call, splits chosen), from the rows
+    t = rows[(rows["part"] == "decode") & (rows["metric"] == "time_ms")
+             & (rows["provider"] == "longflash") & (rows["num_splits"] == 0)]
+    by = lambda x: x.set_index(["batch", "seqlen_k"])["value"]  # noqa: E731
+    gain = by(t[t["kv_dtype"].isna()]) / by(t[t["kv_dtype"] == "float8_e4m3fn"])
+    assert m[f"{P}DecodeFpEightGainMin"] == f"{gain.min():.2f}"
+    assert m[f"{P}DecodeFpEightGainMax"] == f"{gain.max():.2f}"
+    assert m[f"{P}DecodeFpEightConfigs"] == str(len(gain)) == "16"
+    assert m[f"{P}DecodeFpEightQuantErrMax"] == "2.1e-02"
     # README: the GPU row first, the CPU rows kept.
     table = _readme(tmp_path, gen)
     lines = [line for line in table.splitlines() if line.startswith("| RQ")]

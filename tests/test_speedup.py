@@ -39,7 +39,7 @@ def quick(tmp_path_factory):
 def test_schema_and_one_row_per_measurement(quick):
     out, df, _ = quick
     assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
-    assert not df.duplicated(KEY_COLUMNS + ["num_splits"]).any()
+    assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype"]).any()
     assert set(df["experiment"]) == {"speedup"}
     assert set(df["part"]) == {"batch", "long", "decode", "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
@@ -97,8 +97,9 @@ def test_values_are_consistent(quick):
 
 def test_decode_part(quick):
     """Part decode: every provider of the CPU at every batch and cache length, LongFlash with
-    the library's split choice and with one split; bandwidth from the cache's bytes and the
-    time; LongFlash's output against float64."""
+    the library's split choice, with one split, and over a float8 cache; bandwidth from the
+    cache's bytes and the time; LongFlash's output against float64 (over the float8 cache's
+    entries times its scales), and the float8 cache's against the unquantized cache."""
     _, df, stdout = quick
     cfg = speedup.Config(**speedup.QUICK)
     dec = df[df["part"] == "decode"]
@@ -108,17 +109,24 @@ def test_decode_part(quick):
     assert (dec["nheads_kv"] == cfg.decode_nheads_kv).all()
     assert set(dec[dec["provider"] == "longflash"]["num_splits"]) == {0, 1}
     assert dec[dec["provider"] == "sdpa_cpu"]["num_splits"].isna().all()
-    dec = dec.assign(num_splits=dec["num_splits"].fillna(-1))
-    index = ["provider", "num_splits", "batch", "seqlen_k"]
-    assert dec.groupby(index).ngroups == 3 * len(cfg.decode_batches) * len(cfg.decode_seqlens)
+    assert set(dec["kv_dtype"].dropna()) == {"float8_e4m3fn"}
+    assert set(dec[dec["kv_dtype"].notna()]["num_splits"]) == {0}
+    dec = dec.assign(num_splits=dec["num_splits"].fillna(-1), kv_dtype=dec["kv_dtype"].fillna(""))
+    index = ["provider", "num_splits", "kv_dtype", "batch", "seqlen_k"]
+    assert dec.groupby(index).ngroups == 4 * len(cfg.decode_batches) * len(cfg.decode_seqlens)
     wide = dec.pivot_table(index=index, columns="metric", values="value").reset_index()
     cache_bytes = (2 * wide["batch"] * wide["seqlen_k"] * cfg.decode_nheads_kv
-                   * cfg.decode_headdim * 4)
+                   * cfg.decode_headdim * wide["kv_dtype"].map({"": 4, "float8_e4m3fn": 1}))
     assert ((cache_bytes / (wide["time_ms"] * 1e-3) / 1e9 - wide["read_gbps"]).abs()
             <= 1e-9 * wide["read_gbps"]).all()
     errors = wide[wide["provider"] == "longflash"]["max_err_o_sampled"]
-    assert len(errors) == 2 * len(cfg.decode_batches) * len(cfg.decode_seqlens)
+    assert len(errors) == 3 * len(cfg.decode_batches) * len(cfg.decode_seqlens)
     assert (errors < 1e-5).all()
+    # the quantization's own error: well above the kernel's, within float8_e4m3fn's spacing
+    fp8 = wide[wide["kv_dtype"] != ""]
+    assert fp8["quant_err_o_sampled"].notna().all()
+    assert (fp8["quant_err_o_sampled"] > 10 * fp8["max_err_o_sampled"]).all()
+    assert (fp8["quant_err_o_sampled"] < 0.1).all()
     assert "time_ms per decoding step" in stdout
 
 
@@ -132,7 +140,7 @@ def test_resume_measures_nothing_twice(quick, tmp_path):
     again = pd.read_csv(copy)
     assert len(again) == len(df)
     runs = lambda d: d[d["provider"] != "ceiling"].sort_values(  # noqa: E731
-        KEY_COLUMNS + ["num_splits"])
+        KEY_COLUMNS + ["num_splits", "kv_dtype"])
     assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
 
 

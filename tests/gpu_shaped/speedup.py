@@ -148,9 +148,10 @@ def ceiling_rows(cfg):
 
 
 def decode_rows(cfg, rng, error_parts=(), error_providers=(), decode_errors=()):
-    """Part decode's rows (experiments.decode._rows): time_ms, read_gbps, max_err_o_sampled.
+    """Part decode's rows (experiments.decode._rows): time_ms, read_gbps, max_err_o_sampled
+    (and a float8 cache's quant_err_o_sampled).
     decode_errors: the variants whose decode rows are "error" ("longflash_split",
-    "longflash_nosplit", or another provider's name)."""
+    "longflash_nosplit", "longflash_split_fp8", or another provider's name)."""
     from experiments import decode
     rows = []
     for batch in cfg.decode_batches:
@@ -161,13 +162,17 @@ def decode_rows(cfg, rng, error_parts=(), error_providers=(), decode_errors=()):
                         causal=False, load_avg_1m=0.7, **shape, **MACHINE)
             cache_bytes = 2 * batch * seqlen_k * cfg.decode_nheads_kv * cfg.decode_headdim * 2
             for provider in [p for p in cfg.providers if p in decode.GPU_PROVIDERS]:
-                for num_splits in decode.SPLITS if provider == "longflash" else (math.nan,):
+                for num_splits, kv_dtype in (decode.LONGFLASH_VARIANTS if provider == "longflash"
+                                             else ((math.nan, ""),)):
                     name = (provider if provider != "longflash" else
                             "longflash_nosplit" if num_splits == 1 else "longflash_split")
+                    name += "_fp8" if kv_dtype else ""
+                    size = 0.5 if kv_dtype else 1.0  # a float8 cache: half the bf16 bytes
                     status = ("error" if "decode" in error_parts or provider in error_providers
                               or name in decode_errors
                               else "unsupported" if provider == "sdpa_efficient" else "ok")
-                    r = dict(status=status, err=math.nan, times=(math.nan,) * 3,
+                    r = dict(status=status, err=math.nan, quant_err=math.nan,
+                             times=(math.nan,) * 3,
                              message="" if status == "ok" else "made-up failure",
                              graph=((math.nan,) * 3, status, "made-up failure"))
                     if status == "ok":
@@ -177,14 +182,15 @@ def decode_rows(cfg, rng, error_parts=(), error_providers=(), decode_errors=()):
                                 "flex": 0.5}[provider] * seqlen_k / (seqlen_k + 2048)
                         if num_splits == 1 and batch == 8:
                             frac *= 2  # more sequences fill the GPU without splitting
-                        ms = cache_bytes / (COPY_GBPS * 1e9 * frac) * 1e3 + 0.008
+                        ms = size * cache_bytes / (COPY_GBPS * 1e9 * frac) * 1e3 + 0.008
                         ms *= rng.uniform(0.97, 1.03)
                         r["times"] = (ms, ms * 0.99, ms * 1.02)
                         graph_ms = ms - 0.006  # replays skip the host's launch work
                         r["graph"] = ((graph_ms, graph_ms * 0.99, graph_ms * 1.02), "ok", "")
                         r["err"] = 3.9e-3 if provider == "longflash" else math.nan
-                    rows += decode._rows(provider, num_splits, r, base, cache_bytes,
-                                         lambda message: None)
+                        r["quant_err"] = 2.1e-2 if kv_dtype else math.nan
+                    rows += decode._rows(provider, num_splits, kv_dtype, r, base,
+                                         size * cache_bytes, lambda message: None)
     return rows
 
 
