@@ -437,9 +437,10 @@ def check_cache(k_cache, v_cache):
                          f"{v_cache.stride()}")
     if k_cache.dtype == torch.float8_e4m3fn and k_cache.is_cuda and \
             torch.cuda.get_device_capability(k_cache.device) < (8, 9):
-        raise NotImplementedError(f"a float8_e4m3fn cache needs a GPU of compute capability 8.9 "
-                                  f"or more for Triton ({torch.cuda.get_device_name()}); use "
-                                  f"float8_e5m2 or backend='torch'")
+        raise NotImplementedError(
+            f"a float8_e4m3fn cache needs a GPU of compute capability 8.9 or more for Triton "
+            f"({torch.cuda.get_device_name(k_cache.device)}); use float8_e5m2 or "
+            f"backend='torch'")
 
 
 @functools.lru_cache(maxsize=None)
