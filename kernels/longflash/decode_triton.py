@@ -168,19 +168,20 @@ def _append_rotary(Q, Q_ROT, K_NEW, V_NEW, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLEN
                          INTERLEAVED)
         else:
             k = tl.load(k_row + offs_d, mask=d_mask)
-        offs_dv = tl.arange(0, BLOCK_DV)  # values: a head dim of their own (MLA)
-        dv_mask = offs_dv < HEAD_DIM_V
-        v = tl.load(V_NEW + off_b * stride_vb + t * stride_vn + off_h * stride_vh + offs_dv,
-                    mask=dv_mask)
         if FP8:  # the key as k's dtype holds it (rotated: rounded), then quantized
             k = _quantized(k.to(K_NEW.dtype.element_ty).to(tl.float32),
                            tl.load(K_DESCALE + off_b * stride_kdb + off_h * stride_kdh),
                            FP8_MANT, FP8_EMIN, FP8_MAX)
+        tl.store(K_CACHE + page * stride_kcb + slot * stride_kcn + off_h * stride_kch + offs_d,
+                 k.to(K_CACHE.dtype.element_ty), mask=d_mask)
+        offs_dv = tl.arange(0, BLOCK_DV)  # values: a head dim of their own (MLA)
+        dv_mask = offs_dv < HEAD_DIM_V
+        v = tl.load(V_NEW + off_b * stride_vb + t * stride_vn + off_h * stride_vh + offs_dv,
+                    mask=dv_mask)
+        if FP8:
             v = _quantized(v.to(tl.float32),
                            tl.load(V_DESCALE + off_b * stride_vdb + off_h * stride_vdh),
                            FP8_MANT, FP8_EMIN, FP8_MAX)
-        tl.store(K_CACHE + page * stride_kcb + slot * stride_kcn + off_h * stride_kch + offs_d,
-                 k.to(K_CACHE.dtype.element_ty), mask=d_mask)
         tl.store(V_CACHE + page * stride_vcb + slot * stride_vcn + off_h * stride_vch + offs_dv,
                  v.to(V_CACHE.dtype.element_ty), mask=dv_mask)
     elif ROTARY:
