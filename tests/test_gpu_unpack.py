@@ -17,7 +17,7 @@ def _row(seqlen, value, provider="longflash"):
     row.update(experiment="speedup", provider=provider, mode="fwd", dtype="bfloat16", batch=1,
                seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_kv=16, headdim=128,
                causal=True, metric="time_ms", value=value, unit="ms", status="ok",
-               device="NVIDIA H100 80GB HBM3", num_splits=float("nan"),
+               device="NVIDIA H100 80GB HBM3", num_splits=float("nan"), kv_dtype=float("nan"),
                # the GPU run's provenance; a clean tree's git_dirty_files is empty
                torch="2.11.0", triton="3.6.0", python="3.12.3", git_commit="abc",
                git_dirty=False, git_dirty_files="", timestamp="then", command="there")
