@@ -90,11 +90,16 @@ class KVCache:
     """One attention layer's keys and values for generation: k, v (batch, capacity, nheads_kv,
     headdim), the first `seqlen` positions filled (the same number for every sequence), and
     the rotary tables of positions [0, capacity), made once. MultiheadSelfAttention.forward
-    appends to it and advances seqlen."""
+    appends to it and advances seqlen. A float8 dtype (torch.float8_e4m3fn or float8_e5m2)
+    keeps them quantized, with k_descale, v_descale as attention_with_kvcache takes them (a
+    float or a float32 tensor broadcastable to (batch, nheads_kv); None: 1): half a 16-bit
+    cache's memory and bytes read per step."""
 
-    def __init__(self, batch, capacity, nheads_kv, headdim, dtype=None, device=None):
+    def __init__(self, batch, capacity, nheads_kv, headdim, dtype=None, device=None,
+                 k_descale=None, v_descale=None):
         self.k = torch.zeros(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.k_descale, self.v_descale = k_descale, v_descale
         self.seqlen = 0
         self._rotary = {}
 
@@ -184,7 +189,8 @@ class MultiheadSelfAttention(nn.Module):
             rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
         o = attention_with_kvcache(q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen,
                                    causal=self.causal, backend=self.backend,
-                                   learnable_sink=self.sinks, **rotary)
+                                   learnable_sink=self.sinks, k_descale=kv_cache.k_descale,
+                                   v_descale=kv_cache.v_descale, **rotary)
         kv_cache.seqlen += q.shape[1]
         return o
 

@@ -111,25 +111,31 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
-    def new_kv_cache(self, batch, capacity):
-        """An empty KV cache for `capacity` tokens per sequence: one KVCache per block, in the
-        model's dtype and on its device."""
+    def new_kv_cache(self, batch, capacity, dtype=None, k_descale=None, v_descale=None):
+        """An empty KV cache for `capacity` tokens per sequence: one KVCache per block, on the
+        model's device, in the model's dtype or `dtype` (a float8 one with its scales:
+        longflash.nn.KVCache)."""
         weight = self.wte.weight
         return [KVCache(batch, capacity, block.attn.num_heads_kv, block.attn.headdim,
-                        dtype=weight.dtype, device=weight.device) for block in self.blocks]
+                        dtype=dtype or weight.dtype, device=weight.device, k_descale=k_descale,
+                        v_descale=v_descale) for block in self.blocks]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
+                 kv_cache_dtype=None, k_descale=None, v_descale=None):
         """Continue each prompt of idx (batch, seqlen) by max_new_tokens sampled tokens:
         logits / temperature, restricted to the top_k most likely if given; temperature 0
         picks the most likely (greedy). The prompt runs once into a fresh KV cache, then each
-        token is one decoding step over it. Returns (batch, seqlen + max_new_tokens). Call it
-        in eval mode (dropout would apply otherwise)."""
+        token is one decoding step over it. kv_cache_dtype, k_descale, v_descale: the cache's
+        dtype (default the model's; a float8 one quantizes it) and a float8 cache's scales,
+        as new_kv_cache takes them. Returns (batch, seqlen + max_new_tokens). Call it in eval
+        mode (dropout would apply otherwise)."""
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens)
+        cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens, kv_cache_dtype,
+                                  k_descale, v_descale)
         tokens, step = [idx], idx
         for _ in range(max_new_tokens):
             logits = self(step, kv_cache=cache)[0][:, -1].float()  # (B, V)
