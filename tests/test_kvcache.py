@@ -363,6 +363,42 @@ def tree_mask(parents, prefix, keys):
     return mask
 
 
+def test_tree_attention_mask_is_each_nodes_ancestors():
+    """longflash.tree_attention_mask against the node-by-node walk (tree_mask): one tree for
+    every sequence and a tree per sequence, prefixes of other lengths (0 among them), an int
+    prefix, a longer key dimension, a chain, a flat tree, no node; errors name parents,
+    cache_seqlens or length."""
+    gen = torch.Generator().manual_seed(8)
+    trees = torch.stack([torch.tensor(TREE_PARENTS)] + [
+        torch.tensor([-1] + [int(torch.randint(-1, t, (), generator=gen)) for t in range(1, 7)])
+        for _ in range(2)])  # (3, 7)
+    prefixes = [5, 0, 12]
+    for parents, lengths, length in ((TREE_PARENTS, prefixes, None),
+                                     (trees, torch.tensor(prefixes), 30),
+                                     (list(range(-1, 6)), 4, None), ([-1] * 5, [3, 1], None),
+                                     ([], [2, 3], None)):
+        mask = longflash.tree_attention_mask(parents, lengths, length)
+        per_seq = parents if torch.is_tensor(parents) else torch.tensor([parents],
+                                                                         dtype=torch.long)
+        n_lengths = torch.as_tensor(lengths).reshape(-1)
+        batch = max(len(per_seq), len(n_lengths))
+        keys = length or int(n_lengths.max()) + per_seq.shape[1]
+        assert mask.shape == (batch, 1, per_seq.shape[1], keys) and mask.dtype == torch.bool
+        for b in range(batch):
+            tree = per_seq[b % len(per_seq)].tolist()
+            want = tree_mask(tree, int(n_lengths[b % len(n_lengths)]), keys)
+            assert torch.equal(mask[b, 0], want), (parents, lengths, b)
+    for bad, match in ((dict(parents=[-1, 1]), "parents"), (dict(parents=[-2, 0]), "parents"),
+                       (dict(parents=[-1.0, 0.0]), "parents"),
+                       (dict(parents=torch.tensor([[-1, 0]] * 3), cache_seqlens=[1, 2]),
+                        "batch"),
+                       (dict(cache_seqlens=-1), "cache_seqlens"),
+                       (dict(length=3), "length")):
+        kw = dict(dict(parents=[-1, 0], cache_seqlens=2), **bad)
+        with pytest.raises((ValueError, TypeError), match=match):
+            longflash.tree_attention_mask(**kw)
+
+
 @pytest.mark.parametrize("backend, dtype", [("torch", torch.float64), ("torch", torch.bfloat16)]
                          + [("triton", torch.float32), ("triton", torch.float16)] * INTERPRET,
                          ids=lambda x: str(x).removeprefix("torch."))
@@ -379,7 +415,8 @@ def test_tree_attention_is_decoding_each_branch(backend, dtype):
                         for _ in range(2))
     k_new, v_new = (torch.randn(2, nodes, 2, 32, generator=gen, dtype=torch.float64)
                     for _ in range(2))
-    mask = torch.stack([tree_mask(TREE_PARENTS, n, keys) for n in prefixes])[:, None]
+    mask = longflash.tree_attention_mask(TREE_PARENTS, torch.tensor(prefixes))
+    assert mask.shape == (2, 1, nodes, keys)
     low = [x.to(dtype) for x in (q, k_cache, v_cache, k_new, v_new)]
     o, lse = longflash.attention_with_kvcache(
         *low, cache_seqlens=torch.tensor(prefixes, dtype=torch.int32), return_lse=True,

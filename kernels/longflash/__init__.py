@@ -17,11 +17,11 @@ functions with their exact signatures: `from longflash.flash_attn import flash_a
 
 from . import parallel  # noqa: F401 - longflash.parallel.ring_attention, shard/unshard_sequence
 from .interface import BACKENDS, attention, attention_varlen, scaled_dot_product_attention
-from .kvcache import attention_with_kvcache
+from .kvcache import attention_with_kvcache, tree_attention_mask
 from .reference import attention_ref, attention_varlen_ref
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache",
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "tree_attention_mask",
            "scaled_dot_product_attention", "attention_ref", "attention_varlen_ref",
            "parallel", "BACKENDS", "__version__"]

@@ -506,6 +506,70 @@ def _rotate(q, k, cos, sin, interleaved, seqlens, q_in_order):
     return q, apply_rotary(k, *angles(k.shape[1]), interleaved)
 
 
+def tree_attention_mask(parents, cache_seqlens, length=None, device=None):
+    """The attn_mask of tree attention in speculative decoding, for attention_with_kvcache.
+
+    A draft tree of n tokens is appended to each sequence in one call, node t at cache row
+    cache_seqlens[b] + t; node t sees the cached tokens, its ancestors and itself.
+    Arguments:
+        parents: n ints, or a (batch, n) integer tensor (a tree per sequence): node t's
+            parent, -1 for a child of the last cached token; parents precede their children
+            (-1 <= parents[t] < t).
+        cache_seqlens: an int or (batch,) integers: each sequence's length before the append,
+            as attention_with_kvcache takes it.
+        length: the mask's key dimension L (default max(cache_seqlens) + n, the fewest that
+            attention_with_kvcache accepts).
+    Returns a bool tensor (batch, 1, n, L) on `device` (default cache_seqlens' or parents'),
+    batch 1 for an int cache_seqlens and 1-D parents. For parents [-1, 0, 0, 1] and 2 cached
+    tokens:
+        1 1 1 0 0 0
+        1 1 1 1 0 0
+        1 1 1 0 1 0
+        1 1 1 1 0 1
+    """
+    if device is None:
+        device = next((x.device for x in (cache_seqlens, parents)
+                       if isinstance(x, torch.Tensor)), None)
+    parents = torch.as_tensor(parents, device=device)
+    if parents.numel() == 0:  # [] reads as float32
+        parents = parents.long()
+    if parents.dtype not in (torch.int32, torch.int64) or parents.dim() not in (1, 2):
+        raise TypeError(f"parents must be n ints or a (batch, n) integer tensor, got "
+                        f"{parents.dtype} {tuple(parents.shape)}")
+    lengths = torch.as_tensor(cache_seqlens, device=device).long().reshape(-1)  # (B,) or (1,)
+    parents = parents.long().view(parents.shape[0] if parents.dim() == 2 else 1,
+                                  parents.shape[-1])  # (B or 1, n)
+    batch = max(len(lengths), parents.shape[0])
+    n = parents.shape[1]
+    node = torch.arange(n, device=device)
+    if len(lengths) == 0 or (parents < -1).any() or (parents >= node).any() or \
+            (lengths < 0).any() or parents.shape[0] not in (1, batch) or \
+            len(lengths) not in (1, batch):
+        raise ValueError(f"parents ({tuple(parents.shape)}) must satisfy -1 <= parents[t] < t "
+                         f"and cache_seqlens ({tuple(lengths.shape)}) be >= 0, with one batch "
+                         f"size (or 1)")
+    longest = int(lengths.max()) + n
+    length = longest if length is None else length
+    if length < longest:
+        raise ValueError(f"length must be at least max(cache_seqlens) + n = {longest}, got "
+                         f"{length}")
+    # -- ancestors: walk every node up to the root, depth at most n --
+    parents = parents.expand(batch, n)
+    seen = torch.eye(n, dtype=torch.bool, device=device).expand(batch, n, n).clone()
+    up = node.expand(batch, n)
+    for _ in range(n):
+        up = torch.where(up >= 0, parents.gather(1, up.clamp(min=0)), -1)
+        seen |= (up[..., None] == node) & (up[..., None] >= 0)
+    # -- key position j of sequence b: cached (j < prefix), or draft node j - prefix --
+    prefix = lengths.expand(batch)[:, None, None]  # (B, 1, 1)
+    j = torch.arange(length, device=device)
+    mask = (j < prefix).expand(batch, n, length)
+    if n:
+        draft = (j - prefix).clamp(0, n - 1).expand(batch, n, length)
+        mask = mask | ((j >= prefix) & (j < prefix + n) & seen.gather(2, draft))
+    return mask[:, None]  # (B, 1, n, L)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                            block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
