@@ -135,6 +135,74 @@ def test_paged_decoding_reads_the_pages_in_place(route_small, monkeypatch):  # n
         assert torch.equal(a, b)
 
 
+def float8_pages(k_pages, v_pages, table, cu_k, cache_dtype, dtype, seed=4):
+    """The pages in float8, (batch, nheads_kv) and (nheads_kv,) scales, and the keys and
+    values they stand for, packed, in dtype: entries times scales in float32, rounded."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, nheads_kv = table.shape[0], k_pages.shape[2]
+    scales = torch.rand(batch, nheads_kv, generator=gen) + 0.5, torch.rand(nheads_kv,
+                                                                           generator=gen) + 0.5
+    pages = [x.float().to(cache_dtype) for x in (k_pages, v_pages)]
+    seq = torch.repeat_interleave(torch.arange(batch), cu_k.diff().long())
+    packed = [(gathered(x, table, cu_k).float() * s.expand(batch, nheads_kv)[seq][..., None])
+              .to(dtype) for x, s in zip(pages, scales)]
+    return pages, scales, packed
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float8_pages_give_what_their_dequantized_keys_give(backend, dtype, cache_dtype):
+    """Float8 pages with k_descale, v_descale (chunked prefill over a quantized cache): output,
+    lse and q's gradient equal the packed call over the keys and values they stand for, bit
+    for bit (a dequantized packed copy runs the same kernels), with the packed-keys case's
+    empty sequences, windows and GQA."""
+    lengths_q, lengths_k = [3, 1, 0, 6, 2], [7, 0, 9, 21, 2]
+    q, _, _, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        lengths_q, lengths_k, 4, 2, 16, 4, dtype)
+    pages, scales, packed = float8_pages(k_pages, v_pages, table, cu_k, cache_dtype, dtype)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    runs = []
+    for keys, kw in ((packed, {}), (pages, dict(block_table=table, k_descale=scales[0],
+                                                   v_descale=scales[1]))):
+        leaf = q.detach().clone().requires_grad_()
+        o, lse = longflash.attention_varlen(leaf, *keys, *args, return_lse=True,
+                                            backend=backend, causal=True, window_size=(9, -1),
+                                            **kw)
+        (o.float().square().sum() + lse.sum()).backward()
+        runs.append((o, lse, leaf.grad))
+    for name, a, b in zip(("o", "lse", "dq"), *runs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the split-KV route is the Triton backend's")
+def test_float8_paged_decoding_reads_the_pages_in_place(route_small):  # noqa: F811
+    """Equal short queries over float8 pages, no gradient: the split-KV kernel reads them
+    (and their scales) in place, within the tolerance rule of the float64 reference over the
+    keys they stand for."""
+    from conftest import check_close
+    lengths_k = [30, 21, 45]
+    q, _, _, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        [2, 2, 2], lengths_k, 8, 2, 32, 8, torch.float16)
+    pages, scales, _ = float8_pages(k_pages, v_pages, table, cu_k, torch.float8_e4m3fn,
+                                    torch.float64)
+    o, lse = longflash.attention_varlen(q, *pages, cu_q, cu_k, 2, 45, causal=True,
+                                        return_lse=True, block_table=table, k_descale=scales[0],
+                                        v_descale=scales[1])
+    assert len(route_small) == 1 and route_small[0].tolist() == lengths_k
+    _, _, packed = float8_pages(k_pages, v_pages, table, cu_k, torch.float8_e4m3fn,
+                                torch.float64)
+    for b in range(3):
+        rows, keys = slice(2 * b, 2 * b + 2), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref = longflash.attention_ref(q[None, rows].double(), packed[0][None, keys],
+                                      packed[1][None, keys], causal=True)
+        low = longflash.attention_ref(q[None, rows], packed[0][None, keys].half(),
+                                      packed[1][None, keys].half(), causal=True, upcast=False)
+        check_close(f"o[{b}]", o[None, rows], low[0], ref[0])
+        check_close(f"lse[{b}]", lse[None, :, rows], low[1], ref[1])
+
+
 def test_flash_attn_varlen_func_block_table():
     q, k, v, cu_q, cu_k, k_pages, v_pages, table = make_paged(
         [2, 5], [9, 13], 4, 4, 16, 4, torch.float32)
@@ -190,6 +258,18 @@ ERRORS = [
      _bad(max_seqlen_k=lambda a: 8)),
     ("heads", ValueError, "nheads",
      _bad(q=lambda a: a["q"][:, :3])),
+    ("fp8-packed", NotImplementedError, "pass block_table",
+     _bad(k=lambda a: a["k"][0].to(torch.float8_e4m3fn), v=lambda a: a["v"][0].to(
+         torch.float8_e4m3fn), block_table=lambda a: None,
+          cu_seqlens_k=lambda a: torch.tensor([0, 2, 4], dtype=torch.int32),
+          max_seqlen_k=lambda a: 2)),
+    ("fp8-mixed", TypeError, "one dtype",
+     _bad(k=lambda a: a["k"].to(torch.float8_e4m3fn), v=lambda a: a["v"].to(torch.float8_e5m2))),
+    ("descale-not-fp8", ValueError, "k_descale dequantizes a float8 cache",
+     _bad(k_descale=lambda a: 0.5)),
+    ("descale-shape", TypeError, "v_descale must be a float",
+     _bad(k=lambda a: a["k"].to(torch.float8_e4m3fn), v=lambda a: a["v"].to(torch.float8_e4m3fn),
+          v_descale=lambda a: torch.ones(3))),
 ]
 
 

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 
 from . import blockwise
-from ._common import (Options, check_alibi_shape, check_attn_mask_shape, check_bools,
-                      check_learnable_sink, check_real, check_shapes, check_softcap,
-                      check_window_size, define_op, empty_outputs, paged_rows,
+from ._common import (FP8_DTYPES, Options, check_alibi_shape, check_attn_mask_shape,
+                      check_bools, check_learnable_sink, check_real, check_shapes,
+                      check_softcap, check_window_size, define_op, empty_outputs, paged_rows,
                       resolve_softmax_scale, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
@@ -174,16 +174,34 @@ def _check_pages(q, k, v, block_table, cu_seqlens_k, batch):
     return offsets[-1]
 
 
-def _gather_pages(k, v, block_table, cu_seqlens_k, total_k):
+def _check_fp8_pages(k, v, paged):
+    """Whether k and v are float8 pages (then of one dtype, and paged)."""
+    if k.dtype not in FP8_DTYPES and v.dtype not in FP8_DTYPES:
+        return False
+    if not paged:
+        raise NotImplementedError(f"float8 k and v ({k.dtype}) are a paged cache's: pass "
+                                  f"block_table (or dequantize packed keys first)")
+    if k.dtype != v.dtype:
+        raise TypeError(f"float8 pages k and v must have one dtype, got {k.dtype} and {v.dtype}")
+    return True
+
+
+def _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale=None, v_descale=None,
+                  dtype=None):
     """The keys and values in use, packed as attention_varlen takes them: (total_k, nheads_kv,
     headdim) each, a copy (gradients flow back to the pages). Key n of sequence b is page
-    block_table[b, n // page_size], slot n % page_size."""
+    block_table[b, n // page_size], slot n % page_size. Float8 pages are dequantized to
+    `dtype`: entries times k_descale / v_descale[b] ((batch, nheads_kv); None: 1), in float32."""
     batch = block_table.shape[0]
     device = k.device
     seq = torch.repeat_interleave(torch.arange(batch, device=device), cu_seqlens_k.diff(),
                                   output_size=total_k)  # (total_k,) sequence of each key
     pos = torch.arange(total_k, device=device) - cu_seqlens_k[:-1].long()[seq]
-    return paged_rows(k, block_table, seq, pos), paged_rows(v, block_table, seq, pos)
+    k, v = paged_rows(k, block_table, seq, pos), paged_rows(v, block_table, seq, pos)
+    if k.dtype in FP8_DTYPES:  # (total_k, Hkv, D) in dtype
+        k, v = ((x.float() * (1 if s is None else s[seq][..., None])).to(dtype)
+                for x, s in ((k, k_descale), (v, v_descale)))
+    return k, v
 
 
 def _resolve_backend(backend, q):
@@ -365,14 +383,15 @@ def _use_split_kv(backend, seqlen_q, seqlen_k, dropout_p, *tensors):
 
 
 def _split_kv(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size, softcap,
-              alibi_slopes, backend, max_seqlen_k, attn_mask=None):
+              alibi_slopes, backend, max_seqlen_k, attn_mask=None, k_descale=None,
+              v_descale=None):
     """seqlens_k: (batch,) tensor, or an int for every sequence; max_seqlen_k: max(seqlens_k),
     known here, so the launcher reads nothing back."""
     from .kvcache import _forward  # imported on first use: kvcache imports this module
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     return _forward(q, k, v, seqlens_k, block_table, causal, softmax_scale, window_size,
                     float(softcap), alibi_slopes, 0, backend, max_seqlen_k,
-                    attn_mask=attn_mask)
+                    attn_mask=attn_mask, k_descale=k_descale, v_descale=v_descale)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -478,7 +497,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
                      window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
                      seed=None, generator=None, deterministic=False, block_table=None,
-                     learnable_sink=None):
+                     learnable_sink=None, k_descale=None, v_descale=None):
     """`attention` on a packed batch of variable-length sequences, with no padding computed.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim) (v's headdim may
@@ -498,7 +517,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         memory, total_k keys; gradients flow back to the pages). Reads cu_seqlens_k and the
         entries in use back to check them; torch.compile runs such a call eagerly (a graph
         break: those checks, and the copy's length, are values of the tensors), and
-        fullgraph=True refuses it.
+        fullgraph=True refuses it. The pages may be float8 (torch.float8_e4m3fn or
+        float8_e5m2, both), with k_descale and v_descale as in attention_with_kvcache
+        (scales per sequence and KV head): the split-KV kernel reads them in place; other
+        calls (chunked prefill) attend over a packed copy dequantized to q's dtype.
     Returns o: (total_q, nheads, headdim of v) and, with return_lse, lse: (nheads, total_q).
     """
     paged = block_table is not None
@@ -506,8 +528,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                               paged)
     if paged:
         total_k = _check_pages(q, k, v, block_table, cu_seqlens_k, batch)
-    # (1, total_k, nheads_kv, headdim); paged: the checks need no keys, an empty stand-in
-    keys, values = (x.new_empty((1, 0, *x.shape[2:])) if paged else x[None] for x in (k, v))
+    from .kvcache import check_descale  # kvcache imports this module: late
+    fp8 = _check_fp8_pages(k, v, paged)
+    k_descale, v_descale = (check_descale(name, x, batch, k, q.device, "k")
+                            for name, x in (("k_descale", k_descale), ("v_descale", v_descale)))
+    # (1, total_k, nheads_kv, headdim); paged: the checks need no keys, an empty stand-in (in
+    # q's dtype for float8 pages)
+    keys, values = (x.new_empty((1, 0, *x.shape[2:]), dtype=q.dtype if fp8 else x.dtype)
+                    if paged else x[None] for x in (k, v))
     softmax_scale, backend = _check_inputs(
         q[None], keys, values, causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
@@ -525,12 +553,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 pages = (k[:, None], v[:, None], table.to(torch.int32))
             o, lse = _split_kv(q.reshape(batch, max_seqlen_q, *q.shape[1:]), *pages[:2],
                                cu_seqlens_k.diff(), pages[2], causal, softmax_scale,
-                               window_size, softcap, alibi_slopes, backend, max_seqlen_k)
+                               window_size, softcap, alibi_slopes, backend, max_seqlen_k,
+                               k_descale=k_descale, v_descale=v_descale)
             o = o.view(*q.shape[:2], v.shape[-1])  # (total_q, H, Dv)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return _outputs(o, lse, learnable_sink, return_lse)
-    if paged and _needs_grad(q, k, v):  # the backward kernels take packed keys
-        k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k)
+    if paged and (fp8 or _needs_grad(q, k, v)):  # the backward kernels take packed keys
+        k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale, v_descale,
+                             q.dtype)
         block_table = None
     o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                 alibi_slopes, float(softcap), float(dropout_p),

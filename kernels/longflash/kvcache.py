@@ -353,28 +353,28 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     return seqlens, seqlen_new, hi
 
 
-def _check_descale(name, descale, q, k_cache):
+def check_descale(name, descale, batch, k_cache, device, k_name="k_cache"):
     """k_descale or v_descale -> None or a (batch, nheads_kv) float32 view (broadcast
-    dimensions at stride 0) on q's device. Accepted: None (1), a positive finite float, or a
+    dimensions at stride 0) on `device`. Accepted: None (1), a positive finite float, or a
     float32 tensor broadcastable to (batch, nheads_kv) (its values are not read)."""
     if descale is None:
         return None
     if k_cache.dtype not in FP8_DTYPES:
         raise ValueError(f"{name} dequantizes a float8 cache ({', '.join(map(str, FP8_DTYPES))}); "
-                         f"k_cache has dtype {k_cache.dtype}")
-    shape = (q.shape[0], k_cache.shape[2])  # (batch, nheads_kv)
+                         f"{k_name} has dtype {k_cache.dtype}")
+    shape = (batch, k_cache.shape[2])  # (batch, nheads_kv)
     if isinstance(descale, (int, float)) and not isinstance(descale, bool):
         if not 0 < descale < float("inf"):
             raise ValueError(f"{name} must be positive and finite, got {descale}")
-        return torch.full((1, 1), descale, dtype=torch.float32, device=q.device).expand(shape)
+        return torch.full((1, 1), descale, dtype=torch.float32, device=device).expand(shape)
     if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or \
             descale.dim() > 2 or any(n not in (1, m) for n, m in zip(descale.shape[::-1],
                                                                      shape[::-1])):
         raise TypeError(f"{name} must be a float, or a float32 tensor broadcastable to (batch, "
                         f"nheads_kv) = {shape}, got {getattr(descale, 'dtype', type(descale))} "
                         f"{tuple(getattr(descale, 'shape', ()))}")
-    if descale.device != q.device:
-        raise ValueError(f"{name} is on {descale.device}, q on {q.device}")
+    if descale.device != device:
+        raise ValueError(f"{name} is on {descale.device}, q on {device}")
     return descale.expand(shape)
 
 
@@ -681,8 +681,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             "cache_batch_idx"
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                    block_table, table_name, cache_leftpad)
-    k_descale = _check_descale("k_descale", k_descale, q, k_cache)
-    v_descale = _check_descale("v_descale", v_descale, q, k_cache)
+    k_descale = check_descale("k_descale", k_descale, q.shape[0], k_cache, q.device)
+    v_descale = check_descale("v_descale", v_descale, q.shape[0], k_cache, q.device)
     # The remaining checks (dtype, head dims, scale, window, softcap, ALiBi, backend) are
     # attention's, on empty stand-ins for the keys and values (q's dtype: a float8 cache is
     # checked above).
