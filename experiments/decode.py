@@ -46,6 +46,7 @@ import torch
 import longflash
 from longflash import kvcache
 from experiments.measure import is_oom, time_ms, time_ms_graph, time_ms_interleaved
+from experiments.results import measured_before
 # Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
 # its rules for a failed call, shared.
 from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, compiled_flex,
@@ -112,9 +113,10 @@ def _max_err(o, q, k, v, k_descale=None, v_descale=None):
     return (o[:1].double() - ref).abs().max().item()
 
 
-def existing_keys(path):
+def existing_keys(path, after=None):
     """Keys of the part-decode time_ms rows already in path (for --resume), but those with
-    status error (speedup._existing_keys)."""
+    status error and, with after (an ISO time), those measured before it
+    (speedup._existing_keys)."""
     if not os.path.exists(path):
         return set()
     import pandas as pd
@@ -122,6 +124,8 @@ def existing_keys(path):
     if "num_splits" not in df:
         return set()
     df = df[(df["part"] == "decode") & (df["metric"] == "time_ms") & (df["status"] != "error")]
+    if after:
+        df = df[~measured_before(df, after)]
     kv = df["kv_dtype"] if "kv_dtype" in df else [""] * len(df)  # older files: none
     return {_key(p, n, d, b, s, c) for (p, n, d, b, s), c in
             zip(df[["provider", "num_splits", "dtype", "batch", "seqlen_k"]].itertuples(

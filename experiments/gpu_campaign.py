@@ -116,6 +116,7 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 through the decoding kernel (attention_with_kvcache, attention's route)
      pytest_fp8   a float8 KV cache through the decoding and append kernels against float64
                 (bit for bit the append's quantization)
+     speedup_decode  RQ1 part decode again, every provider and the float8 cache in one run
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -164,6 +165,7 @@ from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors
 from experiments.ncu import probe_ncu
 from experiments.process_groups import kill_children_on_sigterm, run_group, track_child
 from experiments.results import TILES_CHANGED  # rows before it measured the old backward tiles
+from experiments.results import DECODE_FP8_ADDED  # decode rows before it lack the float8 cache
 # experiments.tuning.TARGETS's indices of d256's backward (non-causal 1K, causal 4K)
 D256_BACKWARD_TARGETS = (0, 5)
 
@@ -535,6 +537,7 @@ def stage_steps(stage, dry):
             long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
                      "--parts", "long", "--providers", "longflash,standard"]
             tune = ["--quick", "--targets", "1"]  # the decoding target: call rows only, fast
+            decode = ["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"]
         else:
             providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
             short = ["--full", "--headdims", "128,256,64", "--seqlens", "1024,2048",
@@ -545,6 +548,7 @@ def stage_steps(stage, dry):
             long_ = ["--full", "--headdims", "128", "--seqlens", "",
                      "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
             tune = ["--full", "--targets", ",".join(str(i) for i in D256_BACKWARD_TARGETS)]
+            decode = ["--full", "--parts", "decode"]
         again = ["--resume-after", TILES_CHANGED]
         return [
             _probe("env", estimate_s=5, timeout_s=60),
@@ -598,6 +602,11 @@ def stage_steps(stage, dry):
             # the float8 KV cache (new, never run on a GPU): three decoding cases against
             # float64 and the append's rounding bit for bit, NaN included (one compile each)
             _pytest("pytest_fp8", "fp8", estimate_s=20, timeout_s=90),
+            # RQ1 part decode again, rows before DECODE_FP8_ADDED measured again: every
+            # provider and LongFlash's float8 cache in one run, the float8 cache's first
+            # timing (PERFLOG "A float8 KV cache"; stage 3's run of the part took 52 s)
+            _speedup("speedup_decode", decode + ["--resume-after", DECODE_FP8_ADDED],
+                     estimate_s=60, timeout_s=150, tail_s=30),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6 or 7, got {stage!r}")
 

@@ -598,7 +598,7 @@ def run(cfg, device, out, resume=False, resume_after=None):
     if "decode" in cfg.parts:
         from experiments import decode  # it imports this module's providers and failure rules
         rows = decode.run(cfg, device, log, machine, start,
-                          decode.existing_keys(out) if resume else set())
+                          decode.existing_keys(out, resume_after) if resume else set())
         if rows:
             write_results(rows, out, key_columns=decode.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")

@@ -620,13 +620,17 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     names = ["env", "host_time", "pytest_ws_fwd", "speedup_batch", "speedup_short",
              "speedup_long", "pytest_triton", "pytest_compile", "tuning", "preflight_ws",
-             "scaling_exact", "pytest_mask", "pytest_fp8"]
+             "scaling_exact", "pytest_mask", "pytest_fp8", "speedup_decode"]
+    second_call = ("pytest_fp8", "speedup_decode")
     for dry in (False, True):
         steps = gc.stage_steps(7, dry)
         assert [s.name for s in steps] == names
-        # the float8 cache's tests (last) wait for the window's second call (--steps rest,
-        # GPU.md) unless the first leaves time
-        assert sum(s.estimate_s for s in steps if s.name != "pytest_fp8") <= usable
+        # the float8 cache's test and timing (last) wait for the window's second call
+        # (--steps rest, GPU.md) unless the first leaves time
+        assert sum(s.estimate_s for s in steps if s.name not in second_call) <= usable
+        decode = _argv(7, dry, "speedup_decode")  # every decode row older than the variant
+        assert "--resume" in decode and decode[decode.index("--parts") + 1] == "decode"
+        assert decode[decode.index("--resume-after") + 1] == gc.DECODE_FP8_ADDED
         for name in ("speedup_short", "speedup_long", "tuning"):
             argv = _argv(7, dry, name)
             assert "--resume" in argv
@@ -662,4 +666,4 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     tune = _argv(7, False, "tuning")
     picked = [tuning.TARGETS[int(i)] for i in tune[tune.index("--targets") + 1].split(",")]
     assert picked and all(t.headdim == 256 and "dkdv" in t.kernels for t in picked), picked
-    _assert_shares_fit(7, second_call=("pytest_fp8",))
+    _assert_shares_fit(7, second_call=second_call)

@@ -144,6 +144,18 @@ def test_resume_measures_nothing_twice(quick, tmp_path):
     assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
 
 
+def test_decode_resume_after_measures_older_rows_again(quick):
+    """Part decode's --resume-after: rows measured before the time count as never measured
+    (every provider measured again in one run), rows after it as measured."""
+    from experiments import decode
+    out, df, _ = quick
+    keys = decode.existing_keys(out)
+    assert len(keys) == 4 * len(speedup.Config(**speedup.QUICK).decode_batches) * len(
+        speedup.Config(**speedup.QUICK).decode_seqlens)
+    assert decode.existing_keys(out, "2000-01-01T00:00:00") == keys
+    assert decode.existing_keys(out, "2999-01-01T00:00:00") == set()
+
+
 def resume_with_one_row_changed(quick, tmp_path, change, *args):
     """The quick run's rows with `change`(df, index) applied to its first LongFlash forward
     time_ms row of part batch, then --resume (and args) over them: (rows after, that row
