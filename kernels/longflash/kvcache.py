@@ -273,11 +273,8 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
-        if name.endswith("cache") and k_cache.dtype in FP8_DTYPES:  # a float8 cache
-            if x.dtype != k_cache.dtype:
-                raise TypeError(f"{name} has dtype {x.dtype}, k_cache has {k_cache.dtype}: a "
-                                f"float8 cache's keys and values must have the same dtype")
-        elif x.dtype != q.dtype:
+        # a float8 cache's pair of dtypes: check_cache_pair
+        if x.dtype != q.dtype and not (name.endswith("cache") and x.dtype in FP8_DTYPES):
             raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}: they must match "
                             f"(or the caches be float8: {', '.join(map(str, FP8_DTYPES))})")
         if x.device != q.device:
@@ -392,10 +389,14 @@ def quantize(x, descale, dtype):
 def check_cache_pair(k_cache, v_cache, k_name, v_name, same_headdim=False):
     """A KV cache, contiguous or paged: k_cache and v_cache of one shape but for the values'
     head dim, which may differ (MLA) unless same_headdim (a paged cache in attention_varlen,
-    whose prefill kernel takes one head dim)."""
+    whose prefill kernel takes one head dim); a float8 cache's keys and values of one dtype."""
     if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
         raise ValueError(f"{k_name} and {v_name} must have the same shape but for the head dim, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (k_cache.dtype in FP8_DTYPES or v_cache.dtype in FP8_DTYPES) and \
+            k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"{v_name} has dtype {v_cache.dtype}, {k_name} has {k_cache.dtype}: a "
+                        f"float8 cache's keys and values must have one dtype")
     if same_headdim and k_cache.shape[3] != v_cache.shape[3]:
         raise NotImplementedError(f"{v_name} has another head dim ({v_cache.shape[3]}) than "
                                   f"{k_name} ({k_cache.shape[3]}): not supported in a paged "
