@@ -11,10 +11,14 @@ stage 2's results/speedup/h100.csv held none of stage 1's 1,200 rows). This merg
 archive by archive in the order given:
 
 - a results CSV: rows merged by key with experiments.results.write_results (a row of the
-  archive replaces the repository's row of the same key; the others are kept), the key
-  columns those of the experiment that writes the file (KEY_COLUMNS below);
-- a log (.log, .ncu.log): the archive's lines that the repository's file does not already
-  end with are appended;
+  archive replaces the repository's row of the same key unless that one was measured later
+  or is the same measurement;
+  the others are kept), the key columns those of the experiment that writes the file
+  (KEY_COLUMNS below). A window's second run sent before its first run's archive was unpacked
+  holds the older rows the first one measured again (seeded from the tree): on the fourth
+  window they replaced 407 of the first run's new rows with the ones they superseded;
+- a log (.log, .ncu.log): the archive's lines after those it shares with the start of the
+  repository's file are appended (the seeded lines are the repository's older start);
 - a run's config JSON (results/<rq>/<stem>.json): the archive's latest run on top, every
   earlier run of both under "earlier_runs" (results.start_run's layout), none twice;
 - anything else (the probes' JSONs: -env, -preflight, -autotune-*, which describe the latest
@@ -36,7 +40,8 @@ import pandas as pd
 
 from experiments import (decode, gpu_campaign, host_time, long_context_training, ncu, scaling,
                          tuning, variants)
-from experiments.results import PROVENANCE_COLUMNS, atomic_write, earlier_runs, write_results
+from experiments.results import (PROVENANCE_COLUMNS, _keys, atomic_write, earlier_runs,
+                                 write_results)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A probe's JSON (<stem>-stageN-<name>.json): the latest run of its stage only.
@@ -51,6 +56,21 @@ KEY_COLUMNS = {"speedup": decode.KEY_COLUMNS, "io_complexity": ncu.KEY_COLUMNS,
                "host_time": host_time.KEY_COLUMNS}
 
 
+def _later(new, old, keys):
+    """Boolean mask of new's rows that no row of old with the same key postdates or equals in
+    time (the same measurement: the repository's row stays where it is)."""
+    def when(df):  # seconds since 1970, NaN where unparsable
+        t = pd.to_datetime(df["timestamp"], utc=True, format="ISO8601", errors="coerce")
+        return (t - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+    for c in keys:  # an extra key that an experiment added later: empty in old rows
+        if c not in old.columns:
+            old[c] = float("nan")
+    old_when = pd.Series(when(old).to_numpy(), index=_keys(old, keys).to_numpy())
+    old_when = old_when[~old_when.index.duplicated(keep="last")]
+    theirs = _keys(new, keys).map(old_when)
+    return ~(theirs >= when(new)).to_numpy()  # unparsable or no such row: the archive's
+
+
 def merge_csv(src, dst, keys):
     new = pd.read_csv(src)
     # Empty provenance cells (git_dirty_files of a clean tree reads back as NaN) stay empty:
@@ -61,6 +81,9 @@ def merge_csv(src, dst, keys):
     for c in keys:  # a key the archive's rows lack (batch rows have no num_splits): empty
         if c not in new.columns:
             new[c] = float("nan")
+    new = new[_later(new, pd.read_csv(dst), keys)]
+    if new.empty:  # every row of the archive is the repository's or older
+        return len(pd.read_csv(dst))
     return len(write_results(new, dst, key_columns=keys))
 
 
@@ -69,9 +92,16 @@ def merge_log(src, dst):
         new = f.read()
     with open(dst, errors="replace") as f:
         old = f.read()
-    # The archive's log starts with the repository's (seeded) when the tree had it: append
-    # only what the stage added.
-    add = new[len(old):] if new.startswith(old) else new
+    # The archive's log starts with the repository's (seeded) when the tree had it, or with an
+    # older start of it when a run's archive was unpacked after the tree was sent: append only
+    # what the stage added, the lines after those the two share (each run's first line names
+    # its time, so a stage's lines start where they differ).
+    new_lines, old_lines = new.splitlines(keepends=True), old.splitlines(keepends=True)
+    shared = 0
+    while (shared < min(len(new_lines), len(old_lines))
+           and new_lines[shared] == old_lines[shared]):
+        shared += 1
+    add = "".join(new_lines[shared:])
     if add:
         def write(tmp):
             with open(tmp, "w") as f:

@@ -87,6 +87,29 @@ def test_a_seeded_archive_adds_only_what_is_new(tmp_path):
     assert runs["run"] == "B" and runs["earlier_runs"] == [{"run": "A"}]
 
 
+def test_a_second_run_sent_before_the_first_was_unpacked_keeps_the_first_runs_rows(tmp_path):
+    """The fourth window: both runs seeded from one tree (rows of 2026-11-25, log "seed"); the
+    first measured 1024 again, the second 4096; the second's stale copy of 1024 must not
+    replace the first's new row, nor its log repeat the seed."""
+    def row(seqlen, value, when):
+        return dict(_row(seqlen, value), timestamp=when)
+    old, t1, t2 = "2026-11-25T15:00:00+00:00", "2026-11-27T22:06:00+00:00", "2026-11-27T22:13:00+00:00"
+    root = tmp_path / "repo"
+    root.mkdir()
+    seed = [row(1024, 1.0, old), row(2048, 2.0, old)]
+    first = _archive(tmp_path, "a", [row(1024, 0.5, t1), seed[1]], "seed\n== A\n",
+                     [{"run": "A"}], {})
+    second = _archive(tmp_path, "b", seed + [row(4096, 4.0, t2)], "seed\n== B\n",
+                      [{"run": "B"}], {})
+    for archive in (first, second):
+        gpu_unpack.unpack(archive, str(root), log=lambda _: None)
+    res = root / "results" / "speedup"
+    df = pd.read_csv(res / "h100.csv").sort_values("seqlen_q")
+    assert list(df["value"]) == [0.5, 2.0, 4.0]
+    assert list(df["timestamp"]) == [t1, old, t2]
+    assert (res / "h100.log").read_text() == "seed\n== A\n== B\n"
+
+
 def test_an_archive_outside_results_is_refused(tmp_path):
     evil = tmp_path / "x.tar.gz"
     (tmp_path / "README.md").write_text("x")
