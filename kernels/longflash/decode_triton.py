@@ -122,8 +122,10 @@ def _quantized(x, descale, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr,
     bits = x.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
     c = ((tl.maximum(e, FP8_EMIN) - FP8_MANT + 150) << 23).to(tl.float32, bitcast=True)
-    r = (tl.abs(x) + c) - c
-    return tl.where(bits < 0, -r, r)  # the sign bit: -0 stays -0
+    r = ((tl.abs(x) + c) - c).to(tl.int32, bitcast=True)
+    # x's sign bit put back by hand, so that -0 stays -0: Triton 3.6's unary minus is 0 - r,
+    # which turns -(+0) into +0 (the fourth window's H100 found it; 3.9's is fneg)
+    return (r | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["seqlen_all"])

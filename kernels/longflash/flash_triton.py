@@ -1459,7 +1459,8 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
     `tiled` (what a loop copies) fit, warp-specialized ones of `ws_kernel` where `ws_tiled`
     (every tile) do and LONGFLASH_WS allows them (_ws_ok), none with an attn_mask (their loops
-    read only TMA copies)."""
+    read only TMA copies) nor on packed sequences (the forward's raised an illegal instruction
+    on an H100 with Triton 3.6.0 over attention_varlen's, the fourth window's gate)."""
     if opts.varlen:
         batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
             opts.max_seqlen_k
@@ -1479,7 +1480,7 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         seqlen_bucket=seqlen_bucket(seqlen_q, seqlen_k), tma_ok=_tma_ok(*tiled),
-        ws_ok=int(mask is None and _ws_ok(ws_kernel, *ws_tiled)), window_left=opts.window_left,
+        ws_ok=int(mask is None and not opts.varlen and _ws_ok(ws_kernel, *ws_tiled)), window_left=opts.window_left,
         window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
