@@ -198,8 +198,24 @@ def host_us(call, device, calls, repeats, warm=10):
     return tuple(float(x) for x in np.quantile(runs, (0.5, 0.2, 0.8)))
 
 
-def rows_of(provider, kernels, device, dtype, calls, repeats, shape=SHAPE):
-    """The rows of one provider: each (mode, grad) of CALLS_MEASURED."""
+def host_profile(fn, calls, top=12):
+    """The host's time per call by function (cProfile over `calls` calls, the top `top` by own
+    time): where host_us (or the tuning sweep's host_ms) goes. For the log."""
+    import cProfile
+    import io
+    import pstats
+    fn()
+    with cProfile.Profile() as prof:
+        for _ in range(calls):
+            fn()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+
+
+def rows_of(provider, kernels, device, dtype, calls, repeats, shape=SHAPE, profile=0):
+    """The rows of one provider: each (mode, grad) of CALLS_MEASURED; with profile, each call's
+    cProfile (its top `profile` functions by own time) to the log after its row."""
     base = dict(experiment="host_time", provider=provider, dtype=str(dtype).split(".")[-1],
                 batch=shape.batch, seqlen_q=shape.seqlen, seqlen_k=shape.seqlen,
                 nheads=shape.nheads, nheads_kv=shape.nheads, headdim=shape.headdim,
@@ -227,6 +243,9 @@ def rows_of(provider, kernels, device, dtype, calls, repeats, shape=SHAPE):
                 call = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), do)  # noqa: E731
             rows.append(_measure(dict(base, mode=mode, grad=grad), call, device, calls,
                                  repeats))
+            if profile:
+                log(f"host profile, {provider} {kernels} {mode} grad={grad}, {calls} calls:\n"
+                    + host_profile(call, calls, top=profile))
     return rows
 
 
@@ -237,6 +256,9 @@ def main(argv=None):
     parser.add_argument("--no-stand-in", dest="stand_in", action="store_false",
                         help="without a GPU, no stand-in rows (they compile kernels for "
                         "sm_90a first: about a minute)")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="also log each LongFlash call's cProfile (stubbed, and launched on a "
+                        "GPU: its TOP functions by own time): where its host time goes")
     parser.add_argument("--out", default=None,
                         help="CSV (default results/host_time/<device>.csv)")
     args = parser.parse_args(argv)
@@ -253,7 +275,8 @@ def main(argv=None):
                                                     if p in ("sdpa_flash", "sdpa_cudnn")]
     rows = []
     for provider, kernels in providers:
-        rows += rows_of(provider, kernels, device, dtype, calls, repeats)
+        profile = args.profile if provider == "longflash" else 0
+        rows += rows_of(provider, kernels, device, dtype, calls, repeats, profile=profile)
     if device == "cpu" and args.stand_in:
         if os.environ.get("TRITON_INTERPRET") == "1":
             log("stand-in: not under TRITON_INTERPRET=1 (the kernels would be interpreted)")

@@ -63,7 +63,7 @@ from experiments import decode  # noqa: E402
 from experiments.codegen import config_name  # noqa: E402
 from experiments.measure import RELATIVE_ERROR_LIMIT, relative_errors  # noqa: E402
 from experiments.measure import time_ms, time_ms_graph  # noqa: E402
-from experiments.host_time import host_us  # noqa: E402
+from experiments.host_time import host_profile, host_us  # noqa: E402
 from experiments.results import (Log, check_resume_after, default_out,  # noqa: E402
                                  measured_before, same_switches, start_run, write_results)
 
@@ -228,21 +228,6 @@ def kernel_ms(fn, reps=10):
     return out
 
 
-def host_profile(fn, calls=HOST_CALLS, top=12):
-    """The host's time per call by function (cProfile, the top `top` by own time): where
-    host_ms goes. For the log."""
-    import cProfile
-    import io
-    import pstats
-    fn()
-    with cProfile.Profile() as prof:
-        for _ in range(calls):
-            fn()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
-
-
 def _row(base, kernel, config, metric, value, unit="ms", status="ok", p20=float("nan"),
          p80=float("nan")):
     return dict(base, kernel=kernel, config=config, metric=metric, value=value, unit=unit,
@@ -277,7 +262,7 @@ def call_rows(base, make_fn, device):
     try:
         # as many calls as host_ms: far fewer launches than CUDA's queue holds, so no call
         # waits for the GPU
-        log(f"  host profile, {base['mode']} call:\n" + host_profile(make_fn(), calls))
+        log(f"  host profile, {base['mode']} call:\n" + host_profile(make_fn(), calls, top=12))
     except Exception as exc:  # noqa: BLE001 - a note in the log, not a result
         log(f"  host profile: {type(exc).__name__}: {exc}")
     return rows

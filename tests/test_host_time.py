@@ -92,3 +92,17 @@ assert len(ft._attn_fwd.configs) > 1
 """
     lines = run_uninterpreted("-c", code).stdout.split()
     assert lines == ["1", "True", "1", "True", "2", "True", "2", "True"], lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
+def test_profile_logs_where_each_longflash_calls_host_time_goes(tmp_path):
+    """--profile TOP: each LongFlash call's cProfile (its TOP functions by own time) in the
+    log after its row (on a GPU, the launched calls' too: where their host time goes)."""
+    out = tmp_path / "host_time" / "cpu.csv"
+    host_time.main(["--quick", "--no-stand-in", "--profile", "5", "--out", str(out)])
+    log = out.with_suffix(".log").read_text()
+    for mode, grad in host_time.CALLS_MEASURED:
+        head = f"host profile, longflash stubbed {mode} grad={grad}, "
+        assert head in log
+        table = log.split(head, 1)[1].split("host profile", 1)[0]
+        assert "Ordered by: internal time" in table and "ncalls" in table
