@@ -6,7 +6,7 @@ a fourth for tuning, and a fifth for the second H100 window (what the first did 
         python3 -m experiments.gpu_campaign --stage 1 --out $OUT     # on the GPU machine
     python3 -m experiments.gpu_campaign --stage 1 --out /tmp/c --dry-run  # CPU, tiny, in CI
     python3 -m experiments.gpu_campaign --stage 2 --out $OUT --steps speedup_long  # a rerun
-    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (all six stages dry, archives checked)
+    make gpu STAGE=1 OUT=/tmp/c          make gpu-dry   (every stage dry, archives checked)
 
 A GPU window here is 15 minutes of device time (the first was 30), the machine's start
 included, in runs of at most 10 minutes, on a bare machine that returns at most 8 files of
@@ -117,6 +117,16 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      pytest_fp8   a float8 KV cache through the decoding and append kernels against float64
                 (bit for bit the append's quantization)
      speedup_decode  RQ1 part decode again, every provider and the float8 cache in one run
+  8  env        as in stage 1
+     pytest_fp8   as in stage 7 (4 of 5 failed there on -0, since fixed)
+     speedup_decode  as in stage 7 (not reached there), before the gate
+     host_time  as in stage 7, with each LongFlash call's cProfile to the log (--profile)
+     pytest_ws_fwd  as in stage 7 (12 of 13 passed there; the packed call, which raised an
+                illegal instruction, now checks that the autotuner leaves WS out there)
+     speedup_batch, speedup_short, speedup_long  as in stage 7: measured again only if the
+                gate turned the forward's WS on
+     scaling_exact  as in stage 5 (no window has reached it)
+     preflight_ws  as in stage 7 (cut at 30 s there by the budget)
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -608,7 +618,64 @@ def stage_steps(stage, dry):
             _speedup("speedup_decode", decode + ["--resume-after", DECODE_FP8_ADDED],
                      estimate_s=60, timeout_s=150, tail_s=30),
         ]
-    raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6 or 7, got {stage!r}")
+    if stage == 8:
+        # The fifth window (15 minutes; GPU.md "The next window"): the fourth's two faults,
+        # mended offline, checked first (the float8 append's -0, PERFLOG "Fourth GPU
+        # window"; the forward's warp-specialized candidates on packed sequences, now left
+        # out there), then the float8 cache's first timing and where the host's time per
+        # call goes, then RQ1 again with the forward's WS if the gate passes, then what no
+        # window has reached.
+        if dry:
+            batch_4k_16k = short = _dry_batch(16)
+            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
+                     "--parts", "long", "--providers", "longflash,standard"]
+            decode = ["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"]
+        else:
+            providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
+            short = ["--full", "--headdims", "128,256,64", "--seqlens", "1024,2048",
+                     "--long-seqlens", "", "--parts", "batch", *providers]
+            batch_4k_16k = ["--full", "--headdims", "128,64,256", "--seqlens",
+                            "4096,8192,16384", "--long-seqlens", "", "--parts", "batch",
+                            *providers]
+            long_ = ["--full", "--headdims", "128", "--seqlens", "",
+                     "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
+            decode = ["--full", "--parts", "decode"]
+        return [
+            _probe("env", estimate_s=5, timeout_s=60),
+            # the float8 cache against float64 and the append's rounding bit for bit torch's,
+            # NaN included (the fourth window: 4 of 5 failed on -0, before the fix; 10 s)
+            _pytest("pytest_fp8", "fp8", estimate_s=20, timeout_s=90, reserve_s=300),
+            # RQ1 part decode, rows before DECODE_FP8_ADDED measured again: every provider and
+            # LongFlash's float8 cache in one run (stage 3's run of the part took 52 s). Before
+            # the gate, so that its rows are the default switches'.
+            _speedup("speedup_decode", decode + ["--resume-after", DECODE_FP8_ADDED],
+                     estimate_s=60, timeout_s=150, reserve_s=250, tail_s=30),
+            # the host's time per call again (the fourth window: LongFlash's launched forward
+            # 169-319 us, 47-64 us of it above Triton's launcher; SDPA's 17-21 us), with each
+            # LongFlash call's profile (its top 25 functions by own time) to the log
+            Step("host_time", _py("experiments.host_time", *(["--quick"] if dry else []),
+                                  "--profile", "25", "--out", "{out}"),
+                 rq="host_time", estimate_s=25, timeout_s=90, reserve_s=250),
+            # the gate again (13 cases; the fourth window: 12 passed, the packed sequences'
+            # raised an illegal instruction, which the autotuner now leaves out): if every
+            # case passes, the later steps run with the forward's WS on (LONGFLASH_WS=fwd)
+            _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=40,
+                    timeout_s=180, reserve_s=220, env=WS_FORWARD, then_env=WS_FORWARD),
+            # RQ1 with --resume: rows measured under other switches count as not measured
+            # (results.same_switches), so these measure again only if the gate turned the
+            # forward's WS on (the fourth window: 4K-16K about 45 s a head dim, 1K-2K 85 s,
+            # 32K-128K 68 s); else they find every row and end at once
+            _speedup("speedup_batch", batch_4k_16k, estimate_s=30, timeout_s=200,
+                     reserve_s=200),
+            _speedup("speedup_short", short, estimate_s=30, timeout_s=160, reserve_s=150),
+            _speedup("speedup_long", long_, estimate_s=30, timeout_s=200, reserve_s=120),
+            # no window has reached it (the fourth's budget ran out before it twice)
+            _scaling_exact(dry, estimate_s=60, timeout_s=150, reserve_s=60),
+            # dK/dV's WS candidate at d128 beside WS_TRIALS' tiles (cut at 30 s twice in the
+            # fourth window, by the budget left, not its own timeout)
+            _preflight_ws("128", dry, estimate_s=60, timeout_s=150),
+        ]
+    raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6, 7 or 8, got {stage!r}")
 
 
 # ----------------------------------------------------------------------------- probes
@@ -1238,7 +1305,7 @@ def check_archive(tar_path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Stages and outputs: see the module docstring.")
-    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4, 5, 6, 7))
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3, 4, 5, 6, 7, 8))
     parser.add_argument("--out", help="folder for stageN.tar.gz")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, the Triton "
                         "interpreter; rows labelled 'dry run', files named dryrun.csv")

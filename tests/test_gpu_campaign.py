@@ -667,3 +667,38 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     picked = [tuning.TARGETS[int(i)] for i in tune[tune.index("--targets") + 1].split(",")]
     assert picked and all(t.headdim == 256 and "dkdv" in t.kernels for t in picked), picked
     _assert_shares_fit(7, second_call=second_call)
+
+
+def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cache():
+    """Stage 8 (the fifth window): the float8 cache's GPU tests first (4 of 5 failed in the
+    fourth window, on -0), then its first timing (RQ1 part decode, every provider in one run,
+    before the gate so that its rows are the default switches'), the host's time per call with
+    LongFlash's profile, the forward's WS gate (its packed case now checks that WS is left
+    out), RQ1 again (measured only if the gate switched WS on), then what no window reached.
+    Every step fits the first call; each reserve leaves its step its estimate and keeps the
+    next one's."""
+    usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
+    names = ["env", "pytest_fp8", "speedup_decode", "host_time", "pytest_ws_fwd",
+             "speedup_batch", "speedup_short", "speedup_long", "scaling_exact", "preflight_ws"]
+    for dry in (False, True):
+        steps = gc.stage_steps(8, dry)
+        assert [s.name for s in steps] == names
+        assert sum(s.estimate_s for s in steps) <= usable
+        decode = _argv(8, dry, "speedup_decode")
+        assert "--resume" in decode and decode[decode.index("--parts") + 1] == "decode"
+        assert decode[decode.index("--resume-after") + 1] == gc.DECODE_FP8_ADDED
+        assert "--profile" in _argv(8, dry, "host_time")
+        for name in ("speedup_batch", "speedup_short", "speedup_long"):
+            argv = _argv(8, dry, name)  # measured again only under other switches
+            assert "--resume" in argv and "--resume-after" not in argv
+    by_name = {s.name: s for s in gc.stage_steps(8, False)}
+    assert by_name["pytest_ws_fwd"].env == by_name["pytest_ws_fwd"].then_env == gc.WS_FORWARD
+    assert not by_name["speedup_decode"].env  # before the gate: the default switches
+    import test_gpu
+    fp8 = by_name["pytest_fp8"].argv
+    assert [n for n in dir(test_gpu) if n.startswith("test_") and fp8[fp8.index("-k") + 1] in n
+            ] == ["test_fp8_append_rounds_as_torch_gpu", "test_fp8_kvcache_gpu"]
+    assert _argv(8, False, "preflight_ws")[-2:] == ["128", "ws"]
+    assert _argv(8, False, "speedup_short")[_argv(8, False, "speedup_short").index(
+        "--seqlens") + 1] == "1024,2048"
+    _assert_shares_fit(8)
