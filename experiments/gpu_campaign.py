@@ -121,6 +121,7 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      pytest_fp8   as in stage 7 (4 of 5 failed there on -0, since fixed)
      speedup_decode  as in stage 7 (not reached there), before the gate
      host_time  as in stage 7, with each LongFlash call's cProfile to the log (--profile)
+     pytest_graphs  a training forward and backward captured in CUDA graphs, bit for bit eager
      pytest_ws_fwd  as in stage 7 (12 of 13 passed there; the packed call, which raised an
                 illegal instruction, now checks that the autotuner leaves WS out there)
      speedup_batch, speedup_short, speedup_long  as in stage 7: measured again only if the
@@ -656,6 +657,11 @@ def stage_steps(stage, dry):
             Step("host_time", _py("experiments.host_time", *(["--quick"] if dry else []),
                                   "--profile", "25", "--out", "{out}"),
                  rq="host_time", estimate_s=25, timeout_s=90, reserve_s=250),
+            # a training forward and backward in CUDA graphs (make_graphed_callables, and the
+            # backward alone as the sweep's time_ms_graph captures it, which failed at d256 1K
+            # in two windows), bit for bit the eager call's: two cases, a compile each
+            _pytest("pytest_graphs", "test_training_cuda_graphs", estimate_s=20,
+                    timeout_s=90, reserve_s=230),
             # the gate again (13 cases; the fourth window: 12 passed, the packed sequences'
             # raised an illegal instruction, which the autotuner now leaves out): if every
             # case passes, the later steps run with the forward's WS on (LONGFLASH_WS=fwd)

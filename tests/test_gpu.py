@@ -183,6 +183,53 @@ def test_compile_decoding_cuda_graphs_gpu():
     assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped"
 
 
+# (id, (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, headdim_v), kwargs)
+TRAIN_GRAPH_CASES = [
+    # the tuning sweep's target whose backward time_ms_graph could not capture (second and
+    # fourth windows: "operation failed due to a previous error during capture")
+    ("D256-1K", (2, 1024, 1024, 8, 8, 256, 256), dict()),
+    ("D128-causal-GQA-odd", (2, 1031, 1031, 8, 2, 128, 128), dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("shape, kw", [c[1:] for c in TRAIN_GRAPH_CASES],
+                         ids=[c[0] for c in TRAIN_GRAPH_CASES])
+def test_training_cuda_graphs_gpu(shape, kw):
+    """LongFlash's training forward and backward captured in CUDA graphs, as a training loop
+    does (torch.cuda.make_graphed_callables: a graph each), and its backward alone on a
+    forward run outside the graph, as the tuning sweep's time_ms_graph does. Each replay's
+    output and gradients equal the eager call's bit for bit (deterministic=True: the same
+    kernels on the same inputs)."""
+    from test_headdim_v import make_inputs
+    q, k, v, do = make_inputs(shape, torch.bfloat16, device="cuda")
+
+    def attend(q, k, v):
+        return longflash.attention(q, k, v, deterministic=True, backend="triton", **kw)
+    o = attend(q, k, v)
+    want = (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+    graphed = torch.cuda.make_graphed_callables(attend, (q, k, v))
+    for _ in range(2):
+        o = graphed(q, k, v)
+        got = (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), name
+    # the backward alone in a graph, its forward outside (the sweep's time_ms_graph)
+    o = attend(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want[1:]):
+        assert torch.equal(a, b), name
+
+
 def test_time_ms_graph_leaves_out_the_host_gpu():
     """experiments.measure.time_ms_graph (RQ1's decode time_ms_graph) times the GPU's work
     alone: a call that sleeps 2 ms on the host before a tiny kernel takes about 2 ms by

@@ -673,13 +673,15 @@ def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cac
     """Stage 8 (the fifth window): the float8 cache's GPU tests first (4 of 5 failed in the
     fourth window, on -0), then its first timing (RQ1 part decode, every provider in one run,
     before the gate so that its rows are the default switches'), the host's time per call with
-    LongFlash's profile, the forward's WS gate (its packed case now checks that WS is left
-    out), RQ1 again (measured only if the gate switched WS on), then what no window reached.
+    LongFlash's profile, a training step in CUDA graphs, the forward's WS gate (its packed
+    case now checks that WS is left out), RQ1 again (measured only if the gate switched WS
+    on), then what no window reached.
     Every step fits the first call; each reserve leaves its step its estimate and keeps the
     next one's."""
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
-    names = ["env", "pytest_fp8", "speedup_decode", "host_time", "pytest_ws_fwd",
-             "speedup_batch", "speedup_short", "speedup_long", "scaling_exact", "preflight_ws"]
+    names = ["env", "pytest_fp8", "speedup_decode", "host_time", "pytest_graphs",
+             "pytest_ws_fwd", "speedup_batch", "speedup_short", "speedup_long",
+             "scaling_exact", "preflight_ws"]
     for dry in (False, True):
         steps = gc.stage_steps(8, dry)
         assert [s.name for s in steps] == names
@@ -698,6 +700,9 @@ def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cac
     fp8 = by_name["pytest_fp8"].argv
     assert [n for n in dir(test_gpu) if n.startswith("test_") and fp8[fp8.index("-k") + 1] in n
             ] == ["test_fp8_append_rounds_as_torch_gpu", "test_fp8_kvcache_gpu"]
+    graphs = by_name["pytest_graphs"].argv
+    assert [n for n in dir(test_gpu) if n.startswith("test_")
+            and graphs[graphs.index("-k") + 1] in n] == ["test_training_cuda_graphs_gpu"]
     assert _argv(8, False, "preflight_ws")[-2:] == ["128", "ws"]
     assert _argv(8, False, "speedup_short")[_argv(8, False, "speedup_short").index(
         "--seqlens") + 1] == "1024,2048"
