@@ -324,6 +324,24 @@ def _scaling_exact(dry, **kw):
                 rq="scaling", **kw)
 
 
+def _rq1_slices(dry):
+    """The RQ1 slices that stages 7 and 8 measure again: part batch at 4K-16K (d128, d64,
+    d256) and at 1K-2K (d128, d256, d64), part long (d128, 32K-128K), LongFlash beside SDPA's
+    FlashAttention-2 and cuDNN backends; part decode with every provider. Dry: tiny ones."""
+    if dry:
+        batch = _dry_batch(16)
+        return batch, batch, ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens",
+                              "512", "--parts", "long", "--providers", "longflash,standard"], \
+            ["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"]
+    providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
+    batch = ["--full", "--long-seqlens", "", "--parts", "batch", *providers]
+    return ([*batch, "--headdims", "128,64,256", "--seqlens", "4096,8192,16384"],
+            [*batch, "--headdims", "128,256,64", "--seqlens", "1024,2048"],
+            ["--full", "--headdims", "128", "--seqlens", "", "--long-seqlens",
+             "32768,65536,131072", "--parts", "long", *providers],
+            ["--full", "--parts", "decode"])
+
+
 def stage_steps(stage, dry):
     """The steps of one stage, GPU-sized or (dry) tiny.
 
@@ -543,23 +561,9 @@ def stage_steps(stage, dry):
         # The fourth window (15 minutes; GPU.md "The next window"): what stage 6 left. RQ1's
         # rows that still time the old backward tiles (1K-2K, part long), the GPU tests no
         # window has finished, then the sweep at the worst case against FlashAttention-2.
-        if dry:
-            short = batch_4k_16k = _dry_batch(16)
-            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
-                     "--parts", "long", "--providers", "longflash,standard"]
-            tune = ["--quick", "--targets", "1"]  # the decoding target: call rows only, fast
-            decode = ["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"]
-        else:
-            providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
-            short = ["--full", "--headdims", "128,256,64", "--seqlens", "1024,2048",
-                     "--long-seqlens", "", "--parts", "batch", *providers]
-            batch_4k_16k = ["--full", "--headdims", "128,64,256", "--seqlens",
-                            "4096,8192,16384", "--long-seqlens", "", "--parts", "batch",
-                            *providers]
-            long_ = ["--full", "--headdims", "128", "--seqlens", "",
-                     "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
-            tune = ["--full", "--targets", ",".join(str(i) for i in D256_BACKWARD_TARGETS)]
-            decode = ["--full", "--parts", "decode"]
+        batch_4k_16k, short, long_, decode = _rq1_slices(dry)
+        tune = (["--quick", "--targets", "1"] if dry  # the decoding target: call rows, fast
+                else ["--full", "--targets", ",".join(str(i) for i in D256_BACKWARD_TARGETS)])
         again = ["--resume-after", TILES_CHANGED]
         return [
             _probe("env", estimate_s=5, timeout_s=60),
@@ -626,21 +630,7 @@ def stage_steps(stage, dry):
         # out there), then the float8 cache's first timing and where the host's time per
         # call goes, then RQ1 again with the forward's WS if the gate passes, then what no
         # window has reached.
-        if dry:
-            batch_4k_16k = short = _dry_batch(16)
-            long_ = ["--quick", "--headdims", "16", "--seqlens", "", "--long-seqlens", "512",
-                     "--parts", "long", "--providers", "longflash,standard"]
-            decode = ["--quick", "--parts", "decode", "--providers", "longflash,sdpa_cpu"]
-        else:
-            providers = ["--providers", "longflash,sdpa_flash,sdpa_cudnn"]
-            short = ["--full", "--headdims", "128,256,64", "--seqlens", "1024,2048",
-                     "--long-seqlens", "", "--parts", "batch", *providers]
-            batch_4k_16k = ["--full", "--headdims", "128,64,256", "--seqlens",
-                            "4096,8192,16384", "--long-seqlens", "", "--parts", "batch",
-                            *providers]
-            long_ = ["--full", "--headdims", "128", "--seqlens", "",
-                     "--long-seqlens", "32768,65536,131072", "--parts", "long", *providers]
-            decode = ["--full", "--parts", "decode"]
+        batch_4k_16k, short, long_, decode = _rq1_slices(dry)
         return [
             _probe("env", estimate_s=5, timeout_s=60),
             # the float8 cache against float64 and the append's rounding bit for bit torch's,
