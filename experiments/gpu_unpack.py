@@ -13,9 +13,10 @@ archive by archive in the order given:
 - a results CSV: rows merged by key with experiments.results.write_results (a row of the
   archive replaces the repository's row of the same key unless that one was measured later
   or is the same measurement; the others are kept), the key columns those of the experiment
-  that writes the file (KEY_COLUMNS below). A window's second run sent before its first run's archive was unpacked
-  holds the older rows the first one measured again (seeded from the tree): on the fourth
-  window they replaced 407 of the first run's new rows with the ones they superseded;
+  that writes the file (KEY_COLUMNS below). A window's second run sent before its first
+  run's archive was unpacked holds the older rows the first one measured again (seeded from
+  the tree): on the fourth window they replaced 407 of the first run's new rows with the
+  ones they superseded;
 - a log (.log, .ncu.log): the archive's lines after those it shares with the start of the
   repository's file are appended (the seeded lines are the repository's older start);
 - a run's config JSON (results/<rq>/<stem>.json): the archive's latest run on top, every

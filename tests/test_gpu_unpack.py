@@ -93,7 +93,8 @@ def test_a_second_run_sent_before_the_first_was_unpacked_keeps_the_first_runs_ro
     replace the first's new row, nor its log repeat the seed."""
     def row(seqlen, value, when):
         return dict(_row(seqlen, value), timestamp=when)
-    old, t1, t2 = "2026-11-25T15:00:00+00:00", "2026-11-27T22:06:00+00:00", "2026-11-27T22:13:00+00:00"
+    old, t1, t2 = ("2026-11-25T15:00:00+00:00", "2026-11-27T22:06:00+00:00",
+                   "2026-11-27T22:13:00+00:00")
     root = tmp_path / "repo"
     root.mkdir()
     seed = [row(1024, 1.0, old), row(2048, 2.0, old)]
