@@ -41,11 +41,18 @@ FLASH_ATTN_SIGNATURES = {
 }
 
 
+# Keyword-only arguments after FlashAttention-2's (FlashAttention-3's names), which cannot
+# shift a positional call's meaning.
+KEYWORD_ONLY = {"flash_attn_with_kvcache": [("k_descale", None), ("v_descale", None)]}
+
+
 @pytest.mark.parametrize("name", list(FLASH_ATTN_SIGNATURES))
 def test_signature_is_flash_attn_s(name):
-    params = inspect.signature(getattr(fa, name)).parameters.values()
-    assert [(p.name, p.default) for p in params] == FLASH_ATTN_SIGNATURES[name]
-    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+    params = list(inspect.signature(getattr(fa, name)).parameters.values())
+    positional = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == FLASH_ATTN_SIGNATURES[name]
+    assert [(p.name, p.default) for p in params[len(positional):]] == KEYWORD_ONLY.get(name, [])
+    assert all(p.kind == p.KEYWORD_ONLY for p in params[len(positional):])
 
 
 def _randn(gen, *shape):
@@ -145,6 +152,30 @@ def test_flash_attn_with_kvcache_is_attention_with_kvcache():
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     assert all(torch.equal(a, b) for a, b in zip(caches, want_caches))
     assert not torch.equal(caches[0], k_cache)  # the append happened
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_flash_attn_with_kvcache_float8_cache(cache_dtype):
+    """A float8 cache with FlashAttention-3's k_descale / v_descale: the same output, lse and
+    appended bytes as attention_with_kvcache's."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = _randn(gen, 2, 1, 8, 32), _randn(gen, 2, 1, 2, 32), _randn(gen, 2, 1, 2, 32)
+    k_cache, v_cache = (_randn(gen, 2, 40, 2, 32).to(cache_dtype) for _ in range(2))
+    lengths = torch.tensor([30, 12], dtype=torch.int32)
+    k_scale, v_scale = torch.rand(2, 2, generator=gen) + 0.5, 0.25
+    caches = [k_cache.clone(), v_cache.clone()]
+    out, lse = fa.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, causal=True,
+                                          return_softmax_lse=True, k_descale=k_scale,
+                                          v_descale=v_scale)
+    want_caches = [k_cache.clone(), v_cache.clone()]
+    want = longflash.attention_with_kvcache(q, *want_caches, k, v, lengths, causal=True,
+                                            return_lse=True, k_descale=k_scale,
+                                            v_descale=v_scale)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    for a, b in zip(caches, want_caches):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert not torch.equal(caches[0].view(torch.uint8), k_cache.view(torch.uint8))
 
 
 # ----------------------------------------------------------------------------- bert_padding
