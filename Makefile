@@ -167,6 +167,9 @@ $(TRITON36)/.installed:
 # its unary minus is 0 - x, which lost -0 in the append's rounding (3.9's is a negation), a
 # fault the fourth window's H100 found and this would have (about 30 s).
 test-triton36: $(TRITON36)/.installed
+	@# an environment built before this target had no pytest
+	$(TRITON36)/bin/python -c "import pytest, hypothesis" 2>/dev/null || \
+		$(TRITON36)/bin/python -m pip install --quiet pytest hypothesis
 	PYTHONPATH=kernels:. TRITON_INTERPRET=1 $(TRITON36)/bin/python -m pytest -q \
 		-p no:cacheprovider tests/test_kvcache.py -k "fp8 and triton"
 
