@@ -158,6 +158,7 @@ generate_tokens; jax: max_abs_diff; warm: warm_s); key column `step`.
 """
 
 import argparse
+import glob
 import hashlib
 import itertools
 import json
@@ -1376,6 +1377,13 @@ def print_command(stage, steps=None):
     commit, dirty, _, source = git_state()
     if source != "git":
         raise SystemExit(f"--print-command: git cannot say the commit here (source {source})")
+    camp = glob.glob(os.path.join(ROOT, "results", "gpu_campaign", f"*-stage{stage}.csv"))
+    if steps == "rest" and not [c for c in camp if not os.path.basename(c).startswith("dryrun")]:
+        # the second call reads which steps the first finished from the tree it is sent
+        # (the fourth window's was sent before the first's archive was unpacked: it ran
+        # every step again)
+        raise SystemExit(f"--print-command --steps rest: no results/gpu_campaign/<gpu>-stage"
+                         f"{stage}.csv here; unpack the first call's archive (gpu_unpack) first")
     return (f"{GIT_COMMIT_ENV}={commit} {GIT_DIRTY_ENV}={dirty} python3 -m "
             f"experiments.gpu_campaign --stage {stage} --out $OUT"
             + (f" --steps {steps}" if steps else ""))

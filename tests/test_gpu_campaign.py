@@ -707,3 +707,18 @@ def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cac
     assert _argv(8, False, "speedup_short")[_argv(8, False, "speedup_short").index(
         "--seqlens") + 1] == "1024,2048"
     _assert_shares_fit(8)
+
+
+def test_print_command_for_the_rest_needs_the_first_calls_rows(tmp_path, monkeypatch):
+    """--print-command --steps rest refuses until the first call's archive is unpacked here:
+    the second call reads which steps the first finished from the tree it is sent (the fourth
+    window's was sent before, and ran every step again). A dry run's rows do not count."""
+    camp = tmp_path / "results" / "gpu_campaign"
+    camp.mkdir(parents=True)
+    (camp / "dryrun-stage8.csv").write_text("step\n")
+    monkeypatch.setattr(gc, "ROOT", str(tmp_path))
+    with pytest.raises(SystemExit, match="unpack the first call's archive"):
+        gc.print_command(8, "rest")
+    assert gc.print_command(8).endswith("--stage 8 --out $OUT")  # the first call's line
+    (camp / "h100-stage8.csv").write_text("step\n")
+    assert gc.print_command(8, "rest").endswith("--stage 8 --out $OUT --steps rest")
