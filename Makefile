@@ -171,7 +171,7 @@ test-triton36: $(TRITON36)/.installed
 	$(TRITON36)/bin/python -c "import pytest, hypothesis" 2>/dev/null || \
 		$(TRITON36)/bin/python -m pip install --quiet pytest hypothesis
 	PYTHONPATH=kernels:. TRITON_INTERPRET=1 $(TRITON36)/bin/python -m pytest -q \
-		-p no:cacheprovider tests/test_kvcache.py -k "fp8 and triton"
+		-p no:cacheprovider tests/test_kvcache.py tests/test_paged_varlen.py -k "(fp8 or float8) and triton"
 
 # The two Tritons' checks side by side (each compiles on one core); 3.6.0's output after.
 codegen-check: $(ENV_READY) $(TRITON36)/.installed

@@ -21,7 +21,7 @@ RQ1's call (batch 1, 16 heads, 4000 tokens, non-causal, no variant); "gqa" the s
 heads (grouped query heads); "softcap", "alibi", "dropout" that variant; "mask" an attn_mask
 (a boolean key-padding mask, broadcast: no warp-specialized candidate); "varlen" packed
 sequences; "paged" (forward) packed sequences whose keys are read from a paged cache through a
-block table; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
+block table, "fp8" (forward) the same over float8 pages with their scales; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
 every block). The decoding kernels' signatures are built by hand (compile_one): "plain", and
 paged, leftpad (cache_leftpad) and mask (a boolean attn_mask over the keys, contiguous along
@@ -105,7 +105,7 @@ PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
 FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles", "mask"]
 FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "fp8"]
-KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged"], "preprocess": ["plain", "varlen"],
+KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged", "fp8"], "preprocess": ["plain", "varlen"],
                 "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "fp8"],
                 "decode_merge": ["plain"],
                 "decode_append": ["plain", "paged", "rotary", "fp8"]}
@@ -282,20 +282,21 @@ LAUNCHED = {"fwd": "_attn_fwd", "preprocess": "_attn_bwd_preprocess", "dkdv": "_
             "dq": "_attn_bwd_dq"}
 
 
-def launch_inputs(flags, dtype, headdim):
+def launch_inputs(flags, dtype, headdim, arch="sm90a"):
     """(q, k, v, Options) of the launch a flag stands for (above); the tensors on the CPU,
-    unwritten (nothing runs)."""
+    unwritten (nothing runs). "fp8": "paged" with float8 pages (FP8_CACHE[arch]) and their
+    (batch, nheads_kv) scales."""
     dt = getattr(torch, dtype)
     tokens = LAUNCH_TOKENS_FULL if flags == "full_tiles" else LAUNCH_TOKENS
     kv_heads = LAUNCH_KV_HEADS_GQA if flags == "gqa" else LAUNCH_HEADS
     opts = dict(softmax_scale=headdim ** -0.5)
-    if flags in ("varlen", "paged"):
+    if flags in ("varlen", "paged", "fp8"):
         cu = torch.tensor([0, *itertools.accumulate(LAUNCH_SEQLENS)], dtype=torch.int32)
         opts.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(LAUNCH_SEQLENS),
                     max_seqlen_k=max(LAUNCH_SEQLENS))
         q = torch.empty(sum(LAUNCH_SEQLENS), LAUNCH_HEADS, headdim, dtype=dt)
         kv_shape = (sum(LAUNCH_SEQLENS), kv_heads, headdim)
-        if flags == "paged":  # each sequence's keys in pages of its own
+        if flags in ("paged", "fp8"):  # each sequence's keys in pages of its own
             pages = [-(-n // LAUNCH_PAGE) for n in LAUNCH_SEQLENS]
             table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
             for b, n in enumerate(pages):
@@ -314,6 +315,10 @@ def launch_inputs(flags, dtype, headdim):
     if flags == "mask":  # as interface.py passes it: broadcast to (batch, nheads, N, N)
         opts.update(attn_mask=torch.empty(1, 1, 1, tokens, dtype=torch.bool).expand(
             1, LAUNCH_HEADS, tokens, tokens))
+    if flags == "fp8":
+        dt = FP8_CACHE[arch][1]
+        opts.update(k_descale=torch.empty(len(LAUNCH_SEQLENS), kv_heads),
+                    v_descale=torch.empty(len(LAUNCH_SEQLENS), kv_heads))
     k, v = (torch.empty(kv_shape, dtype=dt) for _ in range(2))
     return q, k, v, Options(**opts)
 
@@ -342,7 +347,7 @@ def compile_launch(kernel, dtype, flags, headdim, arch, cfg):
     first candidate that computes no dQ (nothing is timed). compile_s: this kernel's compile
     alone, never a cache hit (a fresh cache directory each call); the others stay compiled in
     memory from one call to the next."""
-    q, k, v, opts = launch_inputs(flags, dtype, headdim)
+    q, k, v, opts = launch_inputs(flags, dtype, headdim, arch)
     forced = {name: next(c for c in configs_for(name, ARCHS[arch] // 10, headdim)
                          if not c.kwargs.get("ATOMIC_DQ")) for name in ("fwd", "dkdv", "dq")}
     if kernel != "preprocess":
@@ -589,11 +594,13 @@ def sweep(conf, log=print):
                 for dtype in conf.dtypes:
                     for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
                         # full_tiles: what the warp-specialized candidates compile to;
-                        # paged: only the pointer candidates run it (no TMA tile across pages);
+                        # paged (fp8 too): only the pointer candidates run it (no TMA tile
+                        # across pages);
                         # mask: no warp-specialized candidate runs it
                         for cfg in [c for c in candidates
                                     if (flags != "full_tiles" or c.kwargs.get("WARP_SPECIALIZE"))
-                                    and (flags != "paged" or not c.kwargs.get("USE_TMA"))
+                                    and (flags not in ("paged", "fp8")
+                                         or not c.kwargs.get("USE_TMA"))
                                     and (flags != "mask" or not c.kwargs.get("WARP_SPECIALIZE"))]:
                             mode = "bwd" if kernel in ("preprocess", "dkdv", "dq") else "fwd"
                             key = dict(arch=arch, kernel=kernel, config=config_name(cfg),

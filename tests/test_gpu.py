@@ -19,6 +19,7 @@ from test_kvcache import (CASES, case_id, check_attention_routes_to_split_kv, ch
                           check_compiled_decoding, check_compiled_route,
                           check_fp8_append_rounds_as_torch, check_rotary,
                           route_small)  # noqa: F401 (route_small: a fixture)
+from test_paged_varlen import check_float8_pages_in_place
 
 pytestmark = pytest.mark.gpu
 
@@ -487,6 +488,19 @@ def test_fp8_kvcache_gpu(case, fp8):
     append kernel quantizing) in bf16 against float64 over the cache's entries times its
     scales, and the appended entries bit for bit kvcache.quantize's."""
     check_case(case, torch.bfloat16, "triton", 0, device="cuda", fp8=fp8)
+
+
+@pytest.mark.parametrize("cache_dtype, scales", [(torch.float8_e4m3fn, "both"),
+                                                 (torch.float8_e5m2, "keys")],
+                         ids=["e4m3", "e5m2-keys"])
+def test_fp8_paged_prefill_gpu(cache_dtype, scales):
+    """Chunked prefill over float8 pages (attention_varlen with block_table, no gradient): the
+    forward kernel reads the 8-bit tiles in place and converts them (compiled here for the
+    first time), in bf16 against float64 over the keys the pages stand for: ragged chunks of
+    queries over thousands of keys in pages of 16, GQA 8/2, d128, causal."""
+    check_float8_pages_in_place("triton", torch.bfloat16, cache_dtype, dict(causal=True),
+                                scales, [200, 1, 0, 77], [3000, 1, 0, 1500], 8, 2, 128, 16,
+                                device="cuda")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],

@@ -154,10 +154,10 @@ def float8_pages(k_pages, v_pages, table, cu_k, cache_dtype, dtype, seed=4):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float8_pages_give_what_their_dequantized_keys_give(backend, dtype, cache_dtype):
-    """Float8 pages with k_descale, v_descale (chunked prefill over a quantized cache): output,
-    lse and q's gradient equal the packed call over the keys and values they stand for, bit
-    for bit (a dequantized packed copy runs the same kernels), with the packed-keys case's
-    empty sequences, windows and GQA."""
+    """Float8 pages with k_descale, v_descale and a gradient (a quantized cache under a
+    differentiated call): output, lse and q's gradient equal the packed call over the keys and
+    values they stand for, bit for bit (the backward kernels take a dequantized packed copy),
+    with the packed-keys case's empty sequences, windows and GQA."""
     lengths_q, lengths_k = [3, 1, 0, 6, 2], [7, 0, 9, 21, 2]
     q, _, _, cu_q, cu_k, k_pages, v_pages, table = make_paged(
         lengths_q, lengths_k, 4, 2, 16, 4, dtype)
@@ -174,6 +174,59 @@ def test_float8_pages_give_what_their_dequantized_keys_give(backend, dtype, cach
         runs.append((o, lse, leaf.grad))
     for name, a, b in zip(("o", "lse", "dq"), *runs):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("scales", ["both", "keys", "none"])
+@pytest.mark.parametrize("kw", [dict(causal=True, window_size=(9, -1)),
+                                dict(softcap=2.0, alibi_slopes=torch.rand(4) + 0.1)],
+                         ids=["causal-window", "softcap-alibi"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float8_pages_are_read_in_place(backend, dtype, cache_dtype, kw, scales):
+    """Float8 pages without a gradient (chunked prefill over a quantized cache), with empty
+    sequences, GQA and pages of 5 slots: check_float8_pages_in_place."""
+    check_float8_pages_in_place(backend, dtype, cache_dtype, kw, scales, [3, 1, 0, 6, 20],
+                                [7, 0, 9, 21, 40], 4, 2, 16, 5)
+
+
+def check_float8_pages_in_place(backend, dtype, cache_dtype, kw, scales, lengths_q, lengths_k,
+                                nheads, nheads_kv, headdim, page_size, device="cpu"):
+    """The kernels read the 8-bit tiles through block_table (no packed copy) and apply
+    k_descale, v_descale (scales "both", "keys": the keys' alone, or "none": 1) to the scores
+    and the output; output and lse within the tolerance rule of the float64 reference over the
+    keys and values the pages stand for, sequence by sequence. kw: attention_varlen's keywords
+    (alibi_slopes (nheads,))."""
+    from unittest import mock
+    from conftest import check_close
+    from longflash import interface
+    q, _, _, cu_q, cu_k, k_pages, v_pages, table = make_paged(
+        lengths_q, lengths_k, nheads, nheads_kv, headdim, page_size, dtype)
+    pages, descale, _ = float8_pages(k_pages, v_pages, table, cu_k, cache_dtype, dtype)
+    descale = {"both": descale, "keys": (descale[0], None), "none": (None, None)}[scales]
+    q, cu_q, cu_k, table, *pages = (x.to(device) for x in (q, cu_q, cu_k, table, *pages))
+    descale = [None if x is None else x.to(device) for x in descale]
+    kw = {name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
+    with mock.patch.object(interface, "_gather_pages", None):  # a packed copy would fail
+        o, lse = longflash.attention_varlen(q, *pages, cu_q, cu_k, max(lengths_q),
+                                            max(lengths_k), return_lse=True, backend=backend,
+                                            block_table=table, k_descale=descale[0],
+                                            v_descale=descale[1], **kw)
+    ones = torch.ones(len(lengths_k), nheads_kv, dtype=torch.float64, device=device)
+    for b, n_k in enumerate(lengths_k):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        # (1, n_k, Hkv, D) the keys and values sequence b's pages stand for, in float64
+        kv = [seq_keys(x, table.cpu(), b, n_k).to(device).double()
+              * (ones if s is None else s.double().expand_as(ones))[b, :, None]
+              for x, s in zip(pages, descale)]
+        slopes = kw.get("alibi_slopes")
+        ref_kw = dict(kw, alibi_slopes=None if slopes is None else slopes[None])
+        ref = longflash.attention_ref(q[None, rows].double(), *kv, **ref_kw)
+        low = longflash.attention_ref(q[None, rows], *(x.to(dtype) for x in kv), upcast=False,
+                                      **ref_kw)
+        check_close(f"o[{b}]", o[None, rows], low[0], ref[0])
+        check_close(f"lse[{b}]", lse[None, :, rows], low[1], ref[1])
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the split-KV route is the Triton backend's")

@@ -334,7 +334,7 @@ class Options(NamedTuple):
     which the backward writes the gradient of the scores, dL/ds (a float attn_mask's, before
     the sum over its broadcast dimensions). Backward only.
     k_descale, v_descale: None, or (batch, nheads_kv) float32: a float8 KV cache's keys and
-    values are the cache's entries times these (decoding only).
+    values are the cache's entries times these (decoding, and paged keys: forward only).
     """
     softmax_scale: float
     window_left: int = -1

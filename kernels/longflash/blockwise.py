@@ -26,7 +26,8 @@ nheads_kv); tensors are viewed as (batch, nheads_kv, group, seqlen, headdim) so
 that keys and values broadcast over the group without being copied. Packed
 variable-length batches run sequence by sequence, so no padding is computed; paged keys
 (opts.block_table) are read one sequence at a time through the block table, where the
-kernel reads each key block's rows through it.
+kernel reads each key block's rows through it; float8 pages' tiles are converted as they are
+read, their scales (opts.k_descale, opts.v_descale) applied to the scores and the output.
 
 Autograd is registered once for all implementations in `interface.py`; these
 functions take and return plain tensors.
@@ -140,6 +141,13 @@ def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=N
     k5, v5 = _grouped(k, nheads_kv), _grouped(v, nheads_kv)  # (B, Hkv, 1, Nk, D)
     lse4 = lse.unflatten(1, (nheads_kv, -1))  # (B, Hkv, G, Nq)
     window = (opts.window_left, opts.window_right)
+    # float8 pages' scales, (B, Hkv, 1, 1, 1): the keys' folds into the softmax scale, the
+    # values' into the output (their tiles convert to dtype exactly in _attn_fwd_inner)
+    k_scale, v_scale = (None if x is None else
+                        x[batch_start:batch_start + q.shape[0], :, None, None, None].to(dtype)
+                        for x in (opts.k_descale, opts.v_descale))
+    if k_scale is not None:
+        opts = opts._replace(softmax_scale=k_scale * opts.softmax_scale)
     for start_m in range(0, seqlen_q, block_m):
         q_i = q5[..., start_m:start_m + block_m, :].to(dtype)
         m_i = q_i.new_full(q_i.shape[:-1], float("-inf"))
@@ -151,7 +159,8 @@ def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=N
                                             opts, ctx)
         # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
         l_safe = torch.where(l_i == 0, 1.0, l_i)
-        o5[..., start_m:start_m + block_m, :] = acc / l_safe[..., None]
+        acc = acc / l_safe[..., None]
+        o5[..., start_m:start_m + block_m, :] = acc if v_scale is None else acc * v_scale
         lse4[..., start_m:start_m + block_m] = torch.where(
             l_i == 0, float("-inf"), (m_i + torch.log2(l_safe)) * LN2)
 

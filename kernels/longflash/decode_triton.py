@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from ._common import FP8_DTYPES, LOG2E, empty_outputs, fix_triton_interpreter
-from .flash_triton import _bias, page_rows
+from .flash_triton import _bias, _descale_args, check_fp8, page_rows
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -438,12 +438,7 @@ def check_cache(k_cache, v_cache):
         raise ValueError(f"k_cache and v_cache must have a contiguous last dimension (headdim) on "
                          f"the Triton backend, got strides {k_cache.stride()} and "
                          f"{v_cache.stride()}")
-    if k_cache.dtype == torch.float8_e4m3fn and k_cache.is_cuda and \
-            torch.cuda.get_device_capability(k_cache.device) < (8, 9):
-        raise NotImplementedError(
-            f"a float8_e4m3fn cache needs a GPU of compute capability 8.9 or more for Triton "
-            f"({torch.cuda.get_device_name(k_cache.device)}); use float8_e5m2 or "
-            f"backend='torch'")
+    check_fp8(k_cache)
 
 
 @functools.lru_cache(maxsize=None)
@@ -452,20 +447,6 @@ def _fp8_format(dtype):
     info = torch.finfo(dtype)
     return dict(FP8=True, FP8_MANT=round(-math.log2(info.eps)),
                 FP8_EMIN=round(math.log2(info.tiny)), FP8_MAX=float(info.max))
-
-
-@functools.lru_cache(maxsize=None)
-def _unit_scale(device):  # kept: a decoding step allocates nothing for a missing scale
-    return torch.ones((), dtype=torch.float32, device=device).expand(1, 1)
-
-
-def _descale_args(k_descale, v_descale, device):
-    """A float8 cache's (batch, nheads_kv) scales as the kernels read them (1 if None)."""
-    k_descale, v_descale = (_unit_scale(device) if x is None else x
-                            for x in (k_descale, v_descale))
-    return dict(K_DESCALE=k_descale, V_DESCALE=v_descale,
-                stride_kdb=k_descale.stride(0), stride_kdh=k_descale.stride(1),
-                stride_vdb=v_descale.stride(0), stride_vdh=v_descale.stride(1))
 
 
 def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rotary_sin=None,

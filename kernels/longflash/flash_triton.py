@@ -16,7 +16,9 @@ read tile by tile through its strides by pointer loads in every kernel, so a bro
 is never materialized; with BIAS_GRAD the dQ kernel stores its gradient, dS; no
 warp-specialized candidate takes one); packed variable-length batches read each sequence's
 offsets from cu_seqlens, so no padding is computed, and the forward can read their
-keys and values in place from a paged cache through a block table (PAGED).
+keys and values in place from a paged cache through a block table (PAGED), float8 pages
+too (each tile converted to q's dtype as it is loaded, the scales applied as decoding does:
+HAS_DESCALE).
 The forward saves the log-sum-exp per row; the backward recomputes the
 probabilities from it: a preprocessing step delta = rowsum(dO * O), one kernel
 for dK/dV (a program per key block, looping over query blocks and, for GQA,
@@ -653,7 +655,7 @@ def _attn_fwd_qk(q, K, stride_kn, TABLE, stride_kp, page_size, start_n, seqlen_k
     """q.k of key block start_n: the first half of a forward step."""
     k = _load_kv(K, TABLE, start_n, stride_kn, stride_kp, page_size, seqlen_k, HEAD_DIM, BLOCK_N,
                  BLOCK_D, not MASKED, USE_TMA, PAGED)
-    return tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=INPUT_PRECISION)  # float8: exact
 
 
 @triton.jit
@@ -664,9 +666,10 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
                      HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr,
-                     BIAS_KIND: tl.constexpr):
+                     BIAS_KIND: tl.constexpr, DTYPE: tl.constexpr):
     """The second half of a forward step, from key block start_n's q.k: scores, online
-    softmax, acc += p v. bias: this (batch, head)'s attn_mask (BIAS_KIND, _bias)."""
+    softmax, acc += p v. bias: this (batch, head)'s attn_mask (BIAS_KIND, _bias). DTYPE: q's,
+    that of the product p v (float8 pages' values are converted to it, exactly)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     # Scores in log2 units are s * scale. Without softcap or ALiBi, s is q.k masked but not
     # scaled: its row max times qk_scale (> 0) is the scaled scores' max, and each score's
@@ -690,9 +693,9 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
         p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :], dropout_p)
     # -- update output accumulator --
     v = _load_kv(V, TABLE, start_n, stride_vn, stride_vp, page_size, seqlen_k, HEAD_DIM_V,
-                 BLOCK_N, BLOCK_DV, not MASKED, USE_TMA, PAGED)
+                 BLOCK_N, BLOCK_DV, not MASKED, USE_TMA, PAGED).to(DTYPE)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+    acc = tl.dot(p.to(DTYPE), v, acc, input_precision=INPUT_PRECISION)
     return acc, l_i, m_ij
 
 
@@ -727,7 +730,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
             acc, l_i, m_i = _attn_fwd_update(
                 acc, l_i, m_i, qk, *up_args, start_n, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
-                BIAS_KIND)
+                BIAS_KIND, q.dtype)
     elif PIPELINE:
         if lo < hi:
             qk = _attn_fwd_qk(*qk_args, lo, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
@@ -738,13 +741,13 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
                 acc, l_i, m_i = _attn_fwd_update(
                     acc, l_i, m_i, qk, *up_args, start_n - BLOCK_N, *rest, MASKED, HAS_SOFTCAP,
                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION,
-                    USE_TMA, PAGED, BIAS_KIND)
+                    USE_TMA, PAGED, BIAS_KIND, q.dtype)
                 qk = qk_next
             last = lo + (hi - lo - 1) // BLOCK_N * BLOCK_N
             acc, l_i, m_i = _attn_fwd_update(
                 acc, l_i, m_i, qk, *up_args, last, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
-                BIAS_KIND)
+                BIAS_KIND, q.dtype)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
@@ -752,7 +755,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
             acc, l_i, m_i = _attn_fwd_update(
                 acc, l_i, m_i, qk, *up_args, start_n, *rest, MASKED, HAS_SOFTCAP, HAS_ALIBI,
                 HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
-                BIAS_KIND)
+                BIAS_KIND, q.dtype)
     return acc, l_i, m_i
 
 
@@ -778,7 +781,12 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
               FULL_TILES: tl.constexpr, PIPELINE: tl.constexpr = False,
               BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
-              stride_bn=0):
+              stride_bn=0, HAS_DESCALE: tl.constexpr = False, K_DESCALE=None, V_DESCALE=None,
+              stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0):
+    """PAGED pages may be float8 (a quantized KV cache): their tiles are converted to q's
+    dtype as they are loaded (exact); HAS_DESCALE: their scales K_DESCALE, V_DESCALE (batch,
+    nheads_kv), the key's folded into the softmax scale, the value's into the output, as in
+    decode_triton's split-KV kernel."""
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -801,6 +809,10 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     bias = LSE  # attn_mask of this (batch, head) (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h * stride_bh
+    if HAS_DESCALE:
+        k_scale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
+        qk_scale *= k_scale
+        softmax_scale *= k_scale
 
     q = _load_held(Q, start_m, stride_qn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, WARP_SPECIALIZE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -837,6 +849,8 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if HAS_DESCALE:
+        acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
     _store_block(O, acc, start_m, stride_on, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1455,6 +1469,31 @@ def _bias_args(mask, batch, nheads, seqlen_q, seqlen_k):
                                       bias.stride())))
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device):  # kept: a decoding step allocates nothing for a missing scale
+    return torch.ones((), dtype=torch.float32, device=device).expand(1, 1)
+
+
+def _descale_args(k_descale, v_descale, device):
+    """A float8 cache's (batch, nheads_kv) scales as the kernels read them (1 if None)."""
+    k_descale, v_descale = (_unit_scale(device) if x is None else x
+                            for x in (k_descale, v_descale))
+    return dict(K_DESCALE=k_descale, V_DESCALE=v_descale,
+                stride_kdb=k_descale.stride(0), stride_kdh=k_descale.stride(1),
+                stride_vdb=v_descale.stride(0), stride_vdh=v_descale.stride(1))
+
+
+def check_fp8(cache):
+    """A float8 cache the kernels can convert on this device (Triton has no float8_e4m3fn
+    conversion before compute capability 8.9)."""
+    if cache.dtype == torch.float8_e4m3fn and cache.is_cuda and \
+            torch.cuda.get_device_capability(cache.device) < (8, 9):
+        raise NotImplementedError(
+            f"a float8_e4m3fn cache needs a GPU of compute capability 8.9 or more for Triton "
+            f"({torch.cuda.get_device_name(cache.device)}); use float8_e5m2 or "
+            f"backend='torch'")
+
+
 def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
     `tiled` (what a loop copies) fit, warp-specialized ones of `ws_kernel` where `ws_tiled`
@@ -1503,8 +1542,12 @@ def forward(q, k, v, opts):
     if batch * nheads * seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
     table = opts.block_table  # paged k, v (num_pages, page_size, ...): strides (page, slot, head)
-    if table is not None:  # pointer loads only: a TMA tile may span pages
+    if table is not None:  # pointer loads only: a TMA tile may span pages; float8 pages too
+        check_fp8(k)
         scalars.update(tma_ok=0, ws_ok=0)
+        if opts.k_descale is not None or opts.v_descale is not None:
+            scalars.update(HAS_DESCALE=True, **_descale_args(opts.k_descale, opts.v_descale,
+                                                             q.device))
     grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     _launch(_attn_fwd, grid, q, k, v, o, lse, pointers["ALIBI"], pointers["CU_Q"],
             pointers["CU_K"], pointers["CU_K"] if table is None else table,

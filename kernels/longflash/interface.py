@@ -202,6 +202,16 @@ def _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale=None, v_de
     return k, v
 
 
+@torch.compiler.disable  # under torch.compile, run eagerly (a graph break), not traced
+def _paged_forward(q, k, v, args, block_table, k_descale, v_descale):
+    """(o, lse) over paged keys read in place, without autograd; float8 pages converted tile
+    by tile, their scales applied to the scores and the output. args: _forward_impl's after
+    q, k, v, up to max_seqlen_k."""
+    opts = _options(q, *args[:2], *args[3:], block_table)
+    return _implementation(args[2]).forward(q, k, v, opts._replace(k_descale=k_descale,
+                                                                   v_descale=v_descale))
+
+
 def _resolve_backend(backend, q):
     """'auto' -> Triton for CUDA tensors and under TRITON_INTERPRET=1, else the PyTorch path."""
     if backend not in BACKENDS:
@@ -253,19 +263,19 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   seed: Optional[torch.Tensor] = None,
                   cu_seqlens_q: Optional[torch.Tensor] = None,
                   cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                  max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
-                  deterministic: bool = False, attn_mask: Optional[torch.Tensor] = None
+                  max_seqlen_k: int = 0, deterministic: bool = False,
+                  attn_mask: Optional[torch.Tensor] = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    block_table, attn_mask=attn_mask)
+                    attn_mask=attn_mask)
     return _implementation(backend).forward(q, k, v, opts)
 
 
 def _forward_fake(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None,
-                  deterministic=False, attn_mask=None):
+                  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
+                  attn_mask=None):
     return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
@@ -323,9 +333,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, args):
         o, lse = _forward_op(q, k, v, *args, attn_mask)
         ctx.save_for_backward(q, k, v, o, lse, attn_mask)
-        # block_table (args[13]) is dropped: a forward over paged keys is never
-        # differentiated (with a gradient, attention_varlen packs the keys in use first)
-        ctx.args = args[:13] + args[14:]
+        ctx.args = args
         # an unused lse gets no gradient (None: no zeros to fill and subtract), nor an unused o
         ctx.set_materialize_grads(False)
         return o, lse
@@ -346,7 +354,7 @@ class _Attention(torch.autograd.Function):
 def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                        alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                       block_table=None, deterministic=False, attn_mask=None):
+                       deterministic=False, attn_mask=None):
     """(o, lse) of checked arguments, differentiable in q, k, v and a float attn_mask."""
     if torch.compiler.is_compiling():
         # attention(x, x, x): each its own alias, Dynamo refusing one tensor as two inputs
@@ -355,7 +363,7 @@ def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, 
     return _Attention.apply(q, k, v, attn_mask, (causal, softmax_scale, backend, window_left,
                                                  window_right, alibi_slopes, softcap, dropout_p,
                                                  seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, block_table, deterministic))
+                                                 max_seqlen_k, deterministic))
 
 
 # ----------------------------------------------------------------------------- decoding route
@@ -517,8 +525,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         break: those checks, and the copy's length, are values of the tensors), and
         fullgraph=True refuses it. The pages may be float8 (torch.float8_e4m3fn or
         float8_e5m2, both), with k_descale and v_descale as in attention_with_kvcache
-        (scales per sequence and KV head): the split-KV kernel reads them in place; other
-        calls (chunked prefill) attend over a packed copy dequantized to q's dtype.
+        (scales per sequence and KV head): without a gradient read in place too, each tile
+        converted to q's dtype (exact), the keys' scale folded into the softmax scale and the
+        values' into the output; with one, attended over a packed copy dequantized to q's
+        dtype.
     Returns o: (total_q, nheads, headdim of v) and, with return_lse, lse: (nheads, total_q).
     """
     paged = block_table is not None
@@ -556,15 +566,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             o = o.view(*q.shape[:2], v.shape[-1])  # (total_q, H, Dv)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, total_q)
             return _outputs(o, lse, learnable_sink, return_lse)
-    if paged and (fp8 or _needs_grad(q, k, v)):  # the backward kernels take packed keys
-        k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale, v_descale,
-                             q.dtype)
-        block_table = None
-    o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
-                                alibi_slopes, float(softcap), float(dropout_p),
-                                _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                deterministic)
+    args = (causal, softmax_scale, backend, *window_size, alibi_slopes, float(softcap),
+            float(dropout_p), _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
+            cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if paged and not _needs_grad(q, k, v):  # the kernels read the pages in place: no autograd
+        o, lse = _paged_forward(q, k, v, args, block_table, k_descale, v_descale)
+    else:
+        if paged:  # the backward kernels take packed keys (float8 pages: dequantized)
+            k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale,
+                                 v_descale, q.dtype)
+        o, lse = _attention_forward(q, k, v, *args, deterministic=deterministic)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
