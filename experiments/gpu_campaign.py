@@ -118,7 +118,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 (bit for bit the append's quantization)
      speedup_decode  RQ1 part decode again, every provider and the float8 cache in one run
   8  env        as in stage 1
-     pytest_fp8   as in stage 7 (4 of 5 failed there on -0, since fixed)
+     pytest_fp8   as in stage 7 (4 of 5 failed there on -0, since fixed), and float8 pages
+                read in place by the forward kernel (chunked prefill; new)
      speedup_decode  as in stage 7 (not reached there), before the gate
      host_time  as in stage 7, with each LongFlash call's cProfile to the log (--profile)
      pytest_graphs  a training forward and backward captured in CUDA graphs, bit for bit eager
@@ -635,8 +636,10 @@ def stage_steps(stage, dry):
         return [
             _probe("env", estimate_s=5, timeout_s=60),
             # the float8 cache against float64 and the append's rounding bit for bit torch's,
-            # NaN included (the fourth window: 4 of 5 failed on -0, before the fix; 10 s)
-            _pytest("pytest_fp8", "fp8", estimate_s=20, timeout_s=90, reserve_s=300),
+            # NaN included (the fourth window: 4 of 5 failed on -0, before the fix; 10 s), and
+            # chunked prefill over float8 pages, read in place by the forward kernel (new: one
+            # more autotuned compile)
+            _pytest("pytest_fp8", "fp8", estimate_s=30, timeout_s=120, reserve_s=300),
             # RQ1 part decode, rows before DECODE_FP8_ADDED measured again: every provider and
             # LongFlash's float8 cache in one run (stage 3's run of the part took 52 s). Before
             # the gate, so that its rows are the default switches'.

@@ -658,7 +658,8 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     fp8 = next(s for s in gc.stage_steps(7, False) if s.name == "pytest_fp8")
     assert [n for n in dir(test_gpu) if n.startswith("test_")
             and fp8.argv[fp8.argv.index("-k") + 1] in n] == [
-        "test_fp8_append_rounds_as_torch_gpu", "test_fp8_kvcache_gpu"]
+        "test_fp8_append_rounds_as_torch_gpu", "test_fp8_kvcache_gpu",
+        "test_fp8_paged_prefill_gpu"]
     from longflash import flash_triton as ft
     for (kernel, headdim), tiles in gc.WS_TRIALS.items():  # tiles the table lacks, each a WS one
         table = ft.CONFIGS[ft._table_key(kernel, 9, headdim)]
@@ -699,7 +700,8 @@ def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cac
     import test_gpu
     fp8 = by_name["pytest_fp8"].argv
     assert [n for n in dir(test_gpu) if n.startswith("test_") and fp8[fp8.index("-k") + 1] in n
-            ] == ["test_fp8_append_rounds_as_torch_gpu", "test_fp8_kvcache_gpu"]
+            ] == ["test_fp8_append_rounds_as_torch_gpu", "test_fp8_kvcache_gpu",
+                  "test_fp8_paged_prefill_gpu"]
     graphs = by_name["pytest_graphs"].argv
     assert [n for n in dir(test_gpu) if n.startswith("test_")
             and graphs[graphs.index("-k") + 1] in n] == ["test_training_cuda_graphs_gpu"]
