@@ -129,6 +129,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 gate turned the forward's WS on
      scaling_exact  as in stage 5 (no window has reached it)
      preflight_ws  as in stage 7 (cut at 30 s there by the budget)
+     speedup_prefill  RQ1 part prefill (new): chunked prefill over bf16 and float8 pages read
+                in place, and over float8 pages gathered into a dequantized copy first
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -673,7 +675,12 @@ def stage_steps(stage, dry):
             _scaling_exact(dry, estimate_s=60, timeout_s=150, reserve_s=60),
             # dK/dV's WS candidate at d128 beside WS_TRIALS' tiles (cut at 30 s twice in the
             # fourth window, by the budget left, not its own timeout)
-            _preflight_ws("128", dry, estimate_s=60, timeout_s=150),
+            _preflight_ws("128", dry, estimate_s=60, timeout_s=150, reserve_s=45),
+            # RQ1 part prefill (new): chunked prefill over a paged cache, bf16 and float8
+            # pages read in place against float8 pages gathered first (PERFLOG "Float8 pages
+            # read in place by the forward kernel"); likely the second call's
+            _speedup("speedup_prefill", ["--quick" if dry else "--full", "--parts", "prefill"],
+                     estimate_s=45, timeout_s=120, tail_s=30),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6, 7 or 8, got {stage!r}")
 

@@ -45,6 +45,11 @@ Each (seqlen, headdim, causal) is one group; modes run in the order fwd, fwd_bwd
       its budget (--budget-s, 570 s with --full) keeps what it measured, and --resume skips
       what the file already holds (but rows with status error, which it measures again).
 
+Part "prefill" (experiments/prefill.py): a chunk of new queries attending to a paged KV cache
+(chunked prefill), LongFlash's forward reading the pages in place in the run's dtype and in
+float8, and over float8 pages gathered into a dequantized copy first. It runs after part
+decode.
+
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
 dim 128: time and the cache bytes read per second, LongFlash's split-KV kernel with and
@@ -147,12 +152,19 @@ class Config:
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
     ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
-    parts: tuple = ("batch", "long", "decode")
+    parts: tuple = ("batch", "long", "decode", "prefill")
     decode_seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768)   # part decode: cache tokens
     decode_batches: tuple = (1, 8)
     decode_nheads: int = 32               # part decode: a Llama-like GQA shape
     decode_nheads_kv: int = 8
     decode_headdim: int = 128
+    prefill_seqlens: tuple = (1024, 4096)   # part prefill: keys per sequence (cache + chunk)
+    prefill_chunks: tuple = (64, 256)       # part prefill: the chunk's queries per sequence
+    prefill_batch: int = 2
+    prefill_nheads: int = 8
+    prefill_nheads_kv: int = 2
+    prefill_headdim: int = 64
+    prefill_page_size: int = 16
 
 
 FULL = dict(  # the GPU sweep of the issue; see the module docstring
@@ -162,12 +174,16 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     long_causals=(True,), long_modes=("fwd", "bwd", "fwd_bwd"), warmup_ms=10, rep_ms=50,
     long_warmup_ms=10, long_rep_ms=50, ceiling_matmul_n=8192, ceiling_copy_mb=1024,
     ceiling_rep_ms=200, budget_s=570,
-    decode_seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072))
+    decode_seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+    prefill_seqlens=(4096, 16384, 65536), prefill_chunks=(128, 512, 2048), prefill_batch=4,
+    prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128)
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
     ceiling_matmul_n=256, ceiling_copy_mb=16, ceiling_rep_ms=50, decode_seqlens=(256, 1024),
-    decode_batches=(1, 2), decode_nheads=4, decode_nheads_kv=2, decode_headdim=16)
+    decode_batches=(1, 2), decode_nheads=4, decode_nheads_kv=2, decode_headdim=16,
+    prefill_seqlens=(256,), prefill_chunks=(32,), prefill_nheads=4, prefill_nheads_kv=2,
+    prefill_headdim=16)
 
 
 class Unsupported(Exception):
@@ -601,6 +617,12 @@ def run(cfg, device, out, resume=False, resume_after=None):
                           decode.existing_keys(out, resume_after) if resume else set())
         if rows:
             write_results(rows, out, key_columns=decode.KEY_COLUMNS)
+    if "prefill" in cfg.parts:
+        from experiments import prefill
+        rows = prefill.run(cfg, device, log, machine, start,
+                           prefill.existing_keys(out, resume_after) if resume else set())
+        if rows:
+            write_results(rows, out, key_columns=prefill.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
     write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)], out)
     log(f"load average at end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s in all")
@@ -682,6 +704,13 @@ def summary(out, device):
         table = dec.pivot_table(index=["batch", "provider"], columns="seqlen_k", values="value",
                                 aggfunc="first")
         log(f"\ntime_ms per decoding step, by cache length ({device}):\n"
+            f"{table.round(2).to_string()}")
+    if "route" in rows:
+        pre = rows[(rows["part"] == "prefill") & (rows["metric"] == "time_ms")]
+        pre = pre.assign(cache=pre["kv_dtype"].fillna(pre["dtype"]) + " " + pre["route"])
+        table = pre.pivot_table(index="cache", columns=["seqlen_k", "seqlen_q"], values="value",
+                                aggfunc="first")
+        log(f"\ntime_ms per prefill chunk, by keys and chunk length ({device}):\n"
             f"{table.round(2).to_string()}")
 
 

@@ -1,7 +1,8 @@
 """RQ1's benchmark, end to end on tiny shapes: experiments/speedup.py --quick writes one row per
 provider, mode, configuration and metric, in the results schema, with the right statuses; an
 over-budget configuration is an "oom" row; part decode (experiments/decode.py) one row per
-provider, split choice, batch, cache length and metric. No timing is asserted."""
+provider, split choice, batch, cache length and metric; part prefill (experiments/prefill.py)
+one row per route, cache dtype, key count, chunk and metric. No timing is asserted."""
 
 import math
 import os
@@ -39,9 +40,9 @@ def quick(tmp_path_factory):
 def test_schema_and_one_row_per_measurement(quick):
     out, df, _ = quick
     assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
-    assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype"]).any()
+    assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype", "route"]).any()
     assert set(df["experiment"]) == {"speedup"}
-    assert set(df["part"]) == {"batch", "long", "decode", "ceiling"}
+    assert set(df["part"]) == {"batch", "long", "decode", "prefill", "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
     runs = df[df["part"].isin(["batch", "long"])]
     groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
@@ -130,17 +131,52 @@ def test_decode_part(quick):
     assert "time_ms per decoding step" in stdout
 
 
+def test_prefill_part(quick):
+    """Part prefill: at every key count and chunk, LongFlash over pages in the run's dtype and
+    in float8 read in place, and over float8 pages gathered first; TFLOP/s from the causal
+    chunk's FLOPs and the time; the output against float64 over the keys the pages stand for."""
+    from experiments import prefill
+    _, df, stdout = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    pre = df[df["part"] == "prefill"].assign(kv_dtype=lambda d: d["kv_dtype"].fillna(""))
+    assert set(pre["status"]) == {"ok"} and set(pre["provider"]) == {"longflash"}
+    assert pre["causal"].all() and (pre["batch"] == cfg.prefill_batch).all()
+    assert (pre["nheads"] == cfg.prefill_nheads).all()
+    assert (pre["nheads_kv"] == cfg.prefill_nheads_kv).all()
+    index = ["kv_dtype", "route", "seqlen_k", "seqlen_q"]
+    wide = pre.pivot_table(index=index, columns="metric", values="value").reset_index()
+    assert set(zip(wide["kv_dtype"], wide["route"])) == set(prefill.ROUTES)
+    assert len(wide) == len(prefill.ROUTES) * len(cfg.prefill_seqlens) * len(cfg.prefill_chunks)
+    for _, r in wide.iterrows():
+        fl = flops(cfg.prefill_batch, r["seqlen_q"], r["seqlen_k"], cfg.prefill_nheads,
+                   cfg.prefill_headdim, True, "fwd")
+        assert math.isclose(r["tflops"], tflops(fl, r["time_ms"]), rel_tol=1e-9)
+    assert (wide["max_err_o_sampled"] < 1e-5).all()  # float32 queries, float64 reference
+    assert "time_ms per prefill chunk" in stdout
+
+
+def test_prefill_resume_after_measures_older_rows_again(quick):
+    from experiments import prefill
+    out, _, _ = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    keys = prefill.existing_keys(out)
+    assert len(keys) == len(prefill.ROUTES) * len(cfg.prefill_seqlens) * len(cfg.prefill_chunks)
+    assert prefill.existing_keys(out, "2000-01-01T00:00:00") == keys
+    assert prefill.existing_keys(out, "2999-01-01T00:00:00") == set()
+
+
 def test_resume_measures_nothing_twice(quick, tmp_path):
     out, df, _ = quick
     copy = tmp_path / "cpu.csv"
     df.to_csv(copy, index=False)
     proc = run_quick(copy, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not [line for line in proc.stdout.splitlines() if line.startswith(("[", "decode "))]
+    assert not [line for line in proc.stdout.splitlines()
+                if line.startswith(("[", "decode ", "prefill "))]
     again = pd.read_csv(copy)
     assert len(again) == len(df)
     runs = lambda d: d[d["provider"] != "ceiling"].sort_values(  # noqa: E731
-        KEY_COLUMNS + ["num_splits", "kv_dtype"])
+        KEY_COLUMNS + ["num_splits", "kv_dtype", "route"])
     assert runs(again)["timestamp"].tolist() == runs(df)["timestamp"].tolist()
 
 
