@@ -263,19 +263,23 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   seed: Optional[torch.Tensor] = None,
                   cu_seqlens_q: Optional[torch.Tensor] = None,
                   cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-                  max_seqlen_k: int = 0, deterministic: bool = False,
-                  attn_mask: Optional[torch.Tensor] = None
+                  max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
+                  deterministic: bool = False, attn_mask: Optional[torch.Tensor] = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    # block_table: always None since paged calls leave the op (_paged_forward); kept in the
+    # schema because torch.compile's on-disk caches key a graph on the op's name, not its
+    # schema (pytorch/pytorch#187319): a changed schema would replay, from a warm cache, code
+    # compiled for the old one (found here: "expected at most 18 argument(s)")
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    attn_mask=attn_mask)
+                    block_table, attn_mask=attn_mask)
     return _implementation(backend).forward(q, k, v, opts)
 
 
 def _forward_fake(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
-                  attn_mask=None):
+                  cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None,
+                  deterministic=False, attn_mask=None):
     return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
@@ -333,7 +337,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, args):
         o, lse = _forward_op(q, k, v, *args, attn_mask)
         ctx.save_for_backward(q, k, v, o, lse, attn_mask)
-        ctx.args = args
+        ctx.args = args[:13] + args[14:]  # less block_table (args[13], None), which the
+        # backward op does not take
         # an unused lse gets no gradient (None: no zeros to fill and subtract), nor an unused o
         ctx.set_materialize_grads(False)
         return o, lse
@@ -363,7 +368,7 @@ def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, 
     return _Attention.apply(q, k, v, attn_mask, (causal, softmax_scale, backend, window_left,
                                                  window_right, alibi_slopes, softcap, dropout_p,
                                                  seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, deterministic))
+                                                 max_seqlen_k, None, deterministic))
 
 
 # ----------------------------------------------------------------------------- decoding route

@@ -551,7 +551,9 @@ def _triton_forward(q, k, v, cfg):
         Q=q, K=k, V=v, **_triton_unused(), **_triton_strides("q", q), **_triton_strides("k", k),
         **_triton_strides("v", v), **_triton_strides("o", o_shape),
         **{**flash_triton.constexpr_defaults(flash_triton._attn_fwd), **launch},  # PIPELINE off
-        TABLE=_triton_unused()["CU_K"], stride_tb=0, page_size=1, PAGED=False)  # keys not paged
+        TABLE=_triton_unused()["CU_K"], stride_tb=0, page_size=1, PAGED=False,  # keys not paged
+        K_DESCALE=_triton_unused()["BIAS"], V_DESCALE=_triton_unused()["BIAS"], stride_kdb=0,
+        stride_kdh=0, stride_vdb=0, stride_vdh=0)  # (float8 pages' scales: HAS_DESCALE off)
     return o, lse
 
 
