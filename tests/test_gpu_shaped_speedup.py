@@ -118,6 +118,16 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     assert m[f"{P}DecodeFpEightGainMax"] == f"{gain.max():.2f}"
     assert m[f"{P}DecodeFpEightConfigs"] == str(len(gain)) == "16"
     assert m[f"{P}DecodeFpEightQuantErrMax"] == "2.1e-02"
+    # chunked prefill: float8 pages in place against the gathered copy and bf16 pages
+    p = rows[(rows["part"] == "prefill") & (rows["metric"] == "time_ms")]
+    route = p["kv_dtype"].fillna("bf16") + " " + p["route"]
+    by = lambda name: p[route == name].set_index(["seqlen_k", "seqlen_q"])["value"]  # noqa: E731
+    in_place = by("float8_e4m3fn in_place")
+    over_gathered = by("float8_e4m3fn gathered") / in_place
+    assert m[f"{P}PrefillOverGatheredMin"] == f"{over_gathered.min():.2f}"
+    assert m[f"{P}PrefillOverNativeMax"] == f"{(by('bf16 in_place') / in_place).max():.2f}"
+    assert m[f"{P}PrefillConfigs"] == str(len(over_gathered)) == "9"
+    assert m[f"{P}PrefillShape"] == "batch 4, 32 query and 8 KV heads of dimension 128"
     # README: the GPU row first, the CPU rows kept.
     table = _readme(tmp_path, gen)
     lines = [line for line in table.splitlines() if line.startswith("| RQ")]
@@ -138,6 +148,7 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
         rq1 = flat[start:flat.index("RQ2: ", start)]
         assert "No GPU was available" not in rq1 and "could not make" not in rq1
         assert "run on GPUs only" in rq1 and "measured below" in rq1
+        assert "In chunked prefill over a paged cache (batch 4" in rq1
 
 
 @pytest.mark.parametrize("fixture, declined", [

@@ -194,10 +194,40 @@ def decode_rows(cfg, rng, error_parts=(), error_providers=(), decode_errors=()):
     return rows
 
 
-def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=()):
-    """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it.
-    error_parts ("batch", "long", "decode") / error_providers: every such row has status
-    "error" (a part that failed, for the partial-results tests); decode_errors: see
+def prefill_rows(cfg, rng, error_parts=()):
+    """Part prefill's rows (experiments.prefill._rows): time_ms, tflops, max_err_o_sampled of
+    each route at each (keys, chunk); float8 pages in place a little faster than the gathered
+    copy and a little slower than bf16 pages (made up)."""
+    from experiments import prefill
+    from experiments.results import flops
+    rows = []
+    for seqlen_k in cfg.prefill_seqlens:
+        for seqlen_q in [n for n in cfg.prefill_chunks if n <= seqlen_k]:
+            base = dict(experiment="speedup", part="prefill", mode="fwd", dtype=cfg.dtype,
+                        causal=True, provider="longflash", batch=cfg.prefill_batch,
+                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=cfg.prefill_nheads,
+                        nheads_kv=cfg.prefill_nheads_kv, headdim=cfg.prefill_headdim,
+                        load_avg_1m=0.5, **MACHINE)
+            fl = flops(cfg.prefill_batch, seqlen_q, seqlen_k, cfg.prefill_nheads,
+                       cfg.prefill_headdim, True, "fwd")
+            for kv_dtype, route in prefill.ROUTES:
+                status = "error" if "prefill" in error_parts else "ok"
+                slower = {("", "in_place"): 1.0, (prefill.FP8, "in_place"): 1.05,
+                          (prefill.FP8, "gathered"): 1.2}[kv_dtype, route]
+                med = fl / (PEAK_TFLOPS["longflash"] * 0.8e12) * 1e3 * slower * rng.uniform(
+                    0.98, 1.02) if status == "ok" else math.nan
+                r = dict(times=(med, med * 0.99, med * 1.01), status=status, message="",
+                         err=1e-3 if status == "ok" else math.nan)
+                rows += prefill._rows(base, kv_dtype, route, r, fl, lambda m: None)
+    return rows
+
+
+def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=(),
+          prefill=True):
+    """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it, and
+    with `prefill` stage 8's part prefill (--full --parts prefill) after them.
+    error_parts ("batch", "long", "decode", "prefill") / error_providers: every such row has
+    status "error" (a part that failed, for the partial-results tests); decode_errors: see
     decode_rows. Returns the path."""
     from experiments import decode
     from experiments.results import write_results
@@ -214,4 +244,11 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), dec
             if "decode" in cfg.parts:
                 rows = decode_rows(cfg, rng, error_parts, error_providers, decode_errors)
                 write_results(rows, out, command=command, key_columns=decode.KEY_COLUMNS)
+        if prefill:
+            from experiments import prefill as part
+            argv = ["--full", "--parts", "prefill"]
+            write_results(prefill_rows(config(argv), rng, error_parts), out,
+                          command="tests/gpu_shaped/speedup.py, made-up values shaped like: "
+                          "python3 -m experiments.speedup " + " ".join(argv),
+                          key_columns=part.KEY_COLUMNS)
     return out
