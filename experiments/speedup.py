@@ -80,7 +80,9 @@ size (ceilings only)):
   ceilings, provider "ceiling", mode "fwd", measured at the start and at the end of the
   run; a row keeps the better of the two medians (on a shared machine one of them can be
   disturbed; both are in the log), and with --resume the better of those and the file's row
-  (one ceiling serves the rows of all the runs a resumed file holds):
+  (one ceiling serves the rows of all the runs a resumed file holds), unless the resumed run
+  measured no row of a part reported against the ceilings (batch, long, decode): then the
+  file's ceilings stay as they are (those of the runs that measured its rows):
     matmul_tflops     a square matmul in the run's dtype (seqlen_q = seqlen_k = headdim = n).
     copy_gbps         a device-to-device copy of one tensor, bytes read + written per second
                       (seqlen_q = seqlen_k = elements).
@@ -122,6 +124,7 @@ CPU_PROVIDERS = ("longflash", "sdpa_cpu", "standard")
 SDPA_BACKENDS = {"sdpa_math": "MATH", "sdpa_flash": "FLASH_ATTENTION",
                  "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 MODE_ORDER = ("fwd", "fwd_bwd", "bwd")              # each mode's prerequisite comes first
+CEILING_PARTS = ("batch", "long", "decode")       # the parts the notebook reports against them
 # Messages of a peer that cannot run a configuration (not a bug of this script).
 UNSUPPORTED = ("no viable backend", "no available kernel", "outofresources", "out of resource",
                "no valid triton configs", "does not support")
@@ -548,9 +551,21 @@ def run(cfg, device, out, resume=False, resume_after=None):
                    threads=threads if device == "cpu" else math.nan,
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = measure_ceilings(cfg, device, machine, "start")
+    # A resumed run that measures no row reported against the ceilings (a part such as prefill
+    # added later) leaves the file's alone: they belong to the runs that measured its rows.
+    ceilings_pending = resume and _file_has_ceilings(out)
     if resume:
         ceiling_rows = _best_ceilings(ceiling_rows, out)
-    write_results(ceiling_rows, out)
+    if not ceilings_pending:
+        write_results(ceiling_rows, out)
+
+    def write_measured(rows, part, **kwargs):
+        nonlocal ceilings_pending
+        if ceilings_pending and part in CEILING_PARTS:
+            write_results(ceiling_rows, out)
+            ceilings_pending = False
+        write_results(rows, out, **kwargs)
+
     done, failed = _existing_keys(out, resume_after) if resume else (set(), set())
 
     plan = [g for g in groups(cfg) if g[0] in cfg.parts]
@@ -608,7 +623,7 @@ def run(cfg, device, out, resume=False, resume_after=None):
         if device == "cuda":
             torch.cuda.empty_cache()
         if rows:
-            write_results(rows, out)
+            write_measured(rows, part)
         log(f"group {g + 1}/{len(plan)} done at {time.perf_counter() - start:.0f} s, "
             f"load average {os.getloadavg()[0]:.2f}")
     if "decode" in cfg.parts:
@@ -616,16 +631,29 @@ def run(cfg, device, out, resume=False, resume_after=None):
         rows = decode.run(cfg, device, log, machine, start,
                           decode.existing_keys(out, resume_after) if resume else set())
         if rows:
-            write_results(rows, out, key_columns=decode.KEY_COLUMNS)
+            write_measured(rows, "decode", key_columns=decode.KEY_COLUMNS)
     if "prefill" in cfg.parts:
         from experiments import prefill
         rows = prefill.run(cfg, device, log, machine, start,
                            prefill.existing_keys(out, resume_after) if resume else set())
         if rows:
-            write_results(rows, out, key_columns=prefill.KEY_COLUMNS)
+            write_measured(rows, "prefill", key_columns=prefill.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
-    write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)], out)
+    if ceilings_pending:
+        log(f"ceilings of {out} kept: this run measured no rows of "
+            f"{', '.join(CEILING_PARTS)}, which are reported against them")
+    else:
+        write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)],
+                      out)
     log(f"load average at end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s in all")
+
+
+def _file_has_ceilings(path):
+    if not os.path.exists(path):
+        return False
+    import pandas as pd
+    df = pd.read_csv(path, usecols=["provider", "status"])
+    return bool(((df["provider"] == "ceiling") & (df["status"] == "ok")).any())
 
 
 def _best_ceilings(rows, path):

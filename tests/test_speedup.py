@@ -390,22 +390,51 @@ def test_resume_of_decode_rows_skips_all_but_errors(tmp_path):
     assert {k[0] for k in decode.existing_keys(str(path))} == {"longflash", "sdpa_math"}
 
 
+def with_ceilings(df, matmul, copy_gbps):
+    """df with its one matmul and one copy ceiling row set to the given values."""
+    df = df.copy()
+    for metric, value in (("matmul_tflops", matmul), ("copy_gbps", copy_gbps)):
+        hit = (df["provider"] == "ceiling") & (df["metric"] == metric)
+        assert hit.sum() == 1
+        df.loc[hit, "value"] = value
+    return df
+
+
+def ceilings_of(path):
+    df = pd.read_csv(path)
+    return df[df["provider"] == "ceiling"].set_index("metric")["value"]
+
+
 def test_resume_keeps_the_best_ceiling_of_the_file(quick, tmp_path):
-    """--resume: the file's rows come from several runs and one ceiling row serves them all, the
-    best any run measured; a run that measures more keeps its own."""
+    """--resume that measures a row of part batch: the file's rows come from several runs and
+    one ceiling row serves them all, the best any run measured; a run that measures more keeps
+    its own."""
+    def fail(df, i):
+        df.loc[i, "status"] = "error"
+        df.loc[i, "value"] = math.nan
+    _, df, _ = quick
+    quick = (quick[0], with_ceilings(df, 1e9, 1e-9), quick[2])  # one far above, one far below
+    again, _ = resume_with_one_row_changed(quick, tmp_path, fail)
+    ceil = ceilings_of(tmp_path / "cpu.csv")
+    assert ceil["matmul_tflops"] == 1e9 and 1e-9 < ceil["copy_gbps"] < 1e9, ceil
+
+
+def test_resume_that_measures_no_ceiling_relative_row_keeps_the_files_ceilings(quick, tmp_path):
+    """--resume that measures only rows reported against no ceiling (here: a prefill row, the
+    part added after the others were measured) leaves the file's ceiling rows as they were,
+    values and provenance: they belong to the runs that measured the other rows."""
     out, df, _ = quick
+    old = with_ceilings(df, 1e-9, 1e-9)  # far below this machine's: a best-of rule would replace
+    prefill = old[(old["part"] == "prefill") & (old["metric"] == "time_ms")].index[0]
+    old.loc[prefill, ["status", "value"]] = ["error", math.nan]
     copy = tmp_path / "cpu.csv"
-    old = df.copy()
-    matmul = (old["provider"] == "ceiling") & (old["metric"] == "matmul_tflops")
-    copy_bw = (old["provider"] == "ceiling") & (old["metric"] == "copy_gbps")
-    assert matmul.sum() == 1 and copy_bw.sum() == 1
-    old.loc[matmul, "value"] = 1e9  # an earlier run far above what this machine measures
-    old.loc[copy_bw, "value"] = 1e-9  # and one far below
     old.to_csv(copy, index=False)
     proc = run_quick(copy, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("prefill ")]
+    assert not [ln for ln in proc.stdout.splitlines() if ln.startswith(("[", "decode "))]
     again = pd.read_csv(copy)
-    ceil = again[again["provider"] == "ceiling"].set_index("metric")["value"]
-    assert ceil["matmul_tflops"] == 1e9 and 1e-9 < ceil["copy_gbps"] < 1e9, ceil
-    assert "ceiling kept from an earlier run" in proc.stdout + proc.stderr
-    assert len(again) == len(df)
+    before = old[old["provider"] == "ceiling"].sort_values("metric").reset_index(drop=True)
+    after = again[again["provider"] == "ceiling"].sort_values("metric").reset_index(drop=True)
+    pd.testing.assert_frame_equal(after, before, check_dtype=False)
+    assert "ceilings of" in proc.stdout and "kept" in proc.stdout
