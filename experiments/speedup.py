@@ -42,8 +42,10 @@ Each (seqlen, headdim, causal) is one group; modes run in the order fwd, fwd_bwd
       128, 256, causal and not, all modes; long part: seqlen 32K, 64K, 128K, hidden 2048 at
       headdim 128 (16 heads), causal, all modes. Groups run headdim 128 first (batch, then
       long), then 64, then 256; results are written after every group, so a run stopped by
-      its budget (--budget-s, 570 s with --full) keeps what it measured, and --resume skips
-      what the file already holds (but rows with status error, which it measures again).
+      its budget (--budget-s; none by default: the GPU campaign passes each window's) keeps
+      what it measured, and --resume skips what the file already holds (but rows with status
+      error, which it measures again). Its pieces in the GPU campaign's windows took about 12
+      minutes of an H100 in all (results/gpu_campaign/h100-stage*.csv, steps speedup*).
 
 Part "prefill" (experiments/prefill.py): a chunk of new queries attending to a paged KV cache
 (chunked prefill), LongFlash's forward reading the pages in place in the run's dtype and in
@@ -176,7 +178,7 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     long_seqlens=(32768, 65536, 131072), long_hidden=2048, long_headdims=(128,),
     long_causals=(True,), long_modes=("fwd", "bwd", "fwd_bwd"), warmup_ms=10, rep_ms=50,
     long_warmup_ms=10, long_rep_ms=50, ceiling_matmul_n=8192, ceiling_copy_mb=1024,
-    ceiling_rep_ms=200, budget_s=570,
+    ceiling_rep_ms=200,
     decode_seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
     prefill_seqlens=(4096, 16384, 65536), prefill_chunks=(128, 512, 2048), prefill_batch=4,
     prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128)
@@ -766,7 +768,7 @@ def main():
                         f"{','.join(Config.parts)})")
     parser.add_argument("--decode-seqlens", help="comma-separated cache lengths of part decode")
     parser.add_argument("--budget-s", type=float, help="start no group after this many "
-                        "seconds (default: none on CPU, 570 with --full)")
+                        "seconds (default: none)")
     parser.add_argument("--resume", action="store_true", help="skip measurements whose "
                         "time_ms row is already in the output file")
     parser.add_argument("--resume-after", metavar="TIME", help="with --resume: rows measured "
