@@ -109,9 +109,10 @@ def make_batch(padding, batch=3, seqlen=13):
     return input_ids, mask, position_ids
 
 
-def logits_and_grads(model, input_ids, mask, position_ids, weight, valid):
+def logits_and_grads(model, input_ids, mask, position_ids, weight, valid, **kwargs):
     model.zero_grad()
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                   **kwargs).logits
     loss = (logits * weight.to(logits.dtype) * valid[..., None]).sum()
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -196,14 +197,13 @@ def _pattern_and_bias(batch=2, seqlen=8):
     return pattern, bias
 
 
-@pytest.mark.parametrize("case", ["pattern", "bias", "packed", "right-padding-window",
-                                  "middle-padding"])
+@pytest.mark.parametrize("case", ["pattern", "bias", "right-padding-window", "middle-padding"])
 def test_masks_beyond_padding_match_eager(case):
     """Masks that are not padding x (full | causal | window) run with the kernels reading them
-    as attn_mask: a custom 4D pattern, a float bias, packed sequences (position_ids that
-    restart: transformers builds a block-diagonal causal mask), right padding with a sliding
-    window; and a 2D padding mask with padding between valid tokens (packed: varlen). The
-    logits of the valid positions equal eager's (float32)."""
+    as attn_mask: a custom 4D pattern, a float bias, right padding with a sliding window; and
+    a 2D padding mask with padding between valid tokens (packed: varlen). The logits of the
+    valid positions equal eager's (float32). (Packed sequences from position_ids:
+    test_packed_sequences_run_as_segments.)"""
     arch = "mistral-window4" if case == "right-padding-window" else "llama-gqa"
     eager, longflash = make_models(arch, (torch.float32,) * 2, ("eager", NAME))
     input_ids, mask, _ = make_batch("right" if case == "right-padding-window" else "none",
@@ -212,8 +212,6 @@ def test_masks_beyond_padding_match_eager(case):
     valid = torch.ones_like(input_ids, dtype=torch.bool)
     if case in ("pattern", "bias"):
         kwargs["attention_mask"] = _pattern_and_bias()[case == "bias"]
-    elif case == "packed":
-        kwargs.update(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2), use_cache=False)
     elif case == "middle-padding":
         mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 1, 1]])
         kwargs["attention_mask"] = mask
@@ -223,6 +221,152 @@ def test_masks_beyond_padding_match_eager(case):
         valid = mask.bool()
     ref, out = (model(**kwargs).logits.detach()[valid] for model in (eager, longflash))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+PACKED = {  # position_ids that restart: sequences packed in a row (padding-free batches)
+    "llama-gqa": [[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]],
+    # segments longer and shorter than the window of 4, one row a single sequence
+    "mistral-window4": [[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2], list(range(13))],
+    # values' head dim 16, keys' 24; a sequence of one token
+    "deepseek-v3-mla": [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]],
+}
+
+
+@pytest.mark.parametrize("arch", list(PACKED))
+def test_packed_sequences_run_as_segments(arch, monkeypatch):
+    """Packed sequences (position_ids that restart, no attention_mask: transformers' padding-free
+    batches) run as the segments of attention_varlen, the mask read a few rows at a time and
+    never built whole: logits and every parameter gradient against sdpa in float64 (eager in
+    float32 the low precision). The mask is read 2 rows at a time here (chunk edges inside
+    segments); every mask the model asks for is a SegmentMask, and the kernels get the
+    packed sequences' boundaries."""
+    from transformers import masking_utils
+    rows, masks, varlen = [], [], []
+
+    def sdpa_mask(**kwargs):
+        rows.append(kwargs["q_length"])
+        return sdpa_mask_(**kwargs)
+
+    def mask_spy(**kwargs):
+        masks.append(lf_hf.longflash_mask(**kwargs))
+        return masks[-1]
+
+    def varlen_spy(q, k, v, cu_seqlens_q, *args, **kwargs):
+        varlen.append(cu_seqlens_q.tolist())
+        return varlen_(q, k, v, cu_seqlens_q, *args, **kwargs)
+
+    sdpa_mask_, varlen_ = masking_utils.sdpa_mask, lf_hf.attention_varlen
+    monkeypatch.setattr(lf_hf, "MASK_CHUNK_ELEMENTS", 2 * 2 * 13)
+    ref64, eager32, longflash32 = make_models(arch)
+    position_ids = torch.tensor(PACKED[arch])
+    input_ids = torch.randint(1, 100, position_ids.shape, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    weight = torch.randn(*input_ids.shape, 100, generator=torch.Generator().manual_seed(2),
+                         dtype=torch.float64)
+    # (no cache: transformers looks for packed sequences only then, as in training)
+    run = lambda model: logits_and_grads(model, input_ids, None, position_ids, weight,  # noqa: E731
+                                         valid, use_cache=False)
+    ref, ref_grads = run(ref64)
+    low, low_grads = run(eager32)
+    monkeypatch.setattr(masking_utils, "sdpa_mask", sdpa_mask)
+    monkeypatch.setattr(lf_hf, "attention_varlen", varlen_spy)
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionMaskInterface.register(NAME, mask_spy)
+    try:
+        out, out_grads = run(longflash32)
+    finally:
+        AttentionMaskInterface.register(NAME, lf_hf.longflash_mask)
+    check_close(f"{arch} packed logits", out, low, ref)
+    for name in ref_grads:
+        check_close(f"d {name}", out_grads[name], low_grads[name], ref_grads[name])
+    assert masks and all(isinstance(m, lf_hf.SegmentMask) for m in masks), masks
+    assert rows and max(rows) == 2  # the mask read 2 rows at a time, never whole
+    starts = [[b * 13 + i for i, p in enumerate(row) if p == 0] for b, row in enumerate(PACKED[arch])]
+    assert varlen and all(c == sum(starts, []) + [2 * 13] for c in varlen), varlen
+
+
+def _mask_from_runs(first, last):
+    """A transformers mask function (index tensors broadcast) whose row i of batch b sees the
+    keys first[b, i] .. last[b, i]."""
+    return lambda b, h, q, kv: (kv >= first[b, q]) & (kv <= last[b, q])
+
+
+def _segment_runs(lengths, causal, window_left):
+    """(first, last) key of each query of one row of segments of the given lengths."""
+    first, last, start = [], [], 0
+    for n in lengths:
+        for i in range(start, start + n):
+            lo = start if window_left < 0 else max(start, i - window_left)
+            first.append(lo if causal else start)
+            last.append(i if causal else start + n - 1)
+        start += n
+    return first, last
+
+
+SEGMENT_CASES = [  # (segment lengths of each row, causal, window_left)
+    ([[3, 1, 5], [9]], True, -1),
+    ([[4, 5], [2, 2, 2, 3]], True, 2),      # the window binds in the longer segments
+    ([[1] * 9, [9]], True, 0),              # a window of one key: every query alone (found as
+                                            # segments of one token, no window)
+    ([[3, 6], [9]], False, -1),             # full attention within each segment
+    ([[9], [9]], True, -1),                 # plain causal (one segment a row)
+]
+
+
+@pytest.mark.parametrize("lengths, causal, window_left", SEGMENT_CASES)
+def test_segments_found_exactly(lengths, causal, window_left):
+    """_segments on masks built from segment layouts: the plan found gives back transformers'
+    mask exactly (SegmentMask.dense against sdpa_mask's whole mask), and its cu_seqlens,
+    causal flag and window are the layout's (a window that never binds is unbounded)."""
+    from transformers import masking_utils
+    runs = [_segment_runs(row, causal, window_left) for row in lengths]
+    first = torch.tensor([r[0] for r in runs])
+    last = torch.tensor([r[1] for r in runs])
+    kwargs = dict(batch_size=2, q_length=9, kv_length=9, q_offset=0, kv_offset=0,
+                  mask_function=_mask_from_runs(first, last), attention_mask=None,
+                  allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    mask = lf_hf._segments(kwargs)
+    assert isinstance(mask, lf_hf.SegmentMask)
+    assert torch.equal(mask.dense(), masking_utils.sdpa_mask(**kwargs))
+    if causal and window_left == 0:
+        lengths, window_left = [[1] * 9] * 2, -1
+    starts = [0]
+    for n in sum(lengths, []):
+        starts.append(starts[-1] + n)
+    assert mask.cu_seqlens.tolist() == starts and mask.causal == causal
+    binds = causal and window_left >= 0 and any(n > window_left + 1 for n in sum(lengths, []))
+    assert mask.window_left == (window_left if binds else -1)
+
+
+@pytest.mark.parametrize("case", ["two-runs", "empty-row", "two-windows", "full-short-row",
+                                  "cache"])
+def test_segments_refuse_other_masks(case):
+    """Masks that are not segments of causal / windowed / full attention give None (the mask is
+    then built whole and read by the kernels): a row that sees two runs of keys (from the
+    first key and up to the last that causal attention gives it), a row that sees none (left padding), two
+    different windows, full attention with one row that stops short, queries that are not
+    the keys (a KV cache)."""
+    first, last = _segment_runs([9], True, -1)
+    first, last = torch.tensor([first] * 2), torch.tensor([last] * 2)
+    fn, extra = _mask_from_runs(first, last), {}
+    if case == "two-runs":  # query 4 of row 0 sees keys 0, 1, 3 and 4, not 2
+        fn = lambda b, h, q, kv: (_mask_from_runs(first, last)(b, h, q, kv)  # noqa: E731
+                                  & ~((b == 0) & (q == 4) & (kv == 2)))
+    elif case == "empty-row":
+        extra["attention_mask"] = torch.tensor([[0, 0] + [1] * 7, [1] * 9])
+    elif case == "two-windows":
+        first[0] = torch.tensor(_segment_runs([9], True, 2)[0])
+        first[1] = torch.tensor(_segment_runs([9], True, 3)[0])
+    elif case == "full-short-row":
+        first, last = (torch.tensor([r] * 2) for r in _segment_runs([9], False, -1))
+        last[1, 3] = 5  # query 3 of row 1 sees keys 0..5, the others 0..8
+        fn = _mask_from_runs(first, last)
+    else:
+        extra.update(q_length=3, q_offset=6)
+    kwargs = dict(batch_size=2, q_length=9, kv_length=9, q_offset=0, kv_offset=0,
+                  mask_function=fn, attention_mask=None, allow_is_causal_skip=False,
+                  allow_is_bidirectional_skip=False)
+    assert lf_hf._segments(dict(kwargs, **extra)) is None
 
 
 def test_t5_relative_position_bias(monkeypatch):

@@ -36,14 +36,21 @@ implementation computes:
   sequence's first valid query are its valid queries (true for padding and caches); this
   is checked, O(batch * seqlen); otherwise (valid keys after the queries, as in a cache
   longer than the tokens seen) transformers' dense mask runs as below.
-- any other mask function (sliding window, chunked attention, packed sequences detected
-  from position_ids, overlays such as image tokens), and a 4D mask passed by the user: the
-  mask is materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2)
-  memory, as sdpa needs), and read exactly: if it equals valid_q x valid_k x (full |
-  causal | causal with the layer's `sliding_window`), aligned per sequence, where valid_q
-  are the rows that see some key and valid_k the keys that some row sees (every row that
-  sees a key is compared), the valid tokens are packed as above; otherwise (packed
-  sequences, chunks, overlays, right padding with a sliding window, a float mask with
+- packed sequences (transformers detects them from position_ids that restart, with no
+  attention_mask and no cache: padding-free training batches) and sliding windows without
+  padding: the mask function returns a `SegmentMask`, found by building transformers' mask
+  a few rows at a time and reducing each row to the run of keys it sees (O(seqlen) memory,
+  O(seqlen^2) cheap comparisons once per forward); if every row is causal (optionally
+  within a sliding window) or full attention within its sequence, exactly, the sequences
+  run as `longflash.attention_varlen`'s, in place, and no N x N mask is ever built.
+- any other mask function (chunked attention, overlays such as image tokens, a window with
+  padding, packed sequences with a cache), and a 4D mask passed by the user: the mask is
+  materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2) memory,
+  as sdpa needs), and read exactly: if it equals valid_q x valid_k x (full | causal |
+  causal with the layer's `sliding_window`), aligned per sequence, where valid_q are the
+  rows that see some key and valid_k the keys that some row sees (every row that sees a
+  key is compared), the valid tokens are packed as above; otherwise (packed sequences in a
+  user's 4D mask, chunks, overlays, right padding with a sliding window, a float mask with
   other values than 0 and the dtype's minimum: an attention bias) the kernels read the
   mask itself as `attn_mask`, tile by tile (`longflash.attention`). A float mask's dtype
   minimum then counts as -inf (in float32 and bfloat16; float16's is finite, as in eager).
@@ -93,6 +100,33 @@ class PaddingMask:
     q_offset: int
 
 
+@dataclass(frozen=True)
+class SegmentMask:
+    """What the "LongFlash" mask function gives each attention layer for a mask that is, in
+    every batch row, independent sequences one after the other, each with causal (optionally
+    sliding-window) or full attention: packed sequences (padding-free batches, detected by
+    transformers from position_ids that restart), and sliding windows without padding. Found
+    by reading the mask transformers defines a few rows at a time (`_segments`), O(seqlen)
+    memory; the attention runs `longflash.attention_varlen` over the segments.
+
+    cu_seqlens: (segments + 1,) int32, over the batch's rows one after the other.
+    max_seqlen: the longest segment.
+    causal, window_left: within each segment (window_left -1: unbounded).
+    first_key, last_key: (batch, seqlen) the run of keys each query sees (for `dense`).
+    """
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    causal: bool
+    window_left: int
+    first_key: torch.Tensor
+    last_key: torch.Tensor
+
+    def dense(self):
+        """The mask as transformers defines it, (batch, 1, seqlen, seqlen) bool, O(seqlen^2)."""
+        keys = torch.arange(self.first_key.shape[-1], device=self.first_key.device)
+        return ((keys >= self.first_key[..., None]) & (keys <= self.last_key[..., None]))[:, None]
+
+
 # ----------------------------------------------------------------------------- mask function
 
 def _query_offset(kwargs):
@@ -135,9 +169,10 @@ def longflash_mask(**kwargs):
         causal = None
     q_offset = _query_offset(kwargs)
     if causal is None or q_offset is None:
-        # Another pattern: materialize it (as sdpa would) and let the attention read it.
         kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-        return masking_utils.sdpa_mask(**kwargs)
+        segments = _segments(kwargs) if q_offset == 0 else None
+        # Another pattern: materialize it (as sdpa would) and let the attention read it.
+        return segments if segments is not None else masking_utils.sdpa_mask(**kwargs)
     kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
     valid_k = kwargs.get("attention_mask")
     if valid_k is not None:  # (batch, seen tokens): keys are columns kv_offset + [0, kv_length)
@@ -149,6 +184,72 @@ def longflash_mask(**kwargs):
         if not torch.compiler.is_compiling() and bool(valid_k.all()):
             valid_k = None
     return PaddingMask(valid_k, causal, q_offset)
+
+
+MASK_CHUNK_ELEMENTS = 2**24  # _segments reads the mask this many elements at a time
+
+
+def _segments(kwargs):
+    """A `SegmentMask` equal to the mask that sdpa_mask(**kwargs) would build, or None if it is
+    not one (or under torch.compile). Queries and keys must be the same tokens (no cache).
+    The mask is built a few query rows at a time by transformers' own sdpa_mask (the same
+    mask function, padding and offsets), and each row is reduced to the one run of keys it
+    sees, [first, first + count); every row must see one nonempty run. Segment starts are
+    the queries that see only themselves (causal) or whose run starts anew (full); then the
+    runs must equal, exactly, those of causal attention within each segment, under one
+    sliding window (window_left: the largest distance to a first key that is not the
+    segment's start), or full attention within each segment."""
+    from transformers import masking_utils
+
+    batch, n = kwargs["batch_size"], kwargs.get("q_length")
+    if n is None:  # transformers 5.0: cache_position
+        n = kwargs["cache_position"].numel()
+    if torch.compiler.is_compiling() or n != kwargs["kv_length"] or n == 0:
+        return None
+    chunk = max(1, MASK_CHUNK_ELEMENTS // (batch * n))
+    firsts, lasts = [], []
+    for start in range(0, n, chunk):
+        rows = min(chunk, n - start)
+        if "cache_position" in kwargs:  # transformers 5.0
+            part = dict(kwargs, cache_position=kwargs["cache_position"][start:start + rows])
+        else:
+            part = dict(kwargs, q_length=rows, q_offset=kwargs.get("q_offset", 0) + start)
+        m = masking_utils.sdpa_mask(**part)  # (batch, 1, rows, n) bool
+        m = m.expand(batch, 1, rows, n)[:, 0].view(torch.int8)
+        count = m.sum(-1, dtype=torch.int32)
+        first = m.max(-1).indices  # the first visible key (max: the first of equal values)
+        last = n - 1 - m.flip(-1).max(-1).indices
+        if not bool(((count > 0) & (last - first + 1 == count)).all()):  # one run of keys
+            return None
+        firsts.append(first)
+        lasts.append(last)
+    first, last = torch.cat(firsts, -1), torch.cat(lasts, -1)  # (batch, n)
+    queries = torch.arange(n, device=first.device).expand(batch, n)
+    for causal in (True, False):
+        if causal:
+            if not bool((last == queries).all()):
+                continue
+            is_start = first == queries
+        else:
+            is_start = torch.ones_like(first, dtype=torch.bool)
+            is_start[:, 1:] = first[:, 1:] != first[:, :-1]
+        is_start[:, 0] = True
+        starts = torch.where(is_start, queries, 0).cummax(-1).values  # each query's segment
+        bound = first > starts  # rows whose first key is set by a window, not the segment
+        window_left = int((queries - first)[bound].max()) if bool(bound.any()) else -1
+        expected = starts if window_left < 0 else torch.maximum(starts, queries - window_left)
+        if not bool((first == expected).all()):
+            continue
+        if not causal:  # every query of a segment sees up to the segment's end
+            ends = torch.where(torch.roll(is_start, -1, -1), queries, n - 1)
+            ends = ends.flip(-1).cummin(-1).values.flip(-1)
+            if not bool((last == ends).all()):
+                continue
+        flat = is_start.flatten().nonzero().squeeze(1)
+        cu_seqlens = torch.cat([flat, flat.new_tensor([batch * n])]).to(torch.int32)
+        return SegmentMask(cu_seqlens, int(cu_seqlens.diff().max()), causal, window_left,
+                           first, last)
+    return None
 
 
 # ----------------------------------------------------------------------------- reading masks
@@ -248,21 +349,45 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
     return False, -1, None, None, mask
 
 
+def _plan_segments(mask, batch, seqlen_q, seqlen_k):
+    """A SegmentMask made for these shapes, as it is, or (causal, window_left, None, None)
+    if each row is one segment."""
+    if tuple(mask.first_key.shape) != (batch, seqlen_q) or seqlen_k != seqlen_q:
+        raise _unsupported(f"a segment mask of shape {tuple(mask.first_key.shape)} for a batch "
+                           f"of {batch} sequences of {seqlen_q} queries and {seqlen_k} keys")
+    if mask.cu_seqlens.numel() == batch + 1:  # one segment a row: attention on the batch
+        return mask.causal, mask.window_left, None, None
+    return mask
+
+
 def _with_bias(plan, bias, attention_mask, batch, seqlen_q, seqlen_k, device):
     """The plan with an additive bias (T5's position_bias, which may want its gradient) as
     attn_mask: beside causal / window if there is no padding, else added to the layer's mask
     made dense, -inf where it hides a key."""
+    if isinstance(plan, SegmentMask):
+        plan = (False, -1, None, None, plan.dense())
     if len(plan) == 4 and plan[2] is None and plan[3] is None:
         return (*plan, bias)
     dense = plan[4] if len(plan) == 5 else attention_mask
     if isinstance(dense, PaddingMask):
         dense = _padding_dense(dense, batch, seqlen_q, seqlen_k, device)
+    elif isinstance(dense, SegmentMask):
+        dense = dense.dense()
     if dense.dtype == torch.bool:
         return False, -1, None, None, bias.masked_fill(~dense, float("-inf"))
     return False, -1, None, None, bias + dense
 
 
 # ----------------------------------------------------------------------------- attention
+
+def _run_segments(q, k, v, mask, **kwargs):
+    """A SegmentMask's plan: its segments, every token in one, packed as they lie."""
+    batch, seqlen, nheads, _ = q.shape
+    o = attention_varlen(*(x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v)),
+                         mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+                         causal=mask.causal, window_size=(mask.window_left, -1), **kwargs)
+    return o.view(batch, seqlen, nheads, v.shape[-1])
+
 
 def _run(q, k, v, causal, window_left, valid_q, valid_k, attn_mask=None, **kwargs):
     """q: (B, Nq, H, D), k: (B, Nk, Hkv, D), v: (B, Nk, Hkv, Dv) views -> o: (B, Nq, H, Dv)."""
@@ -317,6 +442,8 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
         plan = (bool(causal), window_left, None, None)
     elif isinstance(attention_mask, PaddingMask):
         plan = _plan_padding(attention_mask, query.shape[0], seqlen_q, seqlen_k, query.device)
+    elif isinstance(attention_mask, SegmentMask):
+        plan = _plan_segments(attention_mask, query.shape[0], seqlen_q, seqlen_k)
     elif isinstance(attention_mask, torch.Tensor):
         plan = _plan_dense(attention_mask, query.shape[0], seqlen_q, seqlen_k, sliding_window)
     else:
@@ -327,8 +454,12 @@ def longflash_attention_forward(module, query, key, value, attention_mask, scali
         plan = _with_bias(plan, bias, attention_mask, query.shape[0], seqlen_q, seqlen_k,
                           query.device)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, N, H, D) views
-    o = _run(q, k, v, *plan, softmax_scale=scaling, dropout_p=float(dropout),
-             softcap=float(softcap or 0.0), backend=_backend, learnable_sink=sink)
+    options = dict(softmax_scale=scaling, dropout_p=float(dropout), softcap=float(softcap or 0.0),
+                   backend=_backend, learnable_sink=sink)
+    if isinstance(plan, SegmentMask):
+        o = _run_segments(q, k, v, plan, **options)
+    else:
+        o = _run(q, k, v, *plan, **options)
     return o, None
 
 
