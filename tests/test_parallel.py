@@ -23,7 +23,7 @@ import torch.distributed as dist
 from conftest import check_close
 from experiments.scaling import project, spawn_ranks
 from longflash import _common, attention_ref
-from longflash.parallel import _Ring, _rank_chunks, _step_plan, ring_attention, \
+from longflash.parallel import _Ring, _rank_chunks, _step_blocks, _step_plan, ring_attention, \
     shard_sequence, unshard_sequence
 from test_correctness import make_inputs
 
@@ -43,13 +43,17 @@ class Case:
     with_lse_grad: bool = False  # the loss also has sum(lse * dlse)
     with_sink: bool = False      # attention sinks (learnable_sink), their gradient summed over ranks
     headdim_v: int = 0           # v's head dim where it differs from q's and k's (MLA)
+    window: tuple = (-1, -1)     # window_size over the global sequence
+    softcap: float = 0.0
 
     @property
     def id(self):
         return (f"{self.layout}-{'causal' if self.causal else 'full'}-H{self.nheads}/"
                 f"{self.nheads_kv}-Nq{self.chunk_q}/Nk{self.chunk_k}-{str(self.dtype)[6:]}"
                 + ("-dlse" if self.with_lse_grad else "") + ("-sink" if self.with_sink else "")
-                + (f"-Dv{self.headdim_v}" if self.headdim_v else ""))
+                + (f"-Dv{self.headdim_v}" if self.headdim_v else "")
+                + (f"-w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
+                + (f"-softcap{self.softcap:g}" if self.softcap else ""))
 
     def shape(self, world_size):
         """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
@@ -69,6 +73,13 @@ CASES += [
     Case(False, "contiguous", 4, 2, chunk_q=7, chunk_k=3, with_lse_grad=True),
     Case(True, "zigzag", 4, 2, with_lse_grad=True, with_sink=True),
     Case(True, "zigzag", 4, 2, with_lse_grad=True, headdim_v=16),
+    # sliding windows over the global sequence (chunks of 5 tokens): shorter than a chunk,
+    # longer, and both sides of a bidirectional one; softcap
+    Case(True, "zigzag", 4, 2, window=(3, -1), with_lse_grad=True),
+    Case(True, "contiguous", 4, 2, window=(7, -1)),
+    Case(False, "zigzag", 4, 4, window=(2, 6)),
+    Case(False, "contiguous", 6, 2, window=(11, 0), softcap=2.0),
+    Case(True, "zigzag", 6, 2, dtype=torch.bfloat16, window=(4, -1), softcap=5.0),
 ]
 
 
@@ -109,7 +120,8 @@ def _run_case(case, world_size):
     local = [shard(x.detach()).requires_grad_() for x in (q, k, v)]
     sink = sink_for(case)
     o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
-                            backend="torch", learnable_sink=sink)
+                            backend="torch", learnable_sink=sink, window_size=case.window,
+                            softcap=case.softcap)
     dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
     grads = loss_grads(o, lse, shard(do), dlse_local, local + ([sink] if case.with_sink else []))
     unshard = functools.partial(unshard_sequence, layout=case.layout)
@@ -131,6 +143,9 @@ def _errors(rank):
         "dtypes_differ": lambda: ring_attention(*[x.double() if rank else x] * 3, backend="torch"),
         "causal_differs": lambda: ring_attention(x, x, x, causal=bool(rank)),
         "causal_seqlen_q_neq_k": lambda: ring_attention(x[:, :2], x, x, causal=True),
+        "window_seqlen_q_neq_k": lambda: ring_attention(x[:, :2], x, x, window_size=(1, 1)),
+        "window_differs": lambda: ring_attention(x, x, x, window_size=(1 + rank, 0),
+                                                 backend="torch"),
         "unshard_shapes_differ": lambda: unshard_sequence(torch.randn(1, 2 + 2 * rank, 3)),
     }
     # A group this rank is not in: every rank must create it, only rank 0 is a member.
@@ -179,7 +194,8 @@ def test_matches_reference(ring_runs, world_size, case):
 
     def reference(*inputs, upcast):
         o, lse = attention_ref(*inputs[:3], causal=case.causal, upcast=upcast,
-                               learnable_sink=inputs[3] if case.with_sink else None)
+                               learnable_sink=inputs[3] if case.with_sink else None,
+                               window_size=case.window, softcap=case.softcap)
         return (o, lse, *loss_grads(o, lse, do.to(q.dtype), dlse, inputs))
     lowp = reference(*inputs, upcast=False)
     ref = reference(*[x.detach().double().requires_grad_() for x in inputs], upcast=True)
@@ -195,6 +211,8 @@ EXPECTED_ERRORS = {
     "dtypes_differ": ("ValueError", "dtype differs across ranks"),
     "causal_differs": ("ValueError", "causal differs across ranks"),
     "causal_seqlen_q_neq_k": ("NotImplementedError", "seqlen_q == seqlen_k"),
+    "window_seqlen_q_neq_k": ("NotImplementedError", "window_size=(1, 1) needs seqlen_q"),
+    "window_differs": ("ValueError", "window_size differs across ranks"),
     "unshard_shapes_differ": ("ValueError", "shape differs across ranks"),
 }
 
@@ -252,6 +270,44 @@ def test_causal_plan(world_size, layout):
     assert sorted(computed) == [(a, b) for a in range(n_chunks) for b in range(a + 1)]
     if layout == "zigzag":
         assert len(set(pairs_per_rank)) == 1, pairs_per_rank
+
+
+def _kernel_sees(i, j, n_rows, n_keys, window_left, window_right):
+    """The kernels' window rule for one block (diagonal aligned to its bottom right)."""
+    diag = i + n_keys - n_rows
+    return (window_left < 0 or j >= diag - window_left) and \
+        (window_right < 0 or j <= diag + window_right)
+
+
+@pytest.mark.parametrize("causal, window", [(True, (0, -1)), (True, (3, -1)), (True, (4, -1)),
+                                            (True, (9, -1)), (True, (30, -1)), (False, (2, 6)),
+                                            (False, (0, 4)), (False, (5, 0)), (False, (11, 13))])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_window_plan(world_size, layout, causal, window):
+    """With a sliding window, the ring's calls (their rows and keys, each under the kernels'
+    window rule) see every (query, key) pair of the global sequence that the window shows
+    exactly once, and no other: windows shorter than a chunk (5 tokens), longer than
+    several, on one side, on both, and one key wide."""
+    chunk, per_rank = 5, (2 if layout == "zigzag" else 1)
+    seqlen = chunk * per_rank  # tokens per rank
+    left, right = window[0], 0 if causal else window[1]
+    n = seqlen * world_size
+    expected = {(i, j) for i in range(n) for j in range(n)
+                if (left < 0 or j >= i - left) and (right < 0 or j <= i + right)}
+    seen = []
+    for rank in range(world_size):
+        ring = _Ring(None, rank, world_size, layout, None, None)
+        to_global = lambda r, x: _rank_chunks(ring, r)[x // chunk] * chunk + x % chunk  # noqa: E731
+        for src in range(world_size):
+            for block in _step_blocks(ring, src, causal, window, seqlen):
+                rows, cols = range(seqlen)[block.rows], range(seqlen)[block.cols]
+                assert not block.causal and rows and cols
+                seen += [(to_global(rank, x), to_global(src, y))
+                         for i, x in enumerate(rows) for j, y in enumerate(cols)
+                         if _kernel_sees(i, j, len(rows), len(cols), block.window_left,
+                                         block.window_right)]
+    assert len(seen) == len(set(seen)) and set(seen) == expected
 
 
 # ----------------------------------------------------------------------------- the experiment

@@ -40,11 +40,15 @@ travelling dk, dv are float32, so roundings do not compound from step to step.
 Communication is torch.distributed's own (`batch_isend_irecv`; gloo on CPU, NCCL on GPU);
 attention is computed by the custom ops of `longflash.interface`, never re-implemented
 here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py);
-not yet run with NCCL on several GPUs. Limits: causal needs seqlen_q == seqlen_k
-(self-attention); no window, ALiBi, softcap, dropout or varlen; the backward is not
-captured by torch.compile (a torch.autograd.Function with communication inside).
+not yet run with NCCL on several GPUs. Sliding windows: each step computes the chunk pairs
+the window reaches, each as one call whose rows, keys and window are cut to the pair's
+distance (_window_span); softcap applies per score, block by block. Limits: causal and
+windows need seqlen_q == seqlen_k (self-attention); no ALiBi, dropout or varlen; the
+backward is not captured by torch.compile (a torch.autograd.Function with communication
+inside).
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -135,6 +139,60 @@ def _step_plan(ring, src, causal, seqlen):
             slice(cols[0] * chunk, (cols[-1] + 1) * chunk), False)
 
 
+class _Block(NamedTuple):
+    """One attention call of a ring step: query rows and key/value rows (slices of the local
+    shard and of the shard in hand) and its mask (window sides < 0: unbounded; the kernels'
+    rule, the diagonal aligned to the bottom right of the block)."""
+    rows: slice
+    cols: slice
+    causal: bool
+    window_left: int = -1
+    window_right: int = -1
+
+
+def _step_blocks(ring, src, causal, window, seqlen):
+    """The calls this rank makes against the k/v shard of rank src. Without a window,
+    _step_plan's one call (or none). With one, a call per pair of chunks (this rank's
+    queries, src's keys) that the window lets see each other, its rows and keys cut to
+    those the window reaches and its window moved to the chunks' distance (_window_span)."""
+    window_left, window_right = window[0], 0 if causal else window[1]
+    if window_left < 0 and window_right < 0:
+        plan = _step_plan(ring, src, causal, seqlen)
+        return [] if plan is None else [_Block(*plan)]
+    chunk = seqlen // _chunks_per_rank(ring.layout)
+    blocks = []
+    for x, a in enumerate(_rank_chunks(ring, ring.rank)):
+        for y, b in enumerate(_rank_chunks(ring, src)):
+            span = _window_span((a - b) * chunk, window_left, window_right, chunk)
+            if span is not None:
+                (r0, r1), (c0, c1), left, right = span
+                blocks.append(_Block(slice(x * chunk + r0, x * chunk + r1),
+                                     slice(y * chunk + c0, y * chunk + c1), False, left, right))
+    return blocks
+
+
+def _window_span(offset, window_left, window_right, chunk):
+    """A chunk of queries that starts `offset` tokens after a chunk of keys of the same length
+    sees key j from query i (local indices) iff lo <= j - i <= hi, lo = offset - window_left,
+    hi = offset + window_right (a side < 0 unbounded). As one call with the kernels' window
+    rule: ((first row, end), (first key, end), window_left, window_right), or None if no
+    pair is visible. A window whose lower side lies right of the diagonal (lo > 0) drops the
+    last lo queries, which see no key: the block's diagonal, aligned to its bottom right,
+    moves lo keys right; one whose upper side lies left of it (hi < 0) drops the last -hi
+    keys, which no query sees, moving the diagonal left. (offset is a multiple of chunk: lo
+    > 0 needs offset >= chunk, so hi > last; hi < 0 needs offset <= -chunk, so lo < -last.)"""
+    last = chunk - 1
+    lo = -math.inf if window_left < 0 else offset - window_left
+    hi = math.inf if window_right < 0 else offset + window_right
+    if lo > last or hi < -last:
+        return None
+    if lo > 0:
+        return (0, chunk - lo), (0, chunk), 0, -1
+    if hi < 0:
+        return (0, chunk), (0, chunk + hi), -1, 0
+    return (0, chunk), (0, chunk), -1 if lo <= -last else -lo, -1 if hi >= last else hi
+
+
 # ----------------------------------------------------------------------------- forward / backward
 
 def _merge_(o, lse, o_blk, lse_blk):
@@ -152,7 +210,7 @@ def _merge_(o, lse, o_blk, lse_blk):
     lse.copy_(lse_new)
 
 
-def _ring_forward(q, k, v, causal, softmax_scale, backend, ring):
+def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap):
     batch, seqlen_q, nheads, _ = q.shape
     acc = accumulator_dtype(q.dtype)
     o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
@@ -162,11 +220,11 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring):
         last = step == ring.world_size - 1
         if not last:  # posted before the compute, so the transfer overlaps it
             (k_next, v_next), requests = _exchange(ring, k, v)
-        plan = _step_plan(ring, (ring.rank - step) % ring.world_size, causal, k.shape[1])
-        if plan is not None:
-            rows, cols, block_causal = plan
+        for rows, cols, *mask in _step_blocks(ring, (ring.rank - step) % ring.world_size,
+                                             causal, window, k.shape[1]):
             o_blk, lse_blk = torch.ops.longflash.attention_forward(
-                q[:, rows], k[:, cols], v[:, cols], block_causal, softmax_scale, backend)
+                q[:, rows], k[:, cols], v[:, cols], mask[0], softmax_scale, backend, *mask[1:],
+                None, softcap)
             _merge_(o[:, rows], lse[:, :, rows], o_blk, lse_blk)
         if not last:
             _wait(requests)
@@ -174,7 +232,8 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring):
     return o.to(q.dtype), lse
 
 
-def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ring):
+def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ring, window,
+                   softcap):
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()
@@ -186,16 +245,19 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
         last = step == ring.world_size - 1
         if not last:
             (k_next, v_next), kv_requests = _exchange(ring, k, v)
-        plan = _step_plan(ring, (ring.rank - step) % ring.world_size, causal, k.shape[1])
-        if plan is not None:
-            rows, cols, block_causal = plan
+        blocks = _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
+                              k.shape[1])
+        grads = []
+        for rows, cols, *mask in blocks:
             dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
                 do[:, rows], q[:, rows], k[:, cols], v[:, cols], o[:, rows], lse[:, :, rows],
-                None if dlse is None else dlse[:, :, rows], block_causal, softmax_scale, backend)
+                None if dlse is None else dlse[:, :, rows], mask[0], softmax_scale, backend,
+                *mask[1:], None, softcap)
             dq[:, rows] += dq_blk
+            grads.append((cols, dk_blk, dv_blk))
         _wait(dkv_requests)
         dk, dv = dkv_next
-        if plan is not None:
+        for cols, dk_blk, dv_blk in grads:
             dk[:, cols] += dk_blk
             dv[:, cols] += dv_blk
         dkv_next, dkv_requests = _exchange(ring, dk, dv)  # after the last step: to the owner
@@ -209,10 +271,10 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring):
-        o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring)
+    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring, window, softcap):
+        o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, softmax_scale, backend, ring)
+        ctx.args = (causal, softmax_scale, backend, ring, window, softcap)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not a zero one
         return o, lse
 
@@ -221,7 +283,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do = torch.zeros_like(o) if do is None else do
         dq, dk, dv = _ring_backward(do, dlse, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- checks
@@ -268,7 +330,8 @@ def _check_same_on_all_ranks(ring, device, **meta):
 # ----------------------------------------------------------------------------- public API
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
-                   return_lse=False, backend="auto", *, learnable_sink=None):
+                   return_lse=False, backend="auto", *, window_size=(-1, -1), softcap=0.0,
+                   learnable_sink=None):
     """Exact attention over a sequence sharded across the ranks of a process group.
 
     Call it on every rank of group with this rank's shards (see `shard_sequence`):
@@ -282,6 +345,10 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         or "contiguous"; must match the layout of shard_sequence / unshard_sequence. The
         global seqlen must be divisible by 2P (zigzag) or P (contiguous).
     return_lse, backend: as in `longflash.attention` (backend runs each block).
+    window_size: (left, right) over the global sequence, as in `longflash.attention` (sliding
+        window; with causal, right is 0); needs seqlen_q == seqlen_k. Each step computes only
+        the chunk pairs the window reaches (the shards still travel the whole ring).
+    softcap: as in `longflash.attention` (each block's scores capped as they are computed).
     Returns o: (batch, seqlen_q / P, nheads, headdim of v), this rank's shard of the output, and if
         return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
     Differentiable in q, k, v (and through lse); the backward runs the ring again.
@@ -291,23 +358,28 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
 
     Raises, before any communication: the errors of `longflash.attention`; ValueError for an
     unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
-    NotImplementedError for causal with seqlen_q != seqlen_k. Then, on every rank, ValueError
-    if shapes, dtype, causal, softmax_scale, layout or backend differ between ranks (checked
-    with one all_gather of a few numbers).
+    NotImplementedError for causal or a window with seqlen_q != seqlen_k. Then, on every rank,
+    ValueError if shapes, dtype, causal, softmax_scale, window_size, softcap, layout or backend
+    differ between ranks (checked with one all_gather of a few numbers).
     """
     ring = _ring(group, layout)
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend,
+                                           window_size=window_size, softcap=softcap,
                                            learnable_sink=learnable_sink)
+    window = tuple(int(x) for x in window_size)
     _check_seqlen("q", q, ring)
     _check_seqlen("k", k, ring)
-    if causal and q.shape[1] != k.shape[1]:
-        raise NotImplementedError(f"ring_attention with causal=True needs seqlen_q == seqlen_k "
+    if (causal or window != (-1, -1)) and q.shape[1] != k.shape[1]:
+        what = "causal=True" if causal else f"window_size={window}"
+        raise NotImplementedError(f"ring_attention with {what} needs seqlen_q == seqlen_k "
                                   f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
     _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
                              dtype=_dtype_code(q.dtype), causal=(causal,),
-                             softmax_scale=(softmax_scale,), layout=(LAYOUTS.index(layout),),
+                             softmax_scale=(softmax_scale,), window_size=window,
+                             softcap=(float(softcap),), layout=(LAYOUTS.index(layout),),
                              backend=(("triton", "torch").index(backend),))
-    o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring)
+    o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring, window,
+                                  float(softcap))
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
