@@ -306,6 +306,66 @@ def test_linear_memory():
     assert blockwise < matrix / 8
 
 
+def packed_ids(lengths):
+    """(1, sum(lengths)) segment ids of sequences of these lengths, one after the other."""
+    return jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+
+
+# (case, q ids, kv ids (None: the q ids), window): packed sequences across block edges (tiles
+# of 32 x 16), one of a single token; with causal, a window, and bidirectional
+SEGMENTS = [
+    ((1, 113, 113, 4, 2, 40, True), [40, 1, 50, 22], None, (-1, -1)),
+    ((1, 113, 113, 4, 2, 40, True), [17, 33, 63], None, (9, -1)),
+    ((1, 97, 97, 6, 6, 64, False), [30, 30, 37], None, (-1, -1)),
+    # keys of other segments than the queries: a query whose id no key has sees nothing
+    ((1, 40, 70, 2, 1, 32, False), [10, 30], [25, 20, 25], (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("case, q_lengths, kv_lengths, window", SEGMENTS,
+                         ids=[f"{case_id(c)}-{q}-{k}-w{w}" for c, q, k, w in SEGMENTS])
+def test_segment_ids(case, q_lengths, kv_lengths, window):
+    """segment_ids (packed sequences) against the reference with the same mask made dense:
+    o, lse and the gradients of q, k, v, by the tolerance rule; queries whose id no key has
+    give o = 0 and lse = -inf."""
+    causal = case[-1]
+    q_ids = packed_ids(q_lengths)
+    kv_ids = q_ids if kv_lengths is None else packed_ids(kv_lengths) + 1  # ids 1, 2, 3
+    ids = q_ids if kv_lengths is None else (q_ids, kv_ids)
+    mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # (B, 1, Nq, Nk)
+    q, k, v, do, dlse = make_inputs(case)
+
+    def run(fn, q, k, v):
+        (o, lse), vjp = jax.vjp(fn, q, k, v)
+        dl = jnp.where(jnp.isinf(lse), 0.0, dlse).astype(lse.dtype)  # rows that see no key
+        return (o, lse, *vjp((do.astype(o.dtype), dl)))
+    ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=causal, attn_mask=mask,  # noqa: E731
+                                           window_size=window)
+    blockwise = lambda q, k, v: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
+                                             block_m=32, block_n=16, segment_ids=ids,
+                                             window_size=window)
+    lowp = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref64, ref32, out = run(ref, q, k, v), run(ref, *lowp), run(blockwise, *lowp)
+    for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref32, ref64):
+        check_close(f"{case_id(case)} segments {name}", to_torch(a), to_torch(b), to_torch(r))
+    if kv_lengths is not None:  # queries of segment 0: no key has it
+        assert bool(jnp.isneginf(out[1][:, :, :q_lengths[0]]).all())
+        assert float(jnp.abs(out[0][:, :q_lengths[0]]).max()) == 0.0
+
+
+def test_segment_ids_under_jit_and_vmap():
+    """segment_ids as traced arguments: jax.jit and jax.vmap (over layouts) give the eager
+    values."""
+    q, k, v, _, _ = (x.astype(jnp.float32) for x in make_inputs((1, 64, 64, 2, 2, 32, True)))
+    layouts = jnp.concatenate([packed_ids([20, 44]), packed_ids([50, 7, 7])])
+    run = lambda ids: lj.attention(q, k, v, causal=True, block_m=32, block_n=16,  # noqa: E731
+                                   segment_ids=ids[None])
+    eager = [run(ids) for ids in layouts]
+    for i, ids in enumerate(layouts):
+        np.testing.assert_allclose(jax.jit(run)(ids), eager[i], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(run)(layouts), jnp.stack(eager), rtol=1e-6, atol=1e-6)
+
+
 def ones(*shape, dtype=np.float32):
     return np.ones(shape, dtype)
 
@@ -340,6 +400,13 @@ def ones(*shape, dtype=np.float32):
     (dict(attn_mask=ones(4, 5, dtype=np.int32)), TypeError, "attn_mask must be a bool"),
     (dict(attn_mask=[[True]]), TypeError, "attn_mask must be a bool"),
     (dict(attn_mask=ones(4, 5), backend="triton"), NotImplementedError, "attn_mask"),
+    (dict(segment_ids=ones(1, 4, dtype=np.int32)), ValueError, "kv_segment_ids must have shape"),
+    (dict(segment_ids=(ones(1, 4, dtype=np.int32), ones(1, 4, dtype=np.int32))), ValueError,
+     r"kv_segment_ids must have shape \(batch, seqlen\) = \(1, 5\)"),
+    (dict(segment_ids=ones(1, 4)), TypeError, "segment_ids must be an integer array"),
+    (dict(segment_ids=(ones(1, 4, dtype=np.int32),)), TypeError, "segment_ids must be"),
+    (dict(segment_ids=(ones(1, 4, dtype=np.int32), ones(1, 5, dtype=np.int32)),
+          backend="triton"), NotImplementedError, "segment_ids"),
 ])
 def test_bad_input(kwargs, error, match):
     args = {**dict(q=ones(1, 4, 2, 8), k=ones(1, 5, 2, 8), v=ones(1, 5, 2, 8)), **kwargs}

@@ -258,11 +258,12 @@ def _bias_tile(bias, start_m, start_n, block_m, block_n, shape5):
     return bias[:, None]
 
 
-def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None, slopes=None):
+def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None, slopes=None, segments=None):
     """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
     softcap gradient (None without softcap): softcap after the scale, then ALiBi (slopes:
     (B or 1, Hkv, G, 1, 1)), then attn_mask's bias, then the masks; masked tiles also hide the
-    padding rows and columns past the sequence ends."""
+    padding rows and columns past the sequence ends. segments: None, or the (B, rows) and
+    (B, columns) segment ids (padded): every tile hides the keys of other segments."""
     s = jnp.einsum("bhgmd,bhnd->bhgmn", q_i, k_j, precision=_HIGHEST) * ctx.softmax_scale
     t = None
     if ctx.softcap > 0:
@@ -274,6 +275,11 @@ def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None, slopes=None):
         s = s - slopes * jnp.abs(i + ctx.seqlen_k - ctx.seqlen_q - j).astype(s.dtype)
     if bias is not None:
         s = s + _bias_tile(bias, start_m, start_n, q_i.shape[-2], k_j.shape[-2], s.shape)
+    if segments is not None:
+        q_ids = lax.dynamic_slice_in_dim(segments[0], start_m, q_i.shape[-2], axis=1)
+        kv_ids = lax.dynamic_slice_in_dim(segments[1], start_n, k_j.shape[-2], axis=1)
+        same = q_ids[:, None, None, :, None] == kv_ids[:, None, None, None, :]
+        s = jnp.where(same, s, -jnp.inf)
     if masked:
         i = start_m + jnp.arange(q_i.shape[-2])[:, None]
         j = start_n + jnp.arange(k_j.shape[-2])[None, :]
@@ -288,14 +294,15 @@ def _block_loop(lo, hi, block, body, carry):
     return lax.fori_loop(lo // block, (hi + block - 1) // block, body, carry)
 
 
-def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias, slopes):
+def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias, slopes,
+                    segments):
     def body(n, carry):
         acc, l_i, m_i = carry
         start_n = n * ctx.block_n
         k_j = lax.dynamic_slice_in_dim(k, start_n, ctx.block_n, axis=2)  # (B, Hkv, BN, D)
         v_j = lax.dynamic_slice_in_dim(v, start_n, ctx.block_n, axis=2)
         # -- compute scores --
-        qk, _ = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias, slopes)
+        qk, _ = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias, slopes, segments)
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = jnp.maximum(m_i, qk.max(-1))
         m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)  # rows that saw no key yet
@@ -319,6 +326,16 @@ def _padded_bias(bias, ctx, padded_q, padded_k):
     return _pad_to(bias, 3, padded_k) if bias.shape[3] > 1 else bias
 
 
+def _padded_segments(segments, padded_q, padded_k):
+    """The (queries', keys') segment ids padded to whole blocks with ids that match nothing
+    (padding is masked anyway; none stays None)."""
+    if segments is None:
+        return None
+    q_ids, kv_ids = (x.astype(jnp.int32) for x in segments)
+    lowest = jnp.minimum(q_ids.min(initial=0), kv_ids.min(initial=0))
+    return _pad_to(q_ids, 1, padded_q, lowest - 1), _pad_to(kv_ids, 1, padded_k, lowest - 2)
+
+
 def _grouped_slopes(slopes, nheads_kv, dtype):
     """ALiBi slopes (B or 1, H) as (B or 1, Hkv, G, 1, 1) in the accumulator dtype; None stays
     None."""
@@ -327,10 +344,11 @@ def _grouped_slopes(slopes, nheads_kv, dtype):
     return slopes.astype(dtype).reshape(slopes.shape[0], nheads_kv, -1, 1, 1)
 
 
-def _forward_dense(q, k, v, cfg, bias=None, slopes=None):
+def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None):
     """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype. bias: None,
     or attn_mask as a 4-D additive bias (-inf hides a key; dimensions of 1 broadcast).
-    slopes: None, or ALiBi's (B or 1, H)."""
+    slopes: None, or ALiBi's (B or 1, H). segments: None, or the segment ids (B, Nq) of the
+    queries and (B, Nk) of the keys."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv = k.shape[2]
     ctx = _context(q, k, cfg)
@@ -341,6 +359,7 @@ def _forward_dense(q, k, v, cfg, bias=None, slopes=None):
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
     slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
+    segments = _padded_segments(segments, padded_q, padded_k)
 
     def query_block(args):
         start_m, q_i, (lo, mid_lo, mid_hi, hi) = args
@@ -349,7 +368,7 @@ def _forward_dense(q, k, v, cfg, bias=None, slopes=None):
         acc = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], ctx.dtype)  # (B, Hkv, G, BM, Dv)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k4, v4, start_m, a, b, masked,
-                                            ctx, bias, slopes)
+                                            ctx, bias, slopes, segments)
         # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
         l_safe = jnp.where(l_i == 0, 1.0, l_i)
         o_i = acc / l_safe[..., None]
@@ -362,10 +381,10 @@ def _forward_dense(q, k, v, cfg, bias=None, slopes=None):
     return _ungrouped(o5).astype(q.dtype), lse4.reshape(batch, nheads, seqlen_q)
 
 
-def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes):
+def _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes, segments):
     """Recompute one block of probabilities p = exp(s - lse) from the saved lse; and
     tanh(s / softcap) (_scores)."""
-    s, t = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias, slopes)
+    s, t = _scores(q_i, k_j, start_m, start_n, ctx, masked, bias, slopes, segments)
     return jnp.exp2(s - lse2_i[..., None]), t
 
 
@@ -388,7 +407,7 @@ def _sum_to_bias(ds, bias_shape):
     return ds.sum(axes, keepdims=True)
 
 
-def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None):
+def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segments=None):
     """dq, dk, dv and, with cfg.bias_grad, the gradient of attn_mask's 4-D bias (dL/ds summed
     over the dimensions it broadcasts; else None)."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -412,6 +431,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None):
     bias_shape = None if bias is None else bias.shape
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
     slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
+    segments = _padded_segments(segments, padded_q, padded_k)
 
     # -- dK, dV: one key block at a time, over the query blocks that see it --
     def key_block(args):
@@ -425,7 +445,8 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None):
                              for x in (q5, do5))
                 lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
                                    for x in (lse2, delta))
-                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes)
+                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes,
+                              segments)
                 # sum over the group's heads, which share this key head
                 dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
@@ -458,7 +479,8 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None):
                 start_n = n * block_n
                 k_j = lax.dynamic_slice_in_dim(k4, start_n, block_n, axis=2)
                 v_j = lax.dynamic_slice_in_dim(v4, start_n, block_n, axis=2)
-                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes)
+                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes,
+                              segments)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
                 ds = _grad_scores(p, dp, delta_i)
                 if wants_dbias:
@@ -599,48 +621,48 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
 
 # ----------------------------------------------------------------------------- custom VJP
 
-def _forward(q, k, v, bias, slopes, cfg):
+def _forward(q, k, v, bias, slopes, segments, cfg):
     if 0 in q.shape[:2] or 0 in k.shape[:2]:  # empty: o = 0, lse = -inf (no key seen)
         batch, seqlen_q, nheads, _ = q.shape
         return (jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype),
                 jnp.full((batch, nheads, seqlen_q), -jnp.inf, _accumulator_dtype(q.dtype)))
     if cfg.backend == "triton":  # (no attn_mask or ALiBi there: attention() takes "jax")
         return _triton_forward(q, k, v, cfg)
-    return _forward_dense(q, k, v, cfg, bias, slopes)
+    return _forward_dense(q, k, v, cfg, bias, slopes, segments)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, bias, slopes, cfg):
-    return _forward(q, k, v, bias, slopes, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, bias, slopes, segments, cfg):
+    return _forward(q, k, v, bias, slopes, segments, cfg)
 
 
-def _attention_fwd(q, k, v, bias, slopes, cfg):
-    o, lse = _forward(q, k, v, bias, slopes, cfg)
+def _attention_fwd(q, k, v, bias, slopes, segments, cfg):
+    o, lse = _forward(q, k, v, bias, slopes, segments, cfg)
     # saved for backward: O(seqlen), nothing N x N (and attn_mask's bias, the caller's)
-    return (o, lse), (q, k, v, bias, slopes, o, lse)
+    return (o, lse), (q, k, v, bias, slopes, segments, o, lse)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
     """dq, dk, dv, a float attn_mask's gradient (None for a boolean one), None for the ALiBi
-    slopes (not differentiated, as in FlashAttention)."""
-    q, k, v, bias, slopes, o, lse = residuals
+    slopes (not differentiated, as in FlashAttention) and for the segment ids."""
+    q, k, v, bias, slopes, segments, o, lse = residuals
     do, dlse = cotangents
     if 0 in q.shape[:2] or 0 in k.shape[:2]:
         return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
-                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias), None)
+                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias), None, None)
     if cfg.backend == "triton":
-        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None, None)
-    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias, slopes)
-    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype), None
+        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None, None, None)
+    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias, slopes, segments)
+    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype), None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=5)
+_attention_jit = jax.jit(_attention, static_argnums=6)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
               block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None,
-              window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, segment_ids=None):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -681,6 +703,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             float mask is differentiable: its cotangent is dL/ds summed over the dimensions
             it broadcasts, an array of its own shape (computed in the backward for every
             float mask). Blockwise JAX path only ("auto" takes it; "triton" raises).
+        segment_ids: None, or integer arrays (q_segment_ids, kv_segment_ids) of shapes (batch,
+            seqlen_q) and (batch, seqlen_k), or one (batch, seqlen) array for both when
+            seqlen_q == seqlen_k: query i sees key j only if their ids are equal (packed
+            sequences, as the segment ids of splash attention; padding: an id no query has).
+            Combines with causal, windows and attn_mask, which keep their positions in the
+            row (for sequences packed one after the other, causal within each). Each tile
+            masks from the ids, O(seqlen) memory; every tile the other masks leave is
+            computed (no tile is skipped for lying across segments). Blockwise JAX path only.
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -690,21 +720,41 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     Works under jax.jit, jax.vmap, jax.grad and jax.vjp (the blockwise path; the Triton
     path has no batching rule).
     """
-    blockwise_only = attn_mask is not None or alibi_slopes is not None
+    blockwise_only = attn_mask is not None or alibi_slopes is not None or \
+        segment_ids is not None
     if blockwise_only and backend == "triton":
-        raise NotImplementedError("attn_mask and alibi_slopes run on the blockwise JAX path "
-                                  "only: use backend='auto' or 'jax'")
+        raise NotImplementedError("attn_mask, alibi_slopes and segment_ids run on the "
+                                  "blockwise JAX path only: use backend='auto' or 'jax'")
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
                                  "jax" if blockwise_only else backend, window_size, softcap)
     _check_sink(learnable_sink, q.shape[2])
     slopes = _check_slopes(alibi_slopes, q.shape[0], q.shape[2])
     bias = _mask_bias(attn_mask, q, k)
+    segments = _check_segment_ids(segment_ids, q, k)
     if bias is not None:  # a float mask's cotangent is computed, a boolean one's is not
         cfg = cfg._replace(bias_grad=attn_mask.dtype != np.bool_)
-    o, lse = _attention_jit(q, k, v, bias, slopes, cfg)
+    o, lse = _attention_jit(q, k, v, bias, slopes, segments, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
+
+
+def _check_segment_ids(segment_ids, q, k):
+    """segment_ids checked, as (q_segment_ids, kv_segment_ids) arrays; None stays None."""
+    if segment_ids is None:
+        return None
+    pair = tuple(segment_ids) if isinstance(segment_ids, (tuple, list)) else (segment_ids,) * 2
+    shapes = ((q.shape[0], q.shape[1]), (k.shape[0], k.shape[1]))
+    for name, ids, shape in zip(("q_segment_ids", "kv_segment_ids"), pair, shapes):
+        if len(pair) != 2 or not isinstance(ids, (jax.Array, np.ndarray)) or \
+                not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"segment_ids must be an integer array (batch, seqlen) or a pair "
+                            f"(q_segment_ids, kv_segment_ids) of them, got "
+                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if tuple(ids.shape) != shape:
+            raise ValueError(f"{name} must have shape (batch, seqlen) = {shape}, got "
+                             f"{tuple(ids.shape)}")
+    return tuple(jnp.asarray(x) for x in pair)
 
 
 def _check_slopes(alibi_slopes, batch, nheads):
