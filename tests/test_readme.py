@@ -45,7 +45,7 @@ def run(code, prelude="", report=()):
 
 
 def test_readme_has_the_examples_tested_here():
-    assert len(readme_examples()) == 5
+    assert len(readme_examples()) == 6
 
 
 def test_attention_example():
@@ -62,6 +62,14 @@ def test_decoding_example():
                    appended="bool(k_cache[:, 100].abs().sum() > 0)"))
     # o: the float8 cache's step, the last one; the first step appended its key at row 100
     assert got == dict(tree=[1, 1, 7, 108], o=[8, 1, 32, 128], length=101, appended=True)
+
+
+def test_shared_prefix_example():
+    """After the decoding example's names (q, k_new, v_new), as in the README."""
+    prelude = "import torch, longflash\n" + example("k_cache = torch.zeros")
+    got = run(example("prompt_k, prompt_v = "), prelude,
+              dict(o="list(o.shape)", appended="bool(own_k[:, 0].abs().sum() > 0)"))
+    assert got == dict(o=[8, 1, 32, 128], appended=True)
 
 
 def test_gpt_example():

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ._common import accumulator_dtype
+from .cascade import merge_weights
 from .interface import _check_inputs, _outputs  # importing it registers torch.ops.longflash.*
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -201,11 +202,8 @@ def _merge_(o, lse, o_blk, lse_blk):
     o: (B, N, H, Dv) and lse: (B, H, N) in the accumulator dtype (float32, or float64);
     o_blk in the input dtype. o = (e^lse o + e^lse_blk o_blk) / e^lse_new.
     """
-    lse_new = torch.logaddexp(lse, lse_blk)
-    # A row that has seen no key on either side keeps o = 0, lse = -inf (weights 0, not NaN).
-    lse_safe = lse_new.masked_fill(lse_new == float("-inf"), 0.0)
-    w = torch.exp(lse - lse_safe).transpose(1, 2).unsqueeze(-1)  # (B, N, H, 1)
-    w_blk = torch.exp(lse_blk - lse_safe).transpose(1, 2).unsqueeze(-1)
+    w, w_blk, lse_new = merge_weights(lse, lse_blk)  # cascade.merge_attention's, in place
+    w, w_blk = (x.transpose(1, 2).unsqueeze(-1) for x in (w, w_blk))  # (B, N, H, 1)
     o.mul_(w).add_(o_blk.to(o.dtype) * w_blk)
     lse.copy_(lse_new)
 
