@@ -60,7 +60,7 @@ CASES = [
 ]
 
 
-def run_case(case, dtype, backend):
+def run_case(case, dtype, backend, device="cpu"):
     _, batch, seqlen_q, nheads, nheads_kv, headdim, prefix_len, lengths, page_size, kw = case
     kw = dict(kw)
     gen = torch.Generator().manual_seed(7)
@@ -91,10 +91,24 @@ def run_case(case, dtype, backend):
             flat = cache[1:].view(batch, pages * page_size, nheads_kv, headdim)
             flat[:, :capacity] = own
     lens = torch.tensor(lengths, dtype=torch.int32)
+    args = [x if x is None else x.to(device) for x in (q, prefix_k, prefix_v, k_cache, v_cache,
+                                                          k_new, v_new, lens, block_table, sink)]
     o, lse = longflash.attention_with_shared_prefix(
-        q, prefix_k, prefix_v, k_cache, v_cache, k_new, v_new, lens, block_table,
-        causal=causal, softcap=softcap, return_lse=True, backend=backend, learnable_sink=sink)
-    return q, seqs, o, lse, dict(causal=causal, softcap=softcap, learnable_sink=sink)
+        *args[:9], causal=causal, softcap=softcap, return_lse=True, backend=backend,
+        learnable_sink=args[9])
+    return q, seqs, o.cpu(), lse.cpu(), dict(causal=causal, softcap=softcap, learnable_sink=sink)
+
+
+def check_shared_prefix(case, dtype, backend, device="cpu"):
+    """o and lse of every sequence against the float64 reference over the prefix followed by
+    its own keys (tolerance rule; the low-precision reference in dtype on the CPU)."""
+    q, seqs, o, lse, kw = run_case(case, dtype, backend, device)
+    for b, (keys, values) in enumerate(seqs):
+        q_b = q[b:b + 1]
+        ref = attention_ref(*(x.double() for x in (q_b, keys, values)), **kw)
+        lowp = attention_ref(q_b, keys, values, upcast=False, **kw)
+        check_close(f"{case[0]} seq {b} o", o[b:b + 1], lowp[0], ref[0])
+        check_close(f"{case[0]} seq {b} lse", lse[b:b + 1], lowp[1], ref[1])
 
 
 BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
@@ -105,14 +119,7 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 def test_shared_prefix_is_attention_over_prefix_and_own_keys(case, backend):
     """o and lse of every sequence against the float64 reference over the prefix followed by
     its own keys (causal aligned to its end), the new keys appended in place."""
-    dtype = torch.float16 if backend == "triton" else torch.float32
-    q, seqs, o, lse, kw = run_case(case, dtype, backend)
-    for b, (keys, values) in enumerate(seqs):
-        q_b = q[b:b + 1]
-        ref = attention_ref(*(x.double() for x in (q_b, keys, values)), **kw)
-        lowp = attention_ref(q_b, keys, values, upcast=False, **kw)
-        check_close(f"{case[0]} seq {b} o", o[b:b + 1], lowp[0], ref[0])
-        check_close(f"{case[0]} seq {b} lse", lse[b:b + 1], lowp[1], ref[1])
+    check_shared_prefix(case, torch.float16 if backend == "triton" else torch.float32, backend)
 
 
 def test_shared_prefix_bad_input():

@@ -512,6 +512,16 @@ def test_fp8_append_rounds_as_torch_gpu(cache_dtype):
     check_fp8_append_rounds_as_torch("triton", cache_dtype, device="cuda", nan=True)
 
 
+def test_shared_prefix_gpu():
+    """Cascade decoding in bf16: 8 sequences over a shared prefix of 3000 tokens (its one call:
+    8 queries routed to the split-KV kernel) and their own paged caches of 0 to 700 tokens,
+    GQA 32/8, d128, against float64 per sequence (tolerance rule)."""
+    from test_cascade import check_shared_prefix
+    case = ("gpu-decode8-H32/8-D128", 8, 1, 32, 8, 128, 3000,
+            [0, 700, 17, 256, 511, 3, 650, 128], 16, dict(causal=True))
+    check_shared_prefix(case, torch.bfloat16, "triton", device="cuda")
+
+
 def test_attn_mask_routes_decoding_to_split_kv_gpu(route_small):
     """attention() with a key-padding attn_mask, 4 queries over 5K keys, no gradient: the
     split-KV kernel, in bf16 within the tolerance rule."""
