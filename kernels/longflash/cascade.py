@@ -17,6 +17,8 @@ instead of B times).
 import torch
 
 from ._common import accumulator_dtype, check_learnable_sink, with_learnable_sink
+from .interface import attention
+from .kvcache import attention_with_kvcache
 
 
 def merge_weights(lse_a, lse_b):
@@ -78,9 +80,6 @@ def attention_with_shared_prefix(q, prefix_k, prefix_v, k_cache, v_cache, k=None
     Returns o: (batch, seqlen_q, nheads, headdim of v), and lse (batch, nheads, seqlen_q) if
     return_lse. Inference only, as attention_with_kvcache.
     """
-    from .interface import attention  # (interface imports kvcache, which imports nothing here)
-    from .kvcache import attention_with_kvcache
-
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
                          f"{getattr(q, 'shape', type(q).__name__)}")

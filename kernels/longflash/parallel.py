@@ -218,12 +218,12 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
         last = step == ring.world_size - 1
         if not last:  # posted before the compute, so the transfer overlaps it
             (k_next, v_next), requests = _exchange(ring, k, v)
-        for rows, cols, *mask in _step_blocks(ring, (ring.rank - step) % ring.world_size,
-                                             causal, window, k.shape[1]):
+        for b in _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
+                              k.shape[1]):
             o_blk, lse_blk = torch.ops.longflash.attention_forward(
-                q[:, rows], k[:, cols], v[:, cols], mask[0], softmax_scale, backend, *mask[1:],
-                None, softcap)
-            _merge_(o[:, rows], lse[:, :, rows], o_blk, lse_blk)
+                q[:, b.rows], k[:, b.cols], v[:, b.cols], b.causal, softmax_scale, backend,
+                b.window_left, b.window_right, None, softcap)
+            _merge_(o[:, b.rows], lse[:, :, b.rows], o_blk, lse_blk)
         if not last:
             _wait(requests)
             k, v = k_next, v_next
@@ -246,13 +246,14 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
         blocks = _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
                               k.shape[1])
         grads = []
-        for rows, cols, *mask in blocks:
+        for b in blocks:
+            rows = b.rows
             dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
-                do[:, rows], q[:, rows], k[:, cols], v[:, cols], o[:, rows], lse[:, :, rows],
-                None if dlse is None else dlse[:, :, rows], mask[0], softmax_scale, backend,
-                *mask[1:], None, softcap)
+                do[:, rows], q[:, rows], k[:, b.cols], v[:, b.cols], o[:, rows], lse[:, :, rows],
+                None if dlse is None else dlse[:, :, rows], b.causal, softmax_scale, backend,
+                b.window_left, b.window_right, None, softcap)
             dq[:, rows] += dq_blk
-            grads.append((cols, dk_blk, dv_blk))
+            grads.append((b.cols, dk_blk, dv_blk))
         _wait(dkv_requests)
         dk, dv = dkv_next
         for cols, dk_blk, dv_blk in grads:

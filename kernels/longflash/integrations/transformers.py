@@ -194,7 +194,7 @@ def _segments(kwargs):
     not one (or under torch.compile). Queries and keys must be the same tokens (no cache).
     The mask is built a few query rows at a time by transformers' own sdpa_mask (the same
     mask function, padding and offsets), and each row is reduced to the one run of keys it
-    sees, [first, first + count); every row must see one nonempty run. Segment starts are
+    sees, [first, last]; every row must see one nonempty run. Segment starts are
     the queries that see only themselves (causal) or whose run starts anew (full); then the
     runs must equal, exactly, those of causal attention within each segment, under one
     sliding window (window_left: the largest distance to a first key that is not the
@@ -371,8 +371,6 @@ def _with_bias(plan, bias, attention_mask, batch, seqlen_q, seqlen_k, device):
     dense = plan[4] if len(plan) == 5 else attention_mask
     if isinstance(dense, PaddingMask):
         dense = _padding_dense(dense, batch, seqlen_q, seqlen_k, device)
-    elif isinstance(dense, SegmentMask):
-        dense = dense.dense()
     if dense.dtype == torch.bool:
         return False, -1, None, None, bias.masked_fill(~dense, float("-inf"))
     return False, -1, None, None, bias + dense
