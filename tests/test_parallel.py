@@ -23,8 +23,8 @@ import torch.distributed as dist
 from conftest import check_close
 from experiments.scaling import project, spawn_ranks
 from longflash import _common, attention_ref
-from longflash.parallel import _Ring, _rank_chunks, _step_blocks, _step_plan, ring_attention, \
-    shard_sequence, unshard_sequence
+from longflash.parallel import _Ring, _rank_chunks, _step_blocks, _step_plan, _steps, \
+    ring_attention, shard_sequence, unshard_sequence
 from test_correctness import make_inputs
 
 WORLD_SIZES = [1, 2, 4]
@@ -285,10 +285,10 @@ def _kernel_sees(i, j, n_rows, n_keys, window_left, window_right):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_window_plan(world_size, layout, causal, window):
-    """With a sliding window, the ring's calls (their rows and keys, each under the kernels'
-    window rule) see every (query, key) pair of the global sequence that the window shows
-    exactly once, and no other: windows shorter than a chunk (5 tokens), longer than
-    several, on one side, on both, and one key wide."""
+    """With a sliding window, the ring's calls over the steps it takes (their rows and keys,
+    each under the kernels' window rule) see every (query, key) pair of the global sequence
+    that the window shows exactly once, and no other: windows shorter than a chunk (5
+    tokens), longer than several, on one side, on both, and one key wide."""
     chunk, per_rank = 5, (2 if layout == "zigzag" else 1)
     seqlen = chunk * per_rank  # tokens per rank
     left, right = window[0], 0 if causal else window[1]
@@ -299,7 +299,8 @@ def test_window_plan(world_size, layout, causal, window):
     for rank in range(world_size):
         ring = _Ring(None, rank, world_size, layout, None, None)
         to_global = lambda r, x: _rank_chunks(ring, r)[x // chunk] * chunk + x % chunk  # noqa: E731
-        for src in range(world_size):
+        for step in range(_steps(ring, causal, window, seqlen)):  # the ring may stop early
+            src = (rank - step) % world_size
             for block in _step_blocks(ring, src, causal, window, seqlen):
                 rows, cols = range(seqlen)[block.rows], range(seqlen)[block.cols]
                 assert not block.causal and rows and cols
@@ -308,6 +309,23 @@ def test_window_plan(world_size, layout, causal, window):
                          if _kernel_sees(i, j, len(rows), len(cols), block.window_left,
                                          block.window_right)]
     assert len(seen) == len(set(seen)) and set(seen) == expected
+
+
+@pytest.mark.parametrize("layout, causal, window, world_size, steps", [
+    ("contiguous", True, (3, -1), 4, 2),    # within a chunk of 5: this one and the one before
+    ("contiguous", True, (7, -1), 4, 3),    # reaches two chunks back
+    ("contiguous", True, (7, -1), 2, 2),
+    ("contiguous", False, (2, 2), 4, 4),    # both sides: the next rank's keys come round last
+    ("zigzag", True, (3, -1), 4, 4),        # chunk 2P-1-r needs 2P-2-r, on the next rank
+    ("contiguous", True, (-1, -1), 4, 4),   # no window: the whole ring
+])
+def test_window_steps(layout, causal, window, world_size, steps):
+    """The ring stops where no rank's window reaches the shard in hand any more; every
+    visible pair is still computed (test_window_plan over those steps, and the distributed
+    cases against float64)."""
+    ring = _Ring(None, 0, world_size, layout, None, None)
+    seqlen = 5 * (2 if layout == "zigzag" else 1)
+    assert _steps(ring, causal, window, seqlen) == steps
 
 
 # ----------------------------------------------------------------------------- the experiment

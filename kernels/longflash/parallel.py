@@ -42,7 +42,10 @@ attention is computed by the custom ops of `longflash.interface`, never re-imple
 here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py);
 not yet run with NCCL on several GPUs. Sliding windows: each step computes the chunk pairs
 the window reaches, each as one call whose rows, keys and window are cut to the pair's
-distance (_window_span); softcap applies per score, block by block. Limits: causal and
+distance (_window_span), and the shards stop travelling after the last step at which any
+rank's window reaches them (_steps; a short window over the contiguous layout: two steps,
+then dK/dV go straight back to their owners); softcap applies per score, block by block.
+Limits: causal and
 windows need seqlen_q == seqlen_k (self-attention); no ALiBi, dropout or varlen; the
 backward is not captured by torch.compile (a torch.autograd.Function with communication
 inside).
@@ -101,14 +104,19 @@ def _rank_chunks(ring, rank):
     return (rank, 2 * ring.world_size - 1 - rank) if ring.layout == "zigzag" else (rank,)
 
 
-def _exchange(ring, *tensors):
-    """Post: send tensors to the next rank, receive as many of the same shapes from the
-    previous one. Returns (received, requests); the received tensors are valid after _wait."""
-    if ring.world_size == 1:
+def _exchange(ring, *tensors, shift=1):
+    """Post: send tensors to the rank `shift` places on (default the next), receive as many
+    of the same shapes from the rank `shift` places back. Returns (received, requests); the
+    received tensors are valid after _wait."""
+    if shift % ring.world_size == 0:
         return tensors, []
+    send_to, recv_from = ring.send_to, ring.recv_from
+    if shift != 1:
+        send_to, recv_from = (dist.get_global_rank(ring.group, (ring.rank + s) % ring.world_size)
+                              for s in (shift, -shift))
     received = [torch.empty_like(x) for x in tensors]
-    ops = [dist.P2POp(dist.isend, x, ring.send_to, ring.group) for x in tensors]
-    ops += [dist.P2POp(dist.irecv, x, ring.recv_from, ring.group) for x in received]
+    ops = [dist.P2POp(dist.isend, x, send_to, ring.group) for x in tensors]
+    ops += [dist.P2POp(dist.irecv, x, recv_from, ring.group) for x in received]
     return received, dist.batch_isend_irecv(ops)
 
 
@@ -172,6 +180,22 @@ def _step_blocks(ring, src, causal, window, seqlen):
     return blocks
 
 
+def _steps(ring, causal, window, seqlen):
+    """How many ring steps compute something on some rank: every step without a window; with
+    one, up to the last step at which any rank's window reaches the shard in hand (the
+    same number on every rank: a function of the ring's shape and the options alone). The
+    shards stop travelling there (a window within a chunk, contiguous layout: 2 steps)."""
+    if window == (-1, -1):
+        return ring.world_size
+    last = 0
+    for rank in range(ring.world_size):
+        on_rank = ring._replace(rank=rank)
+        for step in range(last + 1, ring.world_size):
+            if _step_blocks(on_rank, (rank - step) % ring.world_size, causal, window, seqlen):
+                last = step
+    return last + 1
+
+
 def _window_span(offset, window_left, window_right, chunk):
     """A chunk of queries that starts `offset` tokens after a chunk of keys of the same length
     sees key j from query i (local indices) iff lo <= j - i <= hi, lo = offset - window_left,
@@ -214,8 +238,9 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
     o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
     lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
-    for step in range(ring.world_size):
-        last = step == ring.world_size - 1
+    steps = _steps(ring, causal, window, k.shape[1])
+    for step in range(steps):
+        last = step == steps - 1
         if not last:  # posted before the compute, so the transfer overlaps it
             (k_next, v_next), requests = _exchange(ring, k, v)
         for b in _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
@@ -239,8 +264,9 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
     # its block's term, so a low-precision sum would round once per rank.
     dkv_next = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v)]
     dkv_requests = []
-    for step in range(ring.world_size):
-        last = step == ring.world_size - 1
+    steps = _steps(ring, causal, window, k.shape[1])
+    for step in range(steps):
+        last = step == steps - 1
         if not last:
             (k_next, v_next), kv_requests = _exchange(ring, k, v)
         blocks = _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
@@ -259,7 +285,9 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
         for cols, dk_blk, dv_blk in grads:
             dk[:, cols] += dk_blk
             dv[:, cols] += dv_blk
-        dkv_next, dkv_requests = _exchange(ring, dk, dv)  # after the last step: to the owner
+        # to the next rank; after the last step, to the shard's owner, steps - 1 ranks back
+        # (the next one when the shards went the whole ring)
+        dkv_next, dkv_requests = _exchange(ring, dk, dv, shift=-step if last else 1)
         if not last:
             _wait(kv_requests)
             k, v = k_next, v_next
@@ -346,7 +374,10 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     return_lse, backend: as in `longflash.attention` (backend runs each block).
     window_size: (left, right) over the global sequence, as in `longflash.attention` (sliding
         window; with causal, right is 0); needs seqlen_q == seqlen_k. Each step computes only
-        the chunk pairs the window reaches (the shards still travel the whole ring).
+        the chunk pairs the window reaches, and the ring stops after the last step that
+        computes something on some rank (a causal window within a chunk, contiguous layout:
+        two steps; zigzag needs the whole ring, its second chunk's predecessor coming from the
+        next rank).
     softcap: as in `longflash.attention` (each block's scores capped as they are computed).
     Returns o: (batch, seqlen_q / P, nheads, headdim of v), this rank's shard of the output, and if
         return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
