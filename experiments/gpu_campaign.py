@@ -1281,8 +1281,27 @@ def run_stage(stage, out_dir, dry=False, budget_s=BUDGET_S, clock=time.monotonic
     return tar_path, records
 
 
+def _merge_problem(csv_path, rq):
+    """Why a CSV of results/<rq>/ would not merge into the repository's GPU file there
+    (results/<rq>/h100.csv) as experiments.gpu_unpack merges it, tried on a copy; None if it
+    merges or there is no such file. (Stage 8's RQ1 archive, with part prefill's rows keyed by
+    route, did not: found so, dry, before a window.)"""
+    from experiments import gpu_unpack  # (it imports this module)
+    dst = os.path.join(ROOT, "results", rq, "h100.csv")
+    if not os.path.exists(dst):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = shutil.copy(dst, tmp)
+        try:
+            gpu_unpack.merge_csv(csv_path, copy, gpu_unpack.KEY_COLUMNS.get(rq, ()))
+        except Exception as exc:  # noqa: BLE001 - reported
+            return f"{csv_path}: would not merge into results/{rq}/h100.csv: {exc}"
+    return None
+
+
 def check_archive(tar_path):
-    """Problems with an archive: paths outside results/<rq>/, size, unreadable CSVs."""
+    """Problems with an archive: paths outside results/<rq>/, size, unreadable CSVs, CSVs that
+    would not merge into the repository's GPU results (_merge_problem)."""
     from experiments.results import read_results
     problems = []
     if os.path.getsize(tar_path) > ARCHIVE_LIMIT:
@@ -1306,6 +1325,8 @@ def check_archive(tar_path):
             if "device" in df.columns and "dryrun" in os.path.basename(c) and \
                     not df["device"].astype(str).str.startswith("dry run").all():
                 problems.append(f"{c}: a dry-run row without 'dry run' in its device")
+            rq = os.path.relpath(c, tmp).split(os.sep)[1]
+            problems += [p for p in (_merge_problem(c, rq),) if p]
     return problems
 
 
