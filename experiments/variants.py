@@ -12,9 +12,10 @@ window_right, block_m, block_n):
   longflash.attention on this device (the blockwise path on a CPU, Triton on a GPU).
 - key_blocks_visited (blocks): key blocks the forward kernel loops over, summed over
   query blocks and counted by the Triton kernels' own range functions
-  (flash_triton.block_ranges, run under TRITON_INTERPRET=1 when there is no GPU) for
-  the tile block_m x block_n given in the row. A property of the loop structure; it
-  does not depend on the device.
+  (flash_triton.block_ranges, run under TRITON_INTERPRET=1 when there is no GPU; without
+  Triton installed, as on macOS, by _common.key_range, which tests/test_variants.py checks
+  equal to them) for the tile block_m x block_n given in the row. A property of the loop
+  structure; it does not depend on the device.
 """
 
 import argparse
@@ -27,11 +28,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the range probe runs on the CPU
 
 import longflash  # noqa: E402
-from longflash import flash_triton  # noqa: E402
+from longflash import _common  # noqa: E402
 from experiments.measure import is_oom, time_ms  # noqa: E402
 from experiments.results import default_out, write_results  # noqa: E402
 
 KEY_COLUMNS = ("window_left", "window_right", "block_m", "block_n")  # beside results'
+
+
+def _key_ranges(seqlen, left, right, block_m, block_n, device):
+    """(query blocks, 4) key ranges (lo, mid_lo, mid_hi, hi) of a causal forward: the kernels'
+    own, or _common's where Triton is not installed."""
+    try:
+        from longflash import flash_triton
+    except ImportError:
+        return torch.tensor([_common.key_range(start_m, block_m, block_n, seqlen, seqlen, left,
+                                               right) for start_m in range(0, seqlen, block_m)])
+    return flash_triton.block_ranges(seqlen, seqlen, left, right, block_m, block_n, keys=True,
+                                     device=device)
 
 
 @dataclass
@@ -74,8 +87,7 @@ def main():
                         seqlen_k=seqlen, nheads=cfg.nheads, nheads_kv=cfg.nheads,
                         headdim=cfg.headdim, causal=True, window_left=left, window_right=right,
                         block_m=cfg.block_m, block_n=cfg.block_n)
-            ranges = flash_triton.block_ranges(seqlen, seqlen, left, right, cfg.block_m,
-                                                         cfg.block_n, keys=True, device=device)
+            ranges = _key_ranges(seqlen, left, right, cfg.block_m, cfg.block_n, device)
             visited = ((ranges[:, 3] - ranges[:, 0] + cfg.block_n - 1) // cfg.block_n).sum()
             rows.append(dict(base, metric="key_blocks_visited", value=int(visited), unit="blocks",
                              p20=float("nan"), p80=float("nan"), status="ok"))

@@ -1,6 +1,9 @@
 """Test set-up: Triton runs under its interpreter when there is no GPU, outputs are
-NaN-poisoned, and `check_close` implements the tolerance rule of ARCHITECTURE.md."""
+NaN-poisoned, and `check_close` implements the tolerance rule of ARCHITECTURE.md. Without
+Triton (macOS, Windows: no wheels), the tests of the Triton kernels are skipped (HAS_TRITON,
+`needs_triton`) and the rest run on the PyTorch path."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -8,7 +11,8 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if not torch.cuda.is_available() and HAS_TRITON:
     # Must be set before longflash (and so Triton's JIT) is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -16,7 +20,9 @@ import longflash._common  # noqa: E402
 from longflash.reference import error_bound  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
+# a module that tests the Triton kernels themselves: `pytestmark = needs_triton`
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (Linux only)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -13,7 +13,7 @@ import torch
 
 import longflash
 from longflash import attention_ref, blockwise
-from conftest import INTERPRET, check_close
+from conftest import HAS_TRITON, INTERPRET, check_close
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
 SHAPES = [
@@ -118,7 +118,8 @@ def force_tiles(monkeypatch, tiles, case):
 
 @pytest.mark.skipif(not INTERPRET, reason="interpreter tests; GPU tests are in test_gpu.py")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", range(max(len(gpu_tiles(k)) for k in KERNEL_FUNCTIONS)))
+@pytest.mark.parametrize("case", range(max(len(gpu_tiles(k)) for k in KERNEL_FUNCTIONS)
+                                         if HAS_TRITON else 1))
 def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     """The interpreter otherwise runs one small tile; here every tile of the GPU config table
     (case i: the i-th tile of each kernel), so the block ranges and edge masks of the shapes a

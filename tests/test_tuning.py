@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments import tuning
-from experiments.results import KEY_COLUMNS, read_results
-from longflash import flash_triton as ft
+pytest.importorskip("triton", reason="the tuning sweep times the Triton kernels (Linux only)")
+from experiments import tuning  # noqa: E402
+from experiments.results import KEY_COLUMNS, read_results  # noqa: E402
+from longflash import flash_triton as ft  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's sweep")
 
