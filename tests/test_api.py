@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import longflash
 from longflash import interface
 from longflash.reference import attention_ref
-from conftest import INTERPRET
+from conftest import INTERPRET, needs_triton
 
 
 def qkv(b=2, nq=9, nk=11, h=4, hkv=2, d=16, dtype=torch.float32):
@@ -46,6 +46,8 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("args, kwargs, exc, words", [b[1:] for b in BAD_INPUTS],
                          ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input(args, kwargs, exc, words, monkeypatch):
+    if kwargs.get("backend") == "triton" and not interface._HAS_TRITON:
+        pytest.skip("backend='triton' without Triton installed: test_triton_not_installed")
     # Nothing may run before the error: make both implementations explode if called.
     def boom(*a, **k):
         raise AssertionError("work started before validation")
@@ -56,12 +58,23 @@ def test_bad_input(args, kwargs, exc, words, monkeypatch):
         assert word in str(info.value), f"{word!r} not in {info.value}"
 
 
+def test_triton_not_installed(monkeypatch):
+    """Without the triton package (macOS, Windows), backend='triton' says so and names the
+    alternative; 'auto' takes the PyTorch path."""
+    monkeypatch.setattr(interface, "_HAS_TRITON", False)
+    with pytest.raises(ValueError, match="needs the triton package; use backend='torch'"):
+        longflash.attention(*qkv(), backend="triton")
+    assert interface._resolve_backend("auto", torch.empty(1)) == "torch"
+
+
+@needs_triton
 def test_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(interface, "_TRITON_INTERPRET", False)
     with pytest.raises(ValueError, match="CUDA"):
         longflash.attention(*qkv(), backend="triton")
 
 
+@needs_triton
 def test_bf16_under_interpreter(monkeypatch):
     monkeypatch.setattr(interface, "_TRITON_INTERPRET", True)
     with pytest.raises(NotImplementedError, match="bfloat16"):
@@ -77,6 +90,7 @@ def test_bf16_under_interpreter(monkeypatch):
 ])
 def test_auto_backend_on_cpu(dtype, interpret, expected, monkeypatch):
     monkeypatch.setattr(interface, "_TRITON_INTERPRET", interpret)
+    expected = expected if interface._HAS_TRITON else "torch"  # no Triton: always the PyTorch path
     assert interface._resolve_backend("auto", torch.empty(1, dtype=dtype)) == expected
 
 
