@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import longflash
-from conftest import run_uninterpreted
+from conftest import needs_triton, run_uninterpreted
+
+pytestmark = needs_triton  # the compiler report: Triton's own compiler
 
 
 def test_config_table_is_small_and_fits_a_warpgroup():

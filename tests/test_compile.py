@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, run_uninterpreted
+from conftest import ROOT, needs_triton, run_uninterpreted
 
 SCRIPTS = {  # script: specs (capability:dtype:features:headdim)
     "compile_for_gpu.py": ["90:bfloat16:plain:80", "90:float16:all:256", "80:bfloat16:all:128"],
@@ -15,6 +15,7 @@ SCRIPTS = {  # script: specs (capability:dtype:features:headdim)
 }
 
 
+@needs_triton
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu tests compile and run the kernels")
 @pytest.mark.parametrize("script,spec", [(s, spec) for s, specs in SCRIPTS.items() for spec in specs])

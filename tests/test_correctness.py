@@ -13,7 +13,7 @@ import torch
 
 import longflash
 from longflash import attention_ref, blockwise
-from conftest import HAS_TRITON, INTERPRET, check_close
+from conftest import HAS_TRITON, INTERPRET, check_close, needs_triton
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
 SHAPES = [
@@ -134,6 +134,7 @@ def test_triton_interpreter_gpu_tiles(case, causal, monkeypatch):
     check_against_reference(shape, torch.float16, causal, backend="triton")
 
 
+@needs_triton
 def test_trial_candidates_name_their_flags_and_exclude_warp_specialization():
     """A dK/dV candidate in two passes (SPLIT) or adding dQ by atomics (ATOMIC), and a forward
     software-pipelined (PIPE), maps to its entry and back and is never also warp-specialized
@@ -154,6 +155,7 @@ def test_trial_candidates_name_their_flags_and_exclude_warp_specialization():
             ft._config((32, 64, 4, 2, ft.TMA, ft.WS, flag))
 
 
+@needs_triton
 def test_atomic_dq_only_where_the_caller_allows_a_non_deterministic_backward(monkeypatch):
     """The launcher runs dK/dV's ATOMIC candidates (dQ by atomics, no dQ kernel) where the
     GPU's and head dim's table holds them and neither deterministic=True nor torch's
@@ -184,6 +186,7 @@ def test_atomic_dq_only_where_the_caller_allows_a_non_deterministic_backward(mon
         ft._atomic_dq(q, 64, deterministic=True)
 
 
+@needs_triton
 def test_deterministic_reaches_the_backward(monkeypatch):
     """deterministic=True travels from the public function through the custom ops to the
     launcher: with a forced ATOMIC dK/dV config the backward refuses it (above), and without
@@ -209,6 +212,7 @@ def torch_deterministic():
         torch.use_deterministic_algorithms(old)
 
 
+@needs_triton
 def test_full_tiles_only_where_no_block_needs_a_mask():
     """FULL_TILES (a warp-specialized loop without masks): only without a causal mask or
     window, packed sequences or a partial tile."""
@@ -221,6 +225,7 @@ def test_full_tiles_only_where_no_block_needs_a_mask():
         assert not _full_tiles({**args, **change}), change
 
 
+@needs_triton
 def test_autotuning_key_stops_growing_at_64k_tokens():
     """Lengths share an autotuning choice per power of two up to 64K and one beyond it, so a
     1M-token call reuses the 64K choice instead of timing every candidate at seconds a run."""

@@ -15,6 +15,7 @@ from experiments import gpu_unpack
 from experiments import ncu as ncu_probe
 from experiments import results
 from experiments.results import read_results, write_results
+from conftest import needs_triton
 
 
 class FakeClock:
@@ -147,6 +148,7 @@ def test_a_passed_gate_sets_its_env_for_the_later_steps_and_the_rest_run(tmp_pat
     assert gc.gates_passed_before(steps, str(camp)) == {}
 
 
+@needs_triton
 def test_preflight_row_is_an_error_when_a_candidate_is_wrong(monkeypatch, capsys):
     """One kind's check (the interpreter here, the GPU in a stage): the row's status says
     whether its candidates computed attention; a wrong result makes it an error."""
@@ -608,6 +610,7 @@ def test_pytest_steps_run_every_gpu_test_once():
     assert sorted(picked) == sorted(ln for ln in out.stdout.splitlines() if "::" in ln)
 
 
+@needs_triton
 def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d256():
     """Stage 7 (the fourth window): the forward's warp-specialized candidate checked (a gate
     that turns it on for the later steps), RQ1's rows that still time the old backward tiles

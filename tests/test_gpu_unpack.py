@@ -10,6 +10,7 @@ import pytest
 
 from experiments import gpu_campaign, gpu_unpack
 from experiments.results import COLUMNS, write_results
+from conftest import needs_triton
 
 
 def _row(seqlen, value, provider="longflash"):
@@ -143,6 +144,7 @@ def test_an_archive_outside_results_is_refused(tmp_path):
     assert not os.path.exists(tmp_path / "repo" / "README.md")
 
 
+@needs_triton
 def test_every_results_folder_of_a_stage_merges_by_its_writers_keys():
     """A folder whose writer passes extra key columns merges by them (else two rows that
     differ only there would be one key twice, and the archive would not merge)."""
@@ -155,6 +157,7 @@ def test_every_results_folder_of_a_stage_merges_by_its_writers_keys():
                 assert gpu_unpack.KEY_COLUMNS.get(step.rq) == keys, (stage, step.name)
 
 
+@needs_triton
 def test_tuning_rows_merge_by_kernel_and_config(tmp_path):
     """Stage 4's rows (experiments.tuning) differ only in kernel and config for one shape:
     two archives' rows all stay, and a candidate measured again replaces its row."""

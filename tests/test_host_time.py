@@ -8,7 +8,7 @@ import torch
 import longflash
 from experiments import host_time
 from experiments.results import read_results
-from conftest import run_uninterpreted
+from conftest import needs_triton, run_uninterpreted
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
@@ -49,6 +49,7 @@ def test_training_call_skips_custom_ops_autograd_layer():
         torch.autograd.grad(o.sum(), (q, k, v))
 
 
+@needs_triton
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
 def test_stand_in_rows_time_the_launchers(tmp_path):
@@ -62,6 +63,7 @@ def test_stand_in_rows_time_the_launchers(tmp_path):
     assert (si["status"] == "ok").all() and (si["value"] > 0).all()
 
 
+@needs_triton
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a stand-in GPU")
 def test_autotuners_choice_is_recalled_without_the_autotuner():
