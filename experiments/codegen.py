@@ -98,6 +98,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from longflash import decode_triton, flash_triton  # noqa: E402
+from experiments.codegen_bounds import TUTORIAL_BWD_SPILLS  # noqa: E402
 from longflash._common import Options, empty_outputs  # noqa: E402
 
 ARCHS = {"sm90a": 90, "sm80": 80}
@@ -117,10 +118,6 @@ FP8_CACHE = {"sm90a": ("*fp8e4nv", torch.float8_e4m3fn), "sm80": ("*fp8e5", torc
 DECODE_GROUP, DECODE_PROGRAMS, DECODE_KEYS, H100_SMS = 4, 8, 131072, 132
 HEADDIMS = [64, 128, 256]
 DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
-# Triton's tutorial fused backward (06-fused-attention, 4 warps, 5 stages, BLOCK_N1 128),
-# compiled for sm_90a with Triton 3.6: its spill bytes, the bound the dK/dV and dQ kernels must
-# beat (issue 14, ANCHORS.md).
-TUTORIAL_BWD_SPILLS = {64: 980, 128: 11732}
 H100_MAX_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90 (CUDA guide)
 
 
