@@ -46,7 +46,7 @@ import torch
 import longflash
 from longflash import kvcache
 from experiments.measure import is_oom, time_ms, time_ms_graph, time_ms_interleaved
-from experiments.results import measured_before
+from experiments.results import load_average, measured_before
 # Imported by experiments.speedup.run, once that module is loaded: its provider vocabulary and
 # its rules for a failed call, shared.
 from experiments.speedup import (SDPA_BACKENDS, Unsupported, _status, _summary, compiled_flex,
@@ -154,7 +154,7 @@ def run(cfg, device, log, machine, started, done=frozenset()):
             shape = dict(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, nheads=cfg.decode_nheads,
                          nheads_kv=cfg.decode_nheads_kv, headdim=cfg.decode_headdim)
             base = dict(experiment="speedup", part="decode", mode="fwd", dtype=cfg.dtype,
-                        causal=False, load_avg_1m=os.getloadavg()[0], **shape, **machine)
+                        causal=False, load_avg_1m=load_average()[0], **shape, **machine)
             inputs = _inputs(batch, seqlen_k, cfg.decode_nheads, cfg.decode_nheads_kv,
                              cfg.decode_headdim, dtype, device, seed=seqlen_k + batch)
             cache_bytes = 2 * inputs["bnhd"][1].numel() * inputs["bnhd"][1].element_size()

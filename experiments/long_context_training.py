@@ -91,7 +91,7 @@ from longflash.models.gpt import GPT, GPTConfig
 from longflash.nn import attention_function
 from experiments import byte_data
 from experiments.measure import is_oom, peak_memory_mb
-from experiments.results import Log, cpu_name, start_run, write_results
+from experiments.results import Log, cpu_name, start_run, usable_cores, write_results
 
 try:
     from tqdm.auto import tqdm
@@ -726,7 +726,7 @@ def main(argv=None):
         parser.error("--full needs a GPU, and there is none here")
     out, command = start_run(
         "long_context_training", args.out, log, dict(asdict(cfg), parts=parts),
-        f"long_context_training on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), "
+        f"long_context_training on {cpu_name()} ({usable_cores()} cores), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, parts {parts}\n{cfg}")
     deadline = started + cfg.time_budget_s if math.isfinite(cfg.time_budget_s) else None
     written = [0]

@@ -40,7 +40,7 @@ import torch
 
 import longflash
 from longflash import interface, kvcache
-from experiments.results import flops, tflops
+from experiments.results import flops, load_average, tflops
 from experiments.decode import FP8, _time_calls
 from experiments.speedup import _status, _summary
 
@@ -148,7 +148,7 @@ def run(cfg, device, log, machine, started, done=frozenset()):
                          nheads=cfg.prefill_nheads, nheads_kv=cfg.prefill_nheads_kv,
                          headdim=cfg.prefill_headdim)
             base = dict(experiment="speedup", part="prefill", mode="fwd", dtype=cfg.dtype,
-                        causal=True, provider="longflash", load_avg_1m=os.getloadavg()[0],
+                        causal=True, provider="longflash", load_avg_1m=load_average()[0],
                         **shape, **machine)
             try:
                 inputs = _inputs(cfg, seqlen_q, seqlen_k, dtype, device,

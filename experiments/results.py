@@ -72,6 +72,19 @@ def _on_gpu():
     return torch is not None and torch.cuda.is_available()
 
 
+def usable_cores():
+    """CPUs this process may run on (its affinity on Linux; the machine's count elsewhere,
+    where os.sched_getaffinity does not exist: macOS, Windows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def load_average():
+    """os.getloadavg(), or three NaNs where the system has none (Windows)."""
+    return os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+
+
 def cpu_name():
     """The CPU model ("AMD EPYC 7B13"); $LONGFLASH_DEVICE_NAME overrides it on a machine
     without a GPU."""

@@ -86,7 +86,8 @@ from longflash.reference import error_bound
 from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
 from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms, \
     time_ms_lean
-from experiments.results import Log, cpu_name, start_run, flops, tflops, write_results
+from experiments.results import (Log, cpu_name, flops, load_average, start_run, tflops,
+                                 usable_cores, write_results)
 
 CPU_BACKEND = "torch"  # the blockwise PyTorch path, even where TRITON_INTERPRET=1 is set
 
@@ -239,7 +240,7 @@ def _row(cfg_shape, dtype, part, layout, ranks, tokens_per_rank, mode, metric, v
                 seqlen_k=seqlen_q if seqlen_k is None else seqlen_k, nheads=nheads,
                 nheads_kv=nheads_kv, headdim=headdim, causal=causal, metric=metric, value=value,
                 unit=unit, p20=p20, p80=p80, status=status, part=part, layout=layout,
-                ranks=ranks, tokens_per_rank=tokens_per_rank, cores=len(os.sched_getaffinity(0)),
+                ranks=ranks, tokens_per_rank=tokens_per_rank, cores=usable_cores(),
                 basis=basis, link=link, **extra)
 
 
@@ -652,7 +653,7 @@ def main():
     if cfg.block_device == "cuda" and not torch.cuda.is_available():
         parser.error("--full times the blocks on a GPU, and there is none here")
     out, _ = start_run("scaling", args.out, log, dict(asdict(cfg), parts=parts),
-                       f"scaling on {cpu_name()} ({len(os.sched_getaffinity(0))} cores), torch "
+                       f"scaling on {cpu_name()} ({usable_cores()} cores), torch "
                        f"{torch.__version__}, parts {parts}\n{cfg}")
 
     # The one-GPU run over gpu_long_seqlen tokens first, its rows written before anything else
@@ -676,7 +677,7 @@ def main():
             rows = _failed(cfg, [p for p in parts if p in ("exactness", "memory", "weak")],
                            world_size, e)
         log(f"{world_size} ranks: {time.perf_counter() - t0:.0f} s (load average "
-            f"{os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores)")
+            f"{load_average()[0]:.1f} on {usable_cores()} cores)")
         _write(_on_device(rows, "cpu"), out)
         tflops_rows += [r for r in rows if r["part"] == "weak" and r["metric"] == "tflops"]
     _write(_weak_efficiency(tflops_rows), out)

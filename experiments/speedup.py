@@ -117,8 +117,8 @@ if torch.cuda.is_available():
 import longflash  # noqa: E402
 from experiments.measure import is_oom, peak_memory_mb, time_ms  # noqa: E402
 from experiments.results import (Log, check_resume_after, cpu_name, flops,  # noqa: E402
-                                 measured_before, same_switches, start_run, tflops,
-                                 write_results)
+                                 load_average, measured_before, same_switches, start_run,
+                                 tflops, usable_cores, write_results)
 
 GPU_PROVIDERS = ("longflash", "standard", "sdpa_math", "sdpa_flash", "sdpa_efficient",
                  "sdpa_cudnn", "flex")
@@ -545,11 +545,11 @@ def run(cfg, device, out, resume=False, resume_after=None):
     if device == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     threads = torch.get_num_threads()
-    log(f"load average at start: {os.getloadavg()} on {len(os.sched_getaffinity(0))} cores, "
+    log(f"load average at start: {load_average()} on {usable_cores()} cores, "
         f"torch threads {threads}")
     _warm_up("cpu")
     # The conditions of the run, in every row: the notebook reads nothing but the CSV.
-    machine = dict(cores=len(os.sched_getaffinity(0)),
+    machine = dict(cores=usable_cores(),
                    threads=threads if device == "cpu" else math.nan,
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = measure_ceilings(cfg, device, machine, "start")
@@ -585,7 +585,7 @@ def run(cfg, device, out, resume=False, resume_after=None):
             break
         long_part = part == "long"
         batch, nheads, modes = _group_shape(cfg, part, seqlen, headdim)
-        load = os.getloadavg()[0]
+        load = load_average()[0]
         base = dict(experiment="speedup", dtype=cfg.dtype, batch=batch, seqlen_q=seqlen,
                     seqlen_k=seqlen, nheads=nheads, nheads_kv=nheads, headdim=headdim,
                     causal=causal, part=part, load_avg_1m=load, **machine)
@@ -627,7 +627,7 @@ def run(cfg, device, out, resume=False, resume_after=None):
         if rows:
             write_measured(rows, part)
         log(f"group {g + 1}/{len(plan)} done at {time.perf_counter() - start:.0f} s, "
-            f"load average {os.getloadavg()[0]:.2f}")
+            f"load average {load_average()[0]:.2f}")
     if "decode" in cfg.parts:
         from experiments import decode  # it imports this module's providers and failure rules
         rows = decode.run(cfg, device, log, machine, start,
@@ -647,7 +647,7 @@ def run(cfg, device, out, resume=False, resume_after=None):
     else:
         write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)],
                       out)
-    log(f"load average at end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s in all")
+    log(f"load average at end: {load_average()}; {time.perf_counter() - start:.0f} s in all")
 
 
 def _file_has_ceilings(path):
@@ -684,7 +684,7 @@ def _best_ceilings(rows, path):
 def measure_ceilings(cfg, device, machine, when):
     rows = ceilings(cfg, device)
     for r in rows:
-        r.update(machine, load_avg_1m=os.getloadavg()[0])
+        r.update(machine, load_avg_1m=load_average()[0])
         log(f"ceiling at the {when}: {r['metric']} {r['value']:.4g} {r['unit']} "
             f"(p20 {r['p20']:.4g}, p80 {r['p80']:.4g}; {r['size']}, {cfg.dtype})")
     return rows

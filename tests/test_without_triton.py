@@ -1,7 +1,8 @@
 """Where Triton cannot be installed (macOS, Windows: no wheels), LongFlash runs on its PyTorch
 path and the README's commands still work: checked here in fresh Pythons in which `import
 triton` fails as it does there (a sitecustomize puts None in sys.modules["triton"], so
-importlib finds no spec and the import raises ImportError)."""
+importlib finds no spec and the import raises ImportError), and, for the experiments, where
+os.sched_getaffinity does not exist either (macOS, Windows) nor os.getloadavg (Windows)."""
 
 import os
 import subprocess
@@ -12,10 +13,13 @@ from conftest import ROOT
 BLOCK_TRITON = 'import sys\nsys.modules["triton"] = None  # as where Triton is not installed\n'
 
 
-def run_without_triton(tmp_path, *argv, timeout=600):
+NOT_LINUX = "import os\ndel os.sched_getaffinity, os.getloadavg  # as on Windows\n"
+
+
+def run_without_triton(tmp_path, *argv, timeout=600, not_linux=False):
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(BLOCK_TRITON)
+    (site / "sitecustomize.py").write_text(BLOCK_TRITON + (NOT_LINUX if not_linux else ""))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.path.join(ROOT, "kernels"),
                                                        ROOT]))
     env.pop("TRITON_INTERPRET", None)
@@ -50,3 +54,12 @@ def test_suite_collects_and_variants_runs(tmp_path):
     out = run_without_triton(tmp_path, "-m", "experiments.variants", "--quick", "--out",
                              str(tmp_path / "variants.csv"))
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_experiments_run_without_linux_calls(tmp_path):
+    """RQ1, RQ3 and RQ4 at tiny sizes where neither Triton nor os.sched_getaffinity nor
+    os.getloadavg exists: the cores and load columns come from what the system has."""
+    for module in ("speedup", "scaling", "long_context_training"):
+        out = run_without_triton(tmp_path, "-m", f"experiments.{module}", "--quick", "--out",
+                                 str(tmp_path / f"{module}.csv"), not_linux=True)
+        assert out.returncode == 0, (module, out.stderr[-3000:])
