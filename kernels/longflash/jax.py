@@ -327,13 +327,11 @@ def _padded_bias(bias, ctx, padded_q, padded_k):
 
 
 def _padded_segments(segments, padded_q, padded_k):
-    """The (queries', keys') segment ids padded to whole blocks with ids that match nothing
-    (padding is masked anyway; none stays None)."""
+    """The (queries', keys') segment ids padded to whole blocks (with 0, as the bias: the tiles
+    that hold padding are the masked ones, which hide it); None stays None."""
     if segments is None:
         return None
-    q_ids, kv_ids = (x.astype(jnp.int32) for x in segments)
-    lowest = jnp.minimum(q_ids.min(initial=0), kv_ids.min(initial=0))
-    return _pad_to(q_ids, 1, padded_q, lowest - 1), _pad_to(kv_ids, 1, padded_k, lowest - 2)
+    return tuple(_pad_to(x.astype(jnp.int32), 1, n) for x, n in zip(segments, (padded_q, padded_k)))
 
 
 def _grouped_slopes(slopes, nheads_kv, dtype):
