@@ -119,9 +119,7 @@ def logits_and_grads(model, input_ids, mask, position_ids, weight, valid, **kwar
     return logits.detach()[valid], grads
 
 
-CASES = [(arch, padding) for arch in CONFIGS for padding in ("none", "left", "right")
-         if (arch, padding) not in (("mistral-window4", "right"), ("gpt-oss-sinks", "right"))]
-# (right padding with a sliding window runs on the dense mask: see below)
+CASES = [(arch, padding) for arch in CONFIGS for padding in ("none", "left", "right")]
 
 
 @pytest.mark.parametrize("arch, padding", CASES, ids=[f"{a}-{p}" for a, p in CASES])
@@ -197,49 +195,60 @@ def _pattern_and_bias(batch=2, seqlen=8):
     return pattern, bias
 
 
-@pytest.mark.parametrize("case", ["pattern", "bias", "right-padding-window", "middle-padding"])
+@pytest.mark.parametrize("case", ["pattern", "bias", "middle-padding", "middle-padding-window"])
 def test_masks_beyond_padding_match_eager(case):
     """Masks that are not padding x (full | causal | window) run with the kernels reading them
-    as attn_mask: a custom 4D pattern, a float bias, right padding with a sliding window; and
-    a 2D padding mask with padding between valid tokens (packed: varlen). The logits of the
-    valid positions equal eager's (float32). (Packed sequences from position_ids:
-    test_packed_sequences_run_as_segments.)"""
-    arch = "mistral-window4" if case == "right-padding-window" else "llama-gqa"
+    as attn_mask: a custom 4D pattern, a float bias, a sliding window over padding between
+    valid tokens (the window counts the padding: not a window over the packed tokens); and a
+    causal 2D padding mask with padding between valid tokens (packed: varlen). The logits of
+    the valid positions equal eager's (float32). (Packed sequences from position_ids, and
+    windows with left or right padding: test_segments_match_sdpa.)"""
+    arch = "mistral-window4" if case == "middle-padding-window" else "llama-gqa"
     eager, longflash = make_models(arch, (torch.float32,) * 2, ("eager", NAME))
-    input_ids, mask, _ = make_batch("right" if case == "right-padding-window" else "none",
-                                    batch=2, seqlen=13 if case == "right-padding-window" else 8)
+    input_ids, mask, _ = make_batch("none", batch=2, seqlen=8)
     kwargs = dict(input_ids=input_ids)
     valid = torch.ones_like(input_ids, dtype=torch.bool)
     if case in ("pattern", "bias"):
         kwargs["attention_mask"] = _pattern_and_bias()[case == "bias"]
-    elif case == "middle-padding":
-        mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 1, 1]])
-        kwargs["attention_mask"] = mask
-        valid = mask.bool()
     else:
+        mask = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 1, 1]])
         kwargs["attention_mask"] = mask
         valid = mask.bool()
     ref, out = (model(**kwargs).logits.detach()[valid] for model in (eager, longflash))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-PACKED = {  # position_ids that restart: sequences packed in a row (padding-free batches)
-    "llama-gqa": [[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]],
+def _padded(*rows):
+    """(position_ids, attention_mask) of a padded batch: rows of 0/1 (0: padding)."""
+    mask = torch.tensor(rows)
+    return (mask.cumsum(-1) - 1).clamp(min=0), mask
+
+
+SEGMENTS = {  # arch, position_ids, attention_mask: transformers' masks that are segments
+    # position_ids that restart: sequences packed in a row (padding-free batches)
+    "llama-gqa-packed": ("llama-gqa", torch.tensor(
+        [[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]]), None),
     # segments longer and shorter than the window of 4, one row a single sequence
-    "mistral-window4": [[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2], list(range(13))],
+    "mistral-window4-packed": ("mistral-window4", torch.tensor(
+        [[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 1, 2], list(range(13))]), None),
     # values' head dim 16, keys' 24; a sequence of one token
-    "deepseek-v3-mla": [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]],
+    "deepseek-v3-mla-packed": ("deepseek-v3-mla", torch.tensor(
+        [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6], [0, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]), None),
+    # a sliding window with padding: batched prefill (left) and training batches (right)
+    "mistral-window4-left": ("mistral-window4", *_padded([0] * 3 + [1] * 10, [0] * 11 + [1] * 2)),
+    "mistral-window4-right": ("mistral-window4", *_padded([1] * 6 + [0] * 7, [1] * 13)),
 }
 
 
-@pytest.mark.parametrize("arch", list(PACKED))
-def test_packed_sequences_run_as_segments(arch, monkeypatch):
-    """Packed sequences (position_ids that restart, no attention_mask: transformers' padding-free
-    batches) run as the segments of attention_varlen, the mask read a few rows at a time and
-    never built whole: logits and every parameter gradient against sdpa in float64 (eager in
-    float32 the low precision). The mask is read 2 rows at a time here (chunk edges inside
-    segments); every mask the model asks for is a SegmentMask, and the kernels get the
-    packed sequences' boundaries."""
+@pytest.mark.parametrize("case", list(SEGMENTS))
+def test_segments_match_sdpa(case, monkeypatch):
+    """Masks that are segments run as the segments of attention_varlen over the tokens that
+    are not padding, the mask read a few rows at a time and never built whole: packed
+    sequences (position_ids that restart, no attention_mask: transformers' padding-free
+    batches) and sliding windows with padding. Logits and every parameter gradient of the
+    valid positions against sdpa in float64 (eager in float32 the low precision). The mask
+    is read 2 rows at a time here (chunk edges inside segments); every mask the model asks
+    for is a SegmentMask, and the kernels get the sequences' boundaries."""
     from transformers import masking_utils
     rows, masks, varlen = [], [], []
 
@@ -257,14 +266,14 @@ def test_packed_sequences_run_as_segments(arch, monkeypatch):
 
     sdpa_mask_, varlen_ = masking_utils.sdpa_mask, lf_hf.attention_varlen
     monkeypatch.setattr(lf_hf, "MASK_CHUNK_ELEMENTS", 2 * 2 * 13)
+    arch, position_ids, mask = SEGMENTS[case]
     ref64, eager32, longflash32 = make_models(arch)
-    position_ids = torch.tensor(PACKED[arch])
     input_ids = torch.randint(1, 100, position_ids.shape, generator=torch.Generator().manual_seed(1))
-    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
     weight = torch.randn(*input_ids.shape, 100, generator=torch.Generator().manual_seed(2),
                          dtype=torch.float64)
     # (no cache: transformers looks for packed sequences only then, as in training)
-    run = lambda model: logits_and_grads(model, input_ids, None, position_ids, weight,  # noqa: E731
+    run = lambda model: logits_and_grads(model, input_ids, mask, position_ids, weight,  # noqa: E731
                                          valid, use_cache=False)
     ref, ref_grads = run(ref64)
     low, low_grads = run(eager32)
@@ -276,13 +285,13 @@ def test_packed_sequences_run_as_segments(arch, monkeypatch):
         out, out_grads = run(longflash32)
     finally:
         AttentionMaskInterface.register(NAME, lf_hf.longflash_mask)
-    check_close(f"{arch} packed logits", out, low, ref)
+    check_close(f"{case} logits", out, low, ref)
     for name in ref_grads:
         check_close(f"d {name}", out_grads[name], low_grads[name], ref_grads[name])
     assert masks and all(isinstance(m, lf_hf.SegmentMask) for m in masks), masks
     assert rows and max(rows) == 2  # the mask read 2 rows at a time, never whole
-    starts = [[b * 13 + i for i, p in enumerate(row) if p == 0] for b, row in enumerate(PACKED[arch])]
-    assert varlen and all(c == sum(starts, []) + [2 * 13] for c in varlen), varlen
+    starts = (position_ids[valid] == 0).nonzero().squeeze(1).tolist()  # over the packed tokens
+    assert varlen and all(c == starts + [int(valid.sum())] for c in varlen), varlen
 
 
 def _mask_from_runs(first, last):
@@ -303,31 +312,44 @@ def _segment_runs(lengths, causal, window_left):
     return first, last
 
 
-SEGMENT_CASES = [  # (segment lengths of each row, causal, window_left)
-    ([[3, 1, 5], [9]], True, -1),
-    ([[4, 5], [2, 2, 2, 3]], True, 2),      # the window binds in the longer segments
-    ([[1] * 9, [9]], True, 0),              # a window of one key: every query alone (found as
-                                            # segments of one token, no window)
-    ([[3, 6], [9]], False, -1),             # full attention within each segment
-    ([[9], [9]], True, -1),                 # plain causal (one segment a row)
+SEGMENT_CASES = [  # (segment lengths of each row, causal, window_left, padding)
+    ([[3, 1, 5], [9]], True, -1, None),
+    ([[4, 5], [2, 2, 2, 3]], True, 2, None),   # the window binds in the longer segments
+    ([[1] * 9, [9]], True, 0, None),           # a window of one key: every query alone (found
+                                               # as segments of one token, no window)
+    ([[3, 6], [9]], False, -1, None),          # full attention within each segment
+    ([[9], [9]], True, -1, None),              # plain causal (one segment a row)
+    # padding (left, right) in each row: the segments lie on the other tokens
+    ([[2, 5], [4]], True, 2, ((2, 0), (0, 5))),
+    ([[7], [6]], True, 3, ((2, 0), (3, 0))),   # left-padded prefill with a sliding window
+    ([[3, 3], [1, 5]], False, -1, ((1, 2), (3, 0))),
+    ([[], [9]], True, -1, ((9, 0), (0, 0))),   # a row of padding only
 ]
 
 
-@pytest.mark.parametrize("lengths, causal, window_left", SEGMENT_CASES)
-def test_segments_found_exactly(lengths, causal, window_left):
+@pytest.mark.parametrize("lengths, causal, window_left, padding", SEGMENT_CASES)
+def test_segments_found_exactly(lengths, causal, window_left, padding):
     """_segments on masks built from segment layouts: the plan found gives back transformers'
-    mask exactly (SegmentMask.dense against sdpa_mask's whole mask), and its cu_seqlens,
-    causal flag and window are the layout's (a window that never binds is unbounded)."""
+    mask exactly on the tokens that are not padding (SegmentMask.dense against sdpa_mask's
+    whole mask; padding queries, which here see every real key, see none in the plan), and
+    its cu_seqlens (over the packed real tokens), causal flag and window are the layout's (a
+    window that never binds is unbounded)."""
     from transformers import masking_utils
-    runs = [_segment_runs(row, causal, window_left) for row in lengths]
-    first = torch.tensor([r[0] for r in runs])
-    last = torch.tensor([r[1] for r in runs])
+    first, last, valid = [], [], []
+    for row, (left, right) in zip(lengths, padding or [(0, 0)] * 2):
+        f, lst = _segment_runs(row, causal, window_left)
+        first.append([0] * left + [x + left for x in f] + [0] * right)
+        last.append([8] * left + [x + left for x in lst] + [8] * right)
+        valid.append([0] * left + [1] * sum(row) + [0] * right)
+    first, last, valid = torch.tensor(first), torch.tensor(last), torch.tensor(valid).bool()
     kwargs = dict(batch_size=2, q_length=9, kv_length=9, q_offset=0, kv_offset=0,
-                  mask_function=_mask_from_runs(first, last), attention_mask=None,
+                  mask_function=_mask_from_runs(first, last),
+                  attention_mask=None if padding is None else valid,
                   allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     mask = lf_hf._segments(kwargs)
-    assert isinstance(mask, lf_hf.SegmentMask)
-    assert torch.equal(mask.dense(), masking_utils.sdpa_mask(**kwargs))
+    assert isinstance(mask, lf_hf.SegmentMask) and mask.padded == (padding is not None)
+    dense, expected = mask.dense()[:, 0], masking_utils.sdpa_mask(**kwargs)[:, 0]
+    assert torch.equal(dense[valid], expected[valid]) and not dense[~valid].any()
     if causal and window_left == 0:
         lengths, window_left = [[1] * 9] * 2, -1
     starts = [0]
@@ -338,22 +360,27 @@ def test_segments_found_exactly(lengths, causal, window_left):
     assert mask.window_left == (window_left if binds else -1)
 
 
-@pytest.mark.parametrize("case", ["two-runs", "empty-row", "two-windows", "full-short-row",
-                                  "cache"])
+@pytest.mark.parametrize("case", ["two-runs", "empty-row", "middle-padding-window",
+                                  "two-windows", "full-short-row", "cache"])
 def test_segments_refuse_other_masks(case):
     """Masks that are not segments of causal / windowed / full attention give None (the mask is
     then built whole and read by the kernels): a row that sees two runs of keys (from the
-    first key and up to the last that causal attention gives it), a row that sees none (left padding), two
-    different windows, full attention with one row that stops short, queries that are not
-    the keys (a KV cache)."""
+    first key and up to the last that causal attention gives it), a token (not padding) that
+    sees none, a window that counts padding between tokens, two different windows, full
+    attention with one row that stops short, queries that are not the keys (a KV cache)."""
     first, last = _segment_runs([9], True, -1)
     first, last = torch.tensor([first] * 2), torch.tensor([last] * 2)
     fn, extra = _mask_from_runs(first, last), {}
     if case == "two-runs":  # query 4 of row 0 sees keys 0, 1, 3 and 4, not 2
         fn = lambda b, h, q, kv: (_mask_from_runs(first, last)(b, h, q, kv)  # noqa: E731
                                   & ~((b == 0) & (q == 4) & (kv == 2)))
-    elif case == "empty-row":
-        extra["attention_mask"] = torch.tensor([[0, 0] + [1] * 7, [1] * 9])
+    elif case == "empty-row":  # query 4 of row 0 sees no key
+        fn = lambda b, h, q, kv: (_mask_from_runs(first, last)(b, h, q, kv)  # noqa: E731
+                                  & ~((b == 0) & (q == 4)))
+    elif case == "middle-padding-window":  # packed, query 4 sees 1, 3, 4 and 7 sees 4, 7
+        from transformers import masking_utils
+        fn = masking_utils.sliding_window_causal_mask_function(4)
+        extra["attention_mask"] = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1, 1], [1] * 9])
     elif case == "two-windows":
         first[0] = torch.tensor(_segment_runs([9], True, 2)[0])
         first[1] = torch.tensor(_segment_runs([9], True, 3)[0])

@@ -37,21 +37,24 @@ implementation computes:
   is checked, O(batch * seqlen); otherwise (valid keys after the queries, as in a cache
   longer than the tokens seen) transformers' dense mask runs as below.
 - packed sequences (transformers detects them from position_ids that restart, with no
-  attention_mask and no cache: padding-free training batches) and sliding windows without
-  padding: the mask function returns a `SegmentMask`, found by building transformers' mask
-  a few rows at a time and reducing each row to the run of keys it sees (O(seqlen) memory,
-  O(seqlen^2) cheap comparisons once per forward); if every row is causal (optionally
+  attention_mask and no cache: padding-free training batches) and sliding windows, with or
+  without padding, on queries that are the keys (training, a prefill): the mask function
+  returns a `SegmentMask`, found by building transformers' mask a few rows at a time and
+  reducing each row that is not padding to the run of keys it sees (O(seqlen) memory,
+  O(seqlen^2) cheap comparisons once per forward); if every such row is causal (optionally
   within a sliding window) or full attention within its sequence, exactly, the sequences
-  run as `longflash.attention_varlen`'s, in place, and no N x N mask is ever built.
-- any other mask function (chunked attention, overlays such as image tokens, a window with
-  padding, packed sequences with a cache), and a 4D mask passed by the user: the mask is
-  materialized as for sdpa, a (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2) memory,
+  run as `longflash.attention_varlen`'s (the tokens that are not padding packed) and no
+  N x N mask is ever built.
+- any other mask function (chunked attention, overlays such as image tokens, a window over
+  padding between tokens, a window past a prefill: decoding steps, whose masks are a row a
+  query), and a 4D mask passed by the user: the mask is materialized as for sdpa, a
+  (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2) memory,
   as sdpa needs), and read exactly: if it equals valid_q x valid_k x (full | causal |
   causal with the layer's `sliding_window`), aligned per sequence, where valid_q are the
   rows that see some key and valid_k the keys that some row sees (every row that sees a
   key is compared), the valid tokens are packed as above; otherwise (packed sequences in a
-  user's 4D mask, chunks, overlays, right padding with a sliding window, a float mask with
-  other values than 0 and the dtype's minimum: an attention bias) the kernels read the
+  user's 4D mask, chunks, overlays, a window over padding between tokens, a float mask
+  with other values than 0 and the dtype's minimum: an attention bias) the kernels read the
   mask itself as `attn_mask`, tile by tile (`longflash.attention`). A float mask's dtype
   minimum then counts as -inf (in float32 and bfloat16; float16's is finite, as in eager).
   A mask of another shape or dtype raises NotImplementedError naming what was found.
@@ -104,16 +107,20 @@ class PaddingMask:
 class SegmentMask:
     """What the "LongFlash" mask function gives each attention layer for a mask that is, in
     every batch row, independent sequences one after the other, each with causal (optionally
-    sliding-window) or full attention: packed sequences (padding-free batches, detected by
-    transformers from position_ids that restart), and sliding windows without padding. Found
-    by reading the mask transformers defines a few rows at a time (`_segments`), O(seqlen)
-    memory; the attention runs `longflash.attention_varlen` over the segments.
+    sliding-window) or full attention, on the tokens that are not padding: packed sequences
+    (padding-free batches, detected by transformers from position_ids that restart), and
+    sliding windows with or without padding. Found by reading the mask transformers defines
+    a few rows at a time (`_segments`), O(seqlen) memory; the attention runs
+    `longflash.attention_varlen` over the segments of the tokens that are not padding,
+    packed row after row.
 
-    cu_seqlens: (segments + 1,) int32, over the batch's rows one after the other.
+    valid: (batch, seqlen) bool, False for a padding token (seen by no query, output 0).
+    cu_seqlens: (segments + 1,) int32, over the packed tokens.
     max_seqlen: the longest segment.
     causal, window_left: within each segment (window_left -1: unbounded).
-    first_key, last_key: (batch, seqlen) the run of keys each query sees (for `dense`).
+    first_key, last_key: (tokens,) the run of packed keys each packed query sees (`dense`).
     """
+    valid: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
     causal: bool
@@ -121,10 +128,26 @@ class SegmentMask:
     first_key: torch.Tensor
     last_key: torch.Tensor
 
+    @property
+    def padded(self):
+        return self.first_key.numel() < self.valid.numel()
+
     def dense(self):
-        """The mask as transformers defines it, (batch, 1, seqlen, seqlen) bool, O(seqlen^2)."""
-        keys = torch.arange(self.first_key.shape[-1], device=self.first_key.device)
-        return ((keys >= self.first_key[..., None]) & (keys <= self.last_key[..., None]))[:, None]
+        """The mask as transformers defines it on the tokens that are not padding (padding
+        queries see no key), (batch, 1, seqlen, seqlen) bool, O(seqlen^2)."""
+        packed = _packed_positions(self.valid)[:, None, :]  # (batch, 1, seqlen) of the keys
+        first = torch.full_like(self.valid, self.first_key.numel(), dtype=packed.dtype)
+        last = torch.full_like(self.valid, -1, dtype=packed.dtype)
+        first[self.valid], last[self.valid] = self.first_key, self.last_key
+        return ((packed >= first[..., None]) & (packed <= last[..., None])
+                & self.valid[:, None, :])[:, None]
+
+
+def _packed_positions(valid):
+    """(batch, seqlen) bool -> (batch, seqlen) each valid token's place once the valid tokens
+    of all rows are packed one after the other."""
+    counts = valid.sum(-1)
+    return (counts.cumsum(0) - counts)[:, None] + valid.cumsum(-1) - 1
 
 
 # ----------------------------------------------------------------------------- mask function
@@ -173,32 +196,43 @@ def longflash_mask(**kwargs):
         segments = _segments(kwargs) if q_offset == 0 else None
         # Another pattern: materialize it (as sdpa would) and let the attention read it.
         return segments if segments is not None else masking_utils.sdpa_mask(**kwargs)
-    kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
-    valid_k = kwargs.get("attention_mask")
-    if valid_k is not None:  # (batch, seen tokens): keys are columns kv_offset + [0, kv_length)
-        valid_k = valid_k.to(torch.bool)
-        missing = kv_offset + kv_length - valid_k.shape[-1]
-        if missing > 0:  # static caches: slots not yet written are padding
-            valid_k = F.pad(valid_k, (0, missing), value=False)
-        valid_k = valid_k[:, kv_offset:kv_offset + kv_length]
-        if not torch.compiler.is_compiling() and bool(valid_k.all()):
-            valid_k = None
+    valid_k = _valid_keys(kwargs)
+    if valid_k is not None and not torch.compiler.is_compiling() and bool(valid_k.all()):
+        valid_k = None
     return PaddingMask(valid_k, causal, q_offset)
 
 
 MASK_CHUNK_ELEMENTS = 2**24  # _segments reads the mask this many elements at a time
 
 
+def _valid_keys(kwargs):
+    """The 2D padding attention_mask of a mask function's kwargs as (batch, kv_length) bool,
+    True for a real key: columns kv_offset + [0, kv_length); None if there is none."""
+    valid_k = kwargs.get("attention_mask")
+    if valid_k is None:
+        return None
+    kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
+    valid_k = valid_k.to(torch.bool)
+    missing = kv_offset + kv_length - valid_k.shape[-1]
+    if missing > 0:  # static caches: slots not yet written are padding
+        valid_k = F.pad(valid_k, (0, missing), value=False)
+    return valid_k[:, kv_offset:kv_offset + kv_length]
+
+
 def _segments(kwargs):
-    """A `SegmentMask` equal to the mask that sdpa_mask(**kwargs) would build, or None if it is
-    not one (or under torch.compile). Queries and keys must be the same tokens (no cache).
-    The mask is built a few query rows at a time by transformers' own sdpa_mask (the same
-    mask function, padding and offsets), and each row is reduced to the one run of keys it
-    sees, [first, last]; every row must see one nonempty run. Segment starts are
-    the queries that see only themselves (causal) or whose run starts anew (full); then the
-    runs must equal, exactly, those of causal attention within each segment, under one
-    sliding window (window_left: the largest distance to a first key that is not the
-    segment's start), or full attention within each segment."""
+    """A `SegmentMask` equal to the mask that sdpa_mask(**kwargs) would build on every token
+    that is not padding, or None if it is not one (or under torch.compile). Queries and keys
+    must be the same tokens (no cache). The mask is built a few query rows at a time by
+    transformers' own sdpa_mask (the same mask function, padding and offsets). Tokens that
+    are padding in the 2D attention_mask are left out, as queries (their output is 0) and as
+    keys (sdpa_mask hides them from every query); the others are packed, row after row, and
+    each query's keys reduced to one run [first, last] of packed tokens, which must be
+    nonempty.
+    Segment starts are the queries that see only themselves (causal) or whose run starts
+    anew (full); then the runs must equal, exactly, those
+    of causal attention within each segment, under one sliding window (window_left: the
+    largest distance to a first key that is not the segment's start), or full attention
+    within each segment."""
     from transformers import masking_utils
 
     batch, n = kwargs["batch_size"], kwargs.get("q_length")
@@ -206,6 +240,11 @@ def _segments(kwargs):
         n = kwargs["cache_position"].numel()
     if torch.compiler.is_compiling() or n != kwargs["kv_length"] or n == 0:
         return None
+    device = kwargs.get("device", "cpu")  # where sdpa_mask builds the mask
+    valid = _valid_keys(kwargs)
+    valid = torch.ones(batch, n, dtype=torch.bool, device=device) if valid is None else \
+        valid.to(device)
+    packed = _packed_positions(valid)
     chunk = max(1, MASK_CHUNK_ELEMENTS // (batch * n))
     firsts, lasts = [], []
     for start in range(0, n, chunk):
@@ -214,26 +253,29 @@ def _segments(kwargs):
             part = dict(kwargs, cache_position=kwargs["cache_position"][start:start + rows])
         else:
             part = dict(kwargs, q_length=rows, q_offset=kwargs.get("q_offset", 0) + start)
-        m = masking_utils.sdpa_mask(**part)  # (batch, 1, rows, n) bool
-        m = m.expand(batch, 1, rows, n)[:, 0].view(torch.int8)
+        m = masking_utils.sdpa_mask(**part).expand(batch, 1, rows, n)[:, 0].bool()  # (b, rows, n)
+        real = valid[:, start:start + rows]  # queries that are not padding
+        m = m.view(torch.int8)
         count = m.sum(-1, dtype=torch.int32)
-        first = m.max(-1).indices  # the first visible key (max: the first of equal values)
-        last = n - 1 - m.flip(-1).max(-1).indices
-        if not bool(((count > 0) & (last - first + 1 == count)).all()):  # one run of keys
+        first = packed.gather(-1, m.max(-1).indices)  # the first visible key (max: the
+        last = packed.gather(-1, n - 1 - m.flip(-1).max(-1).indices)  # first of equals)
+        if not bool(((count > 0) & (last - first + 1 == count))[real].all()):  # one run
             return None
         firsts.append(first)
         lasts.append(last)
-    first, last = torch.cat(firsts, -1), torch.cat(lasts, -1)  # (batch, n)
-    queries = torch.arange(n, device=first.device).expand(batch, n)
+    first, last = torch.cat(firsts, -1)[valid], torch.cat(lasts, -1)[valid]  # (total,)
+    total = first.numel()
+    if total == 0:
+        return None
+    queries = torch.arange(total, device=device)
+    # (a row's keys are its own: each row's first token starts a segment by the rules below)
     for causal in (True, False):
         if causal:
             if not bool((last == queries).all()):
                 continue
             is_start = first == queries
         else:
-            is_start = torch.ones_like(first, dtype=torch.bool)
-            is_start[:, 1:] = first[:, 1:] != first[:, :-1]
-        is_start[:, 0] = True
+            is_start = F.pad(first[1:] != first[:-1], (1, 0), value=True)
         starts = torch.where(is_start, queries, 0).cummax(-1).values  # each query's segment
         bound = first > starts  # rows whose first key is set by a window, not the segment
         window_left = int((queries - first)[bound].max()) if bool(bound.any()) else -1
@@ -241,14 +283,14 @@ def _segments(kwargs):
         if not bool((first == expected).all()):
             continue
         if not causal:  # every query of a segment sees up to the segment's end
-            ends = torch.where(torch.roll(is_start, -1, -1), queries, n - 1)
+            ends = torch.where(torch.roll(is_start, -1, -1), queries, total - 1)
             ends = ends.flip(-1).cummin(-1).values.flip(-1)
             if not bool((last == ends).all()):
                 continue
-        flat = is_start.flatten().nonzero().squeeze(1)
-        cu_seqlens = torch.cat([flat, flat.new_tensor([batch * n])]).to(torch.int32)
-        return SegmentMask(cu_seqlens, int(cu_seqlens.diff().max()), causal, window_left,
-                           first, last)
+        flat = is_start.nonzero().squeeze(1)
+        cu_seqlens = torch.cat([flat, flat.new_tensor([total])]).to(torch.int32)
+        return SegmentMask(valid, cu_seqlens, int(cu_seqlens.diff().max()), causal,
+                           window_left, first, last)
     return None
 
 
@@ -352,10 +394,10 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
 def _plan_segments(mask, batch, seqlen_q, seqlen_k):
     """A SegmentMask made for these shapes, as it is, or (causal, window_left, None, None)
     if each row is one segment."""
-    if tuple(mask.first_key.shape) != (batch, seqlen_q) or seqlen_k != seqlen_q:
-        raise _unsupported(f"a segment mask of shape {tuple(mask.first_key.shape)} for a batch "
+    if tuple(mask.valid.shape) != (batch, seqlen_q) or seqlen_k != seqlen_q:
+        raise _unsupported(f"a segment mask of shape {tuple(mask.valid.shape)} for a batch "
                            f"of {batch} sequences of {seqlen_q} queries and {seqlen_k} keys")
-    if mask.cu_seqlens.numel() == batch + 1:  # one segment a row: attention on the batch
+    if not mask.padded and mask.cu_seqlens.numel() == batch + 1:  # one segment a row
         return mask.causal, mask.window_left, None, None
     return mask
 
@@ -378,13 +420,26 @@ def _with_bias(plan, bias, attention_mask, batch, seqlen_q, seqlen_k, device):
 
 # ----------------------------------------------------------------------------- attention
 
+def _pack(x, valid):
+    """x: (B, N, H, D), valid: (B, N) bool or None -> (tokens, H, D), x's valid rows in order."""
+    x = x.reshape(-1, *x.shape[2:])
+    return x if valid is None else x.index_select(0, valid.flatten().nonzero().squeeze(1))
+
+
+def _unpack(o, valid):
+    """The inverse of _pack: (tokens, H, D) -> (B, N, H, D), 0 in the rows that are not valid."""
+    rows = valid.flatten().nonzero().squeeze(1)
+    return o.new_zeros(valid.numel(), *o.shape[1:]).index_copy(0, rows, o).view(
+        *valid.shape, *o.shape[1:])
+
+
 def _run_segments(q, k, v, mask, **kwargs):
-    """A SegmentMask's plan: its segments, every token in one, packed as they lie."""
-    batch, seqlen, nheads, _ = q.shape
-    o = attention_varlen(*(x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v)),
-                         mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+    """A SegmentMask's plan: its segments of the tokens that are not padding, packed."""
+    valid = mask.valid.to(q.device) if mask.padded else None
+    o = attention_varlen(*(_pack(x, valid) for x in (q, k, v)), mask.cu_seqlens.to(q.device),
+                         mask.cu_seqlens.to(q.device), mask.max_seqlen, mask.max_seqlen,
                          causal=mask.causal, window_size=(mask.window_left, -1), **kwargs)
-    return o.view(batch, seqlen, nheads, v.shape[-1])
+    return o.view(*q.shape[:3], v.shape[-1]) if valid is None else _unpack(o, valid)
 
 
 def _run(q, k, v, causal, window_left, valid_q, valid_k, attn_mask=None, **kwargs):
@@ -393,27 +448,18 @@ def _run(q, k, v, causal, window_left, valid_q, valid_k, attn_mask=None, **kwarg
     if valid_q is None and valid_k is None:
         return attention(q, k, v, causal=causal, window_size=window, attn_mask=attn_mask,
                          **kwargs)
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, headdim_v = k.shape[1], v.shape[3]
     if valid_q is None:
-        valid_q = torch.ones(batch, seqlen_q, dtype=torch.bool, device=q.device)
+        valid_q = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
     if valid_k is None:
-        valid_k = torch.ones(batch, seqlen_k, dtype=torch.bool, device=q.device)
+        valid_k = torch.ones(k.shape[:2], dtype=torch.bool, device=q.device)
     valid_q, valid_k = valid_q.to(q.device), valid_k.to(q.device)
-    rows_q = valid_q.flatten().nonzero().squeeze(1)  # indices into (B * Nq)
-    rows_k = valid_k.flatten().nonzero().squeeze(1)
     lengths_q, lengths_k = valid_q.sum(-1), valid_k.sum(-1)
     cu_seqlens_q = F.pad(lengths_q.cumsum(0), (1, 0)).to(torch.int32)
     cu_seqlens_k = F.pad(lengths_k.cumsum(0), (1, 0)).to(torch.int32)
-    o = attention_varlen(
-        q.reshape(batch * seqlen_q, nheads, headdim).index_select(0, rows_q),  # (total_q, H, D)
-        k.reshape(batch * seqlen_k, -1, headdim).index_select(0, rows_k),      # (total_k, Hkv, D)
-        v.reshape(batch * seqlen_k, -1, headdim_v).index_select(0, rows_k),
-        cu_seqlens_q, cu_seqlens_k, int(lengths_q.max()), int(lengths_k.max()), causal=causal,
-        window_size=window, **kwargs)
-    # padded query rows: 0
-    return o.new_zeros(batch * seqlen_q, nheads, headdim_v).index_copy(0, rows_q, o).view(
-        batch, seqlen_q, nheads, headdim_v)
+    o = attention_varlen(_pack(q, valid_q), _pack(k, valid_k), _pack(v, valid_k),
+                         cu_seqlens_q, cu_seqlens_k, int(lengths_q.max()), int(lengths_k.max()),
+                         causal=causal, window_size=window, **kwargs)
+    return _unpack(o, valid_q)  # padded query rows: 0
 
 
 def longflash_attention_forward(module, query, key, value, attention_mask, scaling=None,
