@@ -180,22 +180,27 @@ def _splits_name(num_splits):
 
 
 def _prepare(provider, num_splits, kv_dtype, inputs, device):
-    """One provider's step at one shape, warmed up (compilation, autotuning), with its error
-    (longflash; a float8 cache's also against the unquantized cache) and status:
-    {"provider", "step", "err", "quant_err", "status", "message", "times"}."""
+    """One provider's step at one shape (prepare_step), with its error (longflash; a float8
+    cache's also against the unquantized cache)."""
+    def build():
+        step, layout = make_decode(provider, device,
+                                   0 if math.isnan(num_splits) else num_splits, kv_dtype)
+        args = _quantized(inputs, kv_dtype) if kv_dtype else inputs[layout]
+        o = step(*args)  # warm-up: compilation, autotuning
+        err = _max_err(o, *args) if provider == "longflash" else math.nan
+        quant_err = _max_err(o, *inputs["bnhd"]) if kv_dtype else math.nan
+        return (lambda: step(*args)), err, quant_err
+    return prepare_step(provider, build, device)
+
+
+def prepare_step(provider, build, device):
+    """A decoding step made by build() -> (step, err, quant_err), which calls it once (the
+    warm-up: compilation, autotuning), with its status: {"provider", "step", "err",
+    "quant_err", "status", "message", "times", "graph"}; a failure is a status, not a crash."""
     out = dict(provider=provider, step=None, err=math.nan, quant_err=math.nan, status="ok",
                message="", times=(math.nan,) * 3, graph=None)
     try:
-        step, layout = make_decode(provider, device, 0 if math.isnan(num_splits) else num_splits,
-                                   kv_dtype)
-        args = _quantized(inputs, kv_dtype) if kv_dtype else inputs[layout]
-        o = step(*args)  # warm-up: compilation, autotuning
-        if provider == "longflash":
-            out["err"] = _max_err(o, *args)
-        if kv_dtype:
-            out["quant_err"] = _max_err(o, *inputs["bnhd"])
-        del o
-        out["step"] = lambda: step(*args)
+        out["step"], out["err"], out["quant_err"] = build()
     except Exception as e:  # noqa: BLE001 - a row with its status, not a crash
         out.update(status=_status(e, provider), message=_summary(e))
         if is_oom(e) and device == "cuda":
@@ -242,29 +247,35 @@ def _time_calls(ready, device, cfg):
 
 
 def _rows(provider, num_splits, kv_dtype, r, base, cache_bytes, log):
-    """The rows of one provider at one shape (time_ms, read_gbps, on a GPU time_ms_graph, and
-    longflash's errors)."""
+    """The rows of one provider at one shape (step_rows)."""
     row = dict(base, provider=provider, num_splits=num_splits, kv_dtype=kv_dtype or math.nan)
     name = _splits_name(num_splits) + (f" {kv_dtype}" if kv_dtype else "")
+    return step_rows(row, f"splits {name:<4}", r, cache_bytes, log, quantized=bool(kv_dtype))
+
+
+def step_rows(row, label, r, cache_bytes, log, quantized=False):
+    """The rows of one prepared, timed decoding step (time_ms, read_gbps: cache_bytes / time,
+    on a GPU time_ms_graph, and longflash's errors): row holds the shape, provider and key
+    columns, label names the variant in the log."""
+    provider, part = row["provider"], row["part"]
     times, err, status, message = r["times"], r["err"], r["status"], r["message"]
     med, p20, p80 = times
     gb = (lambda ms: cache_bytes / (ms * 1e-3) / 1e9) if status == "ok" else (lambda ms: math.nan)
-    log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "
-        f"splits {name:<4} {med:9.3f} ms "
-        f"{gb(med):8.2f} GB/s  err {err:.2e}  [{status}]" + (f"  {message}" if message else ""))
+    head = f"{part} B={row['batch']:<2d} N={row['seqlen_k']:<7d} {provider:<14} {label}"
+    log(f"{head} {med:9.3f} ms {gb(med):8.2f} GB/s  err {err:.2e}  [{status}]"
+        + (f"  {message}" if message else ""))
     nan = math.nan
     out = [dict(row, metric="time_ms", value=med, unit="ms", p20=p20, p80=p80, status=status),
            dict(row, metric="read_gbps", value=gb(med), unit="GB/s", p20=gb(p80), p80=gb(p20),
                 status=status)]
     if r["graph"] is not None:
         (g_med, g_p20, g_p80), g_status, g_message = r["graph"]
-        log(f"decode B={base['batch']:<2d} N={base['seqlen_k']:<7d} {provider:<14} "
-            f"splits {name:<4} {g_med:9.3f} ms as CUDA-graph replays "
-            f"[{g_status}]" + (f"  {g_message}" if g_message else ""))
+        log(f"{head} {g_med:9.3f} ms as CUDA-graph replays [{g_status}]"
+            + (f"  {g_message}" if g_message else ""))
         out.append(dict(row, metric="time_ms_graph", value=g_med, unit="ms", p20=g_p20,
                         p80=g_p80, status=g_status))
     errors = ([("max_err_o_sampled", err)] if provider == "longflash" else []) + (
-        [("quant_err_o_sampled", r["quant_err"])] if kv_dtype else [])
+        [("quant_err_o_sampled", r["quant_err"])] if quantized else [])
     for metric, value in errors:
         out.append(dict(row, metric=metric, value=value, unit="abs", p20=nan, p80=nan,
                         status=status if math.isfinite(value) or status != "ok" else "error"))

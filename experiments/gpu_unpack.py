@@ -39,7 +39,7 @@ import tempfile
 import pandas as pd
 
 from experiments import (decode, gpu_campaign, host_time, long_context_training, ncu, prefill,
-                         scaling, variants)
+                         scaling, shared_prefix, variants)
 from experiments.results import (PROVENANCE_COLUMNS, _keys, atomic_write, earlier_runs,
                                  write_results)
 
@@ -48,9 +48,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE_JSON = re.compile(r"-stage\d+-[\w.-]+\.json$")
 
 # Extra key columns of each results folder's CSVs (beside results.KEY_COLUMNS): those its
-# writers pass to write_results (speedup: its parts decode's and prefill's, together: a part's
-# rows are empty in the other's; io_complexity on the GPU: the ncu probe's).
-KEY_COLUMNS = {"speedup": tuple(dict.fromkeys(decode.KEY_COLUMNS + prefill.KEY_COLUMNS)),
+# writers pass to write_results (speedup: its parts decode's, prefill's and shared_prefix's,
+# together: a part's rows are empty in the others'; io_complexity on the GPU: the ncu probe's).
+KEY_COLUMNS = {"speedup": tuple(dict.fromkeys(decode.KEY_COLUMNS + prefill.KEY_COLUMNS
+                                                 + shared_prefix.KEY_COLUMNS)),
                "io_complexity": ncu.KEY_COLUMNS,
                "scaling": scaling.KEY_COLUMNS, "gpu_campaign": gpu_campaign.KEY_COLUMNS,
                "long_context_training": long_context_training.KEY_COLUMNS,

@@ -52,6 +52,10 @@ Part "prefill" (experiments/prefill.py): a chunk of new queries attending to a p
 float8, and over float8 pages gathered into a dequantized copy first. It runs after part
 decode.
 
+Part "shared_prefix" (experiments/shared_prefix.py): a decoding step of a batch that shares a
+prefix, LongFlash's cascade call (the prefix read once for the batch) against the same step
+over caches that each hold a copy of the prefix (LongFlash and SDPA). It runs last.
+
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
 dim 128: time and the cache bytes read per second, LongFlash's split-KV kernel with and
@@ -157,7 +161,7 @@ class Config:
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
     ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
-    parts: tuple = ("batch", "long", "decode", "prefill")
+    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix")
     decode_seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768)   # part decode: cache tokens
     decode_batches: tuple = (1, 8)
     decode_nheads: int = 32               # part decode: a Llama-like GQA shape
@@ -170,6 +174,9 @@ class Config:
     prefill_nheads_kv: int = 2
     prefill_headdim: int = 64
     prefill_page_size: int = 16
+    shared_batches: tuple = (4,)            # part shared_prefix: sequences sharing the prefix
+    shared_prefixes: tuple = (4096, 16384)  # part shared_prefix: the shared prefix's tokens
+    shared_suffix_len: int = 256            # part shared_prefix: each sequence's own tokens
 
 
 FULL = dict(  # the GPU sweep of the issue; see the module docstring
@@ -181,14 +188,15 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     ceiling_rep_ms=200,
     decode_seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
     prefill_seqlens=(4096, 16384, 65536), prefill_chunks=(128, 512, 2048), prefill_batch=4,
-    prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128)
+    prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128,
+    shared_batches=(8, 32), shared_prefixes=(4096, 32768), shared_suffix_len=512)
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
     ceiling_matmul_n=256, ceiling_copy_mb=16, ceiling_rep_ms=50, decode_seqlens=(256, 1024),
     decode_batches=(1, 2), decode_nheads=4, decode_nheads_kv=2, decode_headdim=16,
     prefill_seqlens=(256,), prefill_chunks=(32,), prefill_nheads=4, prefill_nheads_kv=2,
-    prefill_headdim=16)
+    prefill_headdim=16, shared_batches=(2,), shared_prefixes=(256,), shared_suffix_len=32)
 
 
 class Unsupported(Exception):
@@ -640,6 +648,12 @@ def run(cfg, device, out, resume=False, resume_after=None):
                            prefill.existing_keys(out, resume_after) if resume else set())
         if rows:
             write_measured(rows, "prefill", key_columns=prefill.KEY_COLUMNS)
+    if "shared_prefix" in cfg.parts:
+        from experiments import shared_prefix
+        rows = shared_prefix.run(cfg, device, log, machine, start, shared_prefix.existing_keys(
+            out, resume_after) if resume else set())
+        if rows:
+            write_measured(rows, "shared_prefix", key_columns=shared_prefix.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
     if ceilings_pending:
         log(f"ceilings of {out} kept: this run measured no rows of "
@@ -735,13 +749,19 @@ def summary(out, device):
                                 aggfunc="first")
         log(f"\ntime_ms per decoding step, by cache length ({device}):\n"
             f"{table.round(2).to_string()}")
-    if "route" in rows:
+    if (rows["part"] == "prefill").any():
         pre = rows[(rows["part"] == "prefill") & (rows["metric"] == "time_ms")]
         pre = pre.assign(cache=pre["kv_dtype"].fillna(pre["dtype"]) + " " + pre["route"])
         table = pre.pivot_table(index="cache", columns=["seqlen_k", "seqlen_q"], values="value",
                                 aggfunc="first")
         log(f"\ntime_ms per prefill chunk, by keys and chunk length ({device}):\n"
             f"{table.round(2).to_string()}")
+    if (rows["part"] == "shared_prefix").any():
+        sp = rows[(rows["part"] == "shared_prefix") & (rows["metric"] == "time_ms")]
+        table = sp.assign(call=sp["provider"] + " " + sp["route"]).pivot_table(
+            index="call", columns=["batch", "prefix_len"], values="value", aggfunc="first")
+        log(f"\ntime_ms per decoding step over a shared prefix, by batch and prefix length "
+            f"({device}):\n{table.round(2).to_string()}")
 
 
 def main():

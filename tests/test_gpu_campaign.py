@@ -679,13 +679,15 @@ def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cac
     before the gate so that its rows are the default switches'), the host's time per call with
     LongFlash's profile, a training step in CUDA graphs, the forward's WS gate (its packed
     case now checks that WS is left out), RQ1 again (measured only if the gate switched WS
-    on), then what no window reached, then the new part prefill (float8 pages in place).
-    Every step fits the first call; each reserve leaves its step its estimate and keeps the
+    on), then what no window reached, then the new part prefill (float8 pages in place) and
+    cascade decoding (its GPU test, then RQ1 part shared_prefix). Every step fits the first
+    call; each reserve leaves its step its estimate and keeps the
     next one's."""
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     names = ["env", "pytest_fp8", "speedup_decode", "host_time", "pytest_graphs",
              "pytest_ws_fwd", "speedup_batch", "speedup_short", "speedup_long",
-             "scaling_exact", "preflight_ws", "speedup_prefill"]
+             "scaling_exact", "preflight_ws", "speedup_prefill", "pytest_shared_prefix",
+             "speedup_shared_prefix"]
     for dry in (False, True):
         steps = gc.stage_steps(8, dry)
         assert [s.name for s in steps] == names
@@ -709,8 +711,12 @@ def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cac
     assert [n for n in dir(test_gpu) if n.startswith("test_")
             and graphs[graphs.index("-k") + 1] in n] == ["test_training_cuda_graphs_gpu"]
     assert _argv(8, False, "preflight_ws")[-2:] == ["128", "ws"]
-    prefill = _argv(8, False, "speedup_prefill")
-    assert "--full" in prefill and prefill[prefill.index("--parts") + 1] == "prefill"
+    for name, part in (("speedup_prefill", "prefill"), ("speedup_shared_prefix", "shared_prefix")):
+        argv = _argv(8, False, name)
+        assert "--full" in argv and argv[argv.index("--parts") + 1] == part
+    shared = by_name["pytest_shared_prefix"].argv
+    assert [n for n in dir(test_gpu) if n.startswith("test_")
+            and shared[shared.index("-k") + 1] in n] == ["test_shared_prefix_gpu"]
     assert _argv(8, False, "speedup_short")[_argv(8, False, "speedup_short").index(
         "--seqlens") + 1] == "1024,2048"
     _assert_shares_fit(8)

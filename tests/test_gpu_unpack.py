@@ -19,7 +19,7 @@ def _row(seqlen, value, provider="longflash"):
                seqlen_q=seqlen, seqlen_k=seqlen, nheads=16, nheads_kv=16, headdim=128,
                causal=True, metric="time_ms", value=value, unit="ms", status="ok",
                device="NVIDIA H100 80GB HBM3", num_splits=float("nan"), kv_dtype=float("nan"),
-               route=float("nan"),
+               route=float("nan"), prefix_len=float("nan"),
                # the GPU run's provenance; a clean tree's git_dirty_files is empty
                torch="2.11.0", triton="3.6.0", python="3.12.3", git_commit="abc",
                git_dirty=False, git_dirty_files="", timestamp="then", command="there")
@@ -75,22 +75,27 @@ def test_back_to_back_stages_merge(tmp_path, monkeypatch):
 def test_speedup_parts_with_their_own_keys_merge(tmp_path):
     """Stage 8's RQ1 archive holds part decode's rows (keyed also by num_splits, kv_dtype) and
     part prefill's (kv_dtype, route: the float8 pages read in place and gathered differ only
-    there), into a repository file that has neither column yet: every row stays (the speedup
-    folder merged by decode's keys alone refused the archive: "duplicate key")."""
+    there), and part shared_prefix's (route and prefix_len), into a repository file that has
+    none of these columns yet: every row stays (the speedup folder merged by decode's keys
+    alone refused the archive: "duplicate key")."""
     def prefill(route, value):
         return dict(_row(4096, value), part="prefill", seqlen_q=512, kv_dtype="float8_e4m3fn",
                     route=route, num_splits=float("nan"))
     def decode(num_splits, value):
         return dict(_row(4096, value), part="decode", seqlen_q=1, num_splits=num_splits,
                     kv_dtype=float("nan"), route=float("nan"))
+    def shared(route, prefix_len, value):
+        return dict(_row(4096 + 512, value), part="shared_prefix", seqlen_q=1, route=route,
+                    prefix_len=prefix_len)
     root = tmp_path / "repo"
     (root / "results" / "speedup").mkdir(parents=True)
     write_results([_row(1024, 1.0)], str(root / "results" / "speedup" / "h100.csv"))
-    rows = [prefill("in_place", 0.5), prefill("gathered", 0.6), decode(0, 0.1), decode(1, 0.2)]
+    rows = [prefill("in_place", 0.5), prefill("gathered", 0.6), decode(0, 0.1), decode(1, 0.2),
+            shared("cascade", 4096, 0.3), shared("duplicated", 4096, 0.4)]
     gpu_unpack.unpack(_archive(tmp_path, "a", rows, "run A\n", [{"run": "A"}], {}), str(root),
                       log=lambda _: None)
     df = pd.read_csv(root / "results" / "speedup" / "h100.csv")
-    assert sorted(df["value"]) == [0.1, 0.2, 0.5, 0.6, 1.0]
+    assert sorted(df["value"]) == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 1.0]
 
 
 def test_a_seeded_archive_adds_only_what_is_new(tmp_path):

@@ -2,7 +2,9 @@
 provider, mode, configuration and metric, in the results schema, with the right statuses; an
 over-budget configuration is an "oom" row; part decode (experiments/decode.py) one row per
 provider, split choice, batch, cache length and metric; part prefill (experiments/prefill.py)
-one row per route, cache dtype, key count, chunk and metric. No timing is asserted."""
+one row per route, cache dtype, key count, chunk and metric; part shared_prefix
+(experiments/shared_prefix.py) one row per provider, route, batch, prefix length and metric.
+No timing is asserted."""
 
 import math
 import os
@@ -40,9 +42,10 @@ def quick(tmp_path_factory):
 def test_schema_and_one_row_per_measurement(quick):
     out, df, _ = quick
     assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
-    assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype", "route"]).any()
+    assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype", "route",
+                                            "prefix_len"]).any()
     assert set(df["experiment"]) == {"speedup"}
-    assert set(df["part"]) == {"batch", "long", "decode", "prefill", "ceiling"}
+    assert set(df["part"]) == {"batch", "long", "decode", "prefill", "shared_prefix", "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
     runs = df[df["part"].isin(["batch", "long"])]
     groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
@@ -163,6 +166,39 @@ def test_prefill_resume_after_measures_older_rows_again(quick):
     assert len(keys) == len(prefill.ROUTES) * len(cfg.prefill_seqlens) * len(cfg.prefill_chunks)
     assert prefill.existing_keys(out, "2000-01-01T00:00:00") == keys
     assert prefill.existing_keys(out, "2999-01-01T00:00:00") == set()
+
+
+def test_shared_prefix_part(quick):
+    """Part shared_prefix: at every batch and prefix length, LongFlash's cascade call and the
+    step over duplicated caches (LongFlash's and SDPA's); bandwidth from the bytes each route
+    reads (the prefix once, or once per sequence) and the time; LongFlash's output against
+    float64 over the prefix and the sequence's own tokens."""
+    from experiments import shared_prefix
+    out, df, stdout = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    sp = df[df["part"] == "shared_prefix"]
+    assert set(sp["status"]) == {"ok"} and (sp["seqlen_q"] == 1).all()
+    assert (sp["seqlen_k"] == sp["prefix_len"] + cfg.shared_suffix_len).all()
+    assert (sp["nheads"] == cfg.decode_nheads).all()
+    assert (sp["nheads_kv"] == cfg.decode_nheads_kv).all()
+    index = ["provider", "route", "batch", "prefix_len"]
+    wide = sp.pivot_table(index=index, columns="metric", values="value").reset_index()
+    calls = {("longflash", "cascade"), ("longflash", "duplicated"), ("sdpa_cpu", "duplicated")}
+    assert set(zip(wide["provider"], wide["route"])) == calls
+    assert len(wide) == len(calls) * len(cfg.shared_batches) * len(cfg.shared_prefixes)
+    tokens = wide["prefix_len"] + wide["batch"] * cfg.shared_suffix_len
+    tokens = tokens.where(wide["route"] == "cascade",
+                          wide["batch"] * (wide["prefix_len"] + cfg.shared_suffix_len))
+    read = 2 * tokens * cfg.decode_nheads_kv * cfg.decode_headdim * 4  # float32
+    assert ((read / (wide["time_ms"] * 1e-3) / 1e9 - wide["read_gbps"]).abs()
+            <= 1e-9 * wide["read_gbps"]).all()
+    errors = wide[wide["provider"] == "longflash"]["max_err_o_sampled"]
+    assert len(errors) == 2 * len(cfg.shared_batches) * len(cfg.shared_prefixes)
+    assert (errors < 1e-5).all()
+    assert "time_ms per decoding step over a shared prefix" in stdout
+    keys = shared_prefix.existing_keys(out)
+    assert len(keys) == len(wide)
+    assert shared_prefix.existing_keys(out, "2999-01-01T00:00:00") == set()
 
 
 def test_resume_measures_nothing_twice(quick, tmp_path):

@@ -49,6 +49,21 @@ def _grouped(x, nheads_kv):
     return x.unflatten(2, (nheads_kv, -1)).permute(0, 2, 3, 1, 4)
 
 
+def _group_mm(a, b):
+    """a (B, Hkv, G, M, K) @ b (B, Hkv, 1, K, N) -> (B, Hkv, G, M, N): the G query heads of a
+    KV head folded into the rows of one matmul (a broadcast matmul copies b for each of them,
+    which costs more than the product itself when M is small: decoding, a few queries)."""
+    batch, nheads_kv, group, m, k = a.shape
+    return (a.reshape(batch, nheads_kv, group * m, k) @ b[:, :, 0]).view(
+        batch, nheads_kv, group, m, b.shape[-1])
+
+
+def _group_mm_t(a, b):
+    """sum over the group of a^T @ b: a (B, Hkv, G, M, N), b (B, Hkv, G, M, D) -> (B, Hkv, N, D),
+    one matmul over the group's G * M rows (the gradient of a KV head's keys or values)."""
+    return a.flatten(2, 3).transpose(-1, -2) @ b.flatten(2, 3)
+
+
 class _Tile:
     """Index vectors and per-head constants of one (query block, key block) tile."""
 
@@ -67,7 +82,7 @@ def _scores(q_i, k_j, tile, opts, masked):
     """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
     softcap gradient (None without softcap). attn_mask after ALiBi: a boolean one hides the
     keys where it is False, a float one is added."""
-    s = q_i @ k_j.transpose(-1, -2) * opts.softmax_scale
+    s = _group_mm(q_i, k_j.transpose(-1, -2)) * opts.softmax_scale
     t = None
     if opts.softcap > 0:
         t = torch.tanh(s / opts.softcap)
@@ -112,7 +127,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, opts, ctx
         l_i = l_i * alpha + p.sum(-1)
         if opts.dropout_p > 0:
             p = p * _dropout_scale(p, tile, opts)
-        acc = acc * alpha[..., None] + p @ v_j
+        acc = acc * alpha[..., None] + _group_mm(p, v_j)
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -249,10 +264,10 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
             masked = not mid_lo <= start_m < mid_hi
             p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
             p_kept = p * _dropout_scale(p, tile, opts) if opts.dropout_p > 0 else p
-            dv_j += (p_kept.transpose(-1, -2) @ do_i).sum(2)  # sum over the group's heads
-            ds, _ = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t, tile,
-                                 opts)
-            dk_j += (ds.transpose(-1, -2) @ q_i).sum(2)
+            dv_j += _group_mm_t(p_kept, do_i)  # summed over the group's heads
+            ds, _ = _grad_scores(p, _group_mm(do_i, v_j.transpose(-1, -2)), delta[..., rows],
+                                 t, tile, opts)
+            dk_j += _group_mm_t(ds, q_i)
         dk4[:, :, start_n:start_n + block_n] = dk_j
         dv4[:, :, start_n:start_n + block_n] = dv_j
 
@@ -268,9 +283,9 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
             tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
             masked = not mid_lo <= start_n < mid_hi
             p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
-            ds, ds_scores = _grad_scores(p, do_i @ v_j.transpose(-1, -2), delta[..., rows], t,
-                                         tile, opts)
-            dq_i += ds @ k_j
+            ds, ds_scores = _grad_scores(p, _group_mm(do_i, v_j.transpose(-1, -2)),
+                                         delta[..., rows], t, tile, opts)
+            dq_i += _group_mm(ds, k_j)
             if dmask5 is not None:  # the mask's gradient, written by the dQ loop alone
                 dmask5[..., rows, start_n:start_n + block_n] = ds_scores
         dq5[..., rows, :] = dq_i
