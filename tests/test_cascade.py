@@ -57,6 +57,8 @@ CASES = [
     ("spec3-H4/4-causal", 2, 3, 4, 4, 24, 19, [11, 4], None, dict(causal=True)),
     ("paged4-H6/2-softcap", 2, 2, 6, 2, 16, 50, [13, 7], 4, dict(causal=True, softcap=0.9)),
     ("full-H4/1-sink", 2, 2, 4, 1, 16, 8, [5, 30], None, dict(causal=False, sink=True)),
+    # 68 packed query rows over the prefix: two of the split-KV kernel's 64-row tiles
+    ("batch17-H8/2", 17, 1, 8, 2, 16, 40, [3 * b % 11 for b in range(17)], None, {}),
 ]
 
 

@@ -513,12 +513,12 @@ def test_fp8_append_rounds_as_torch_gpu(cache_dtype):
 
 
 def test_shared_prefix_gpu():
-    """Cascade decoding in bf16: 8 sequences over a shared prefix of 3000 tokens (its one call:
-    8 queries routed to the split-KV kernel) and their own paged caches of 0 to 700 tokens,
-    GQA 32/8, d128, against float64 per sequence (tolerance rule)."""
+    """Cascade decoding in bf16: 24 sequences over a shared prefix of 3000 tokens (its one call
+    on the split-KV kernel, 96 query rows a KV head: two tiles) and their own paged caches of 0
+    to 700 tokens, GQA 32/8, d128, against float64 per sequence (tolerance rule)."""
     from test_cascade import check_shared_prefix
-    case = ("gpu-decode8-H32/8-D128", 8, 1, 32, 8, 128, 3000,
-            [0, 700, 17, 256, 511, 3, 650, 128], 16, dict(causal=True))
+    case = ("gpu-decode24-H32/8-D128", 24, 1, 32, 8, 128, 3000,
+            [0, 700, 17, 256, 511, 3, 650, 128] * 3, 16, dict(causal=True))
     check_shared_prefix(case, torch.bfloat16, "triton", device="cuda")
 
 

@@ -9,7 +9,7 @@ decoding kernel and ring attention merge their parts):
 
 A shared prefix (a system prompt, the prompt of several samples) is read once for the whole
 batch: every query of every sequence attends to it in one call, as one sequence of batch *
-seqlen_q rows, then each sequence's own cache is attended as usual and the two are merged
+seqlen_q rows (the split-KV decoding path, whatever the batch), then each sequence's own cache is attended as usual and the two are merged
 (cascade attention, as FlashInfer's: a batch of B sequences reads the prefix's P keys once
 instead of B times).
 """
@@ -17,7 +17,6 @@ instead of B times).
 import torch
 
 from ._common import accumulator_dtype, check_learnable_sink, with_learnable_sink
-from .interface import attention
 from .kvcache import attention_with_kvcache
 
 
@@ -89,10 +88,13 @@ def attention_with_shared_prefix(q, prefix_k, prefix_v, k_cache, v_cache, k=None
                              f"{getattr(x, 'shape', type(x).__name__)}")
     batch, seqlen_q, nheads, headdim = q.shape
     check_learnable_sink(learnable_sink, nheads, q.device)
-    # -- the prefix: every query of the batch as one sequence of batch * seqlen_q rows --
-    o_p, lse_p = attention(q.reshape(1, batch * seqlen_q, nheads, headdim), prefix_k, prefix_v,
-                           softmax_scale=softmax_scale, softcap=softcap, return_lse=True,
-                           backend=backend)
+    # -- the prefix: every query of the batch as one sequence of batch * seqlen_q rows, on the
+    # split-KV path (Triton: the prefix's keys split across programs, a KV head's query rows
+    # packed in its tiles; the main forward kernel would run one program per query head) --
+    o_p, lse_p = attention_with_kvcache(
+        q.reshape(1, batch * seqlen_q, nheads, headdim), prefix_k, prefix_v,
+        cache_seqlens=prefix_k.shape[1], softmax_scale=softmax_scale, causal=False,
+        softcap=softcap, return_lse=True, backend=backend)
     o_p = o_p.view(batch, seqlen_q, nheads, -1)
     lse_p = lse_p.view(nheads, batch, seqlen_q).transpose(0, 1)  # (B, H, Nq)
     # -- each sequence's own cache --
