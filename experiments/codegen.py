@@ -10,8 +10,9 @@ dK/dV, dQ) at every config the launcher can choose on that architecture
 (`flash_triton.CONFIGS`), and the decoding kernels of `longflash.decode_triton` ("decode":
 split-KV, "decode_merge", "decode_append": the append and rotary embedding) at the config the
 launcher chooses for a decoding step of a Llama-like shape (one query, 4 query heads per KV
-head; the merge for the split count chosen at batch 1, 8 KV heads, 128K keys on a 132-SM
-H100), for head dims 64/128/256, bf16 and fp16, and each variant flag of the kernel, then
+head; the split-KV kernel also at 16 queries a sequence, its 64-row tile: speculative decoding,
+a shared prefix's call; the merge for the split count chosen at batch 1, 8 KV heads, 128K
+keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and each variant flag of the kernel, then
 reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
 
 The flash kernels compile as a launch compiles them (compile_launch): their launcher is called
@@ -179,8 +180,9 @@ def kernel_flags(kernel):
 
 def configs_for(kernel, major, headdim):
     """The triton.Configs the launcher may choose for `kernel` on this major capability."""
-    if kernel == "decode":
-        return [decode_triton.launch_config(1, DECODE_GROUP, headdim)]
+    if kernel == "decode":  # a decoding step (16 packed rows), and 16 queries a sequence
+        # (speculative decoding; a shared prefix's call): 64 packed rows, the largest tile
+        return [decode_triton.launch_config(n, DECODE_GROUP, headdim) for n in (1, 16)]
     if kernel == "decode_append":
         return [decode_triton.append_config(headdim)]
     if kernel == "decode_merge":

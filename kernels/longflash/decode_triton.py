@@ -403,8 +403,12 @@ def launch_config(seqlen_q, group, headdim, headdim_v=None):
     block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
     block_d, block_dv = _block_d(headdim), _block_d(headdim_v or headdim)
     block_n = 16 if _INTERPRET else (128 if max(block_d, block_dv) <= 64 else 64)
+    # 64 packed rows at head dim 256 (many queries a KV head: speculative decoding, a shared
+    # prefix) spill 120-200 B with 4 warps on sm_90a, none with 8 (results/codegen/)
+    warps = 8 if block_m * max(block_d, block_dv) >= 64 * 256 else 4
     return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                              BLOCK_DV=block_dv), num_warps=4, num_stages=1 if _INTERPRET else 3)
+                              BLOCK_DV=block_dv), num_warps=warps,
+                         num_stages=1 if _INTERPRET else 3)
 
 
 @functools.lru_cache(maxsize=None)
