@@ -9,6 +9,7 @@ collected by the same ranks.
 """
 
 import functools
+import itertools
 import math
 import os
 import subprocess
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from conftest import check_close
 from experiments.scaling import project, spawn_ranks
-from longflash import _common, attention_ref
+from longflash import _common, attention_ref, attention_varlen_ref
 from longflash.parallel import _Ring, _rank_chunks, _step_blocks, _step_plan, _steps, \
     ring_attention, shard_sequence, unshard_sequence
 from test_correctness import make_inputs
@@ -45,6 +46,7 @@ class Case:
     headdim_v: int = 0           # v's head dim where it differs from q's and k's (MLA)
     window: tuple = (-1, -1)     # window_size over the global sequence
     softcap: float = 0.0
+    packed: bool = False         # documents of DOC_LENGTHS' lengths (cu_seqlens), batch 1
 
     @property
     def id(self):
@@ -53,13 +55,29 @@ class Case:
                 + ("-dlse" if self.with_lse_grad else "") + ("-sink" if self.with_sink else "")
                 + (f"-Dv{self.headdim_v}" if self.headdim_v else "")
                 + (f"-w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
-                + (f"-softcap{self.softcap:g}" if self.softcap else ""))
+                + (f"-softcap{self.softcap:g}" if self.softcap else "")
+                + ("-packed" if self.packed else ""))
 
     def shape(self, world_size):
         """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
         n_chunks = world_size * (2 if self.layout == "zigzag" else 1)
-        return (2, self.chunk_q * n_chunks, self.chunk_k * n_chunks, self.nheads,
-                self.nheads_kv, self.headdim)
+        return (1 if self.packed else 2, self.chunk_q * n_chunks, self.chunk_k * n_chunks,
+                self.nheads, self.nheads_kv, self.headdim)
+
+    def cu_seqlens(self, world_size):
+        """Packed cases: document offsets over the global sequence, else None."""
+        if not self.packed:
+            return None
+        seqlen, offsets = self.shape(world_size)[1], [0]
+        for n in itertools.cycle(DOC_LENGTHS):
+            offsets.append(min(offsets[-1] + n, seqlen))
+            if offsets[-1] == seqlen:
+                return torch.tensor(offsets, dtype=torch.int32)
+
+
+# Documents of packed cases (chunks of 5 tokens): within a chunk, across one boundary, across
+# several, and of one token
+DOC_LENGTHS = (3, 1, 9, 2, 17)
 
 
 CASES = [Case(causal, layout, nheads, nheads_kv)
@@ -80,6 +98,11 @@ CASES += [
     Case(False, "zigzag", 4, 4, window=(2, 6)),
     Case(False, "contiguous", 6, 2, window=(11, 0), softcap=2.0),
     Case(True, "zigzag", 6, 2, dtype=torch.bfloat16, window=(4, -1), softcap=5.0),
+    # packed sequences over the global sequence (cu_seqlens): each token within its document
+    Case(True, "zigzag", 6, 2, packed=True, with_lse_grad=True),
+    Case(True, "contiguous", 4, 1, packed=True),
+    Case(False, "zigzag", 4, 4, packed=True, softcap=3.0),
+    Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, packed=True, with_sink=True),
 ]
 
 
@@ -121,7 +144,7 @@ def _run_case(case, world_size):
     sink = sink_for(case)
     o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
                             backend="torch", learnable_sink=sink, window_size=case.window,
-                            softcap=case.softcap)
+                            softcap=case.softcap, cu_seqlens=case.cu_seqlens(world_size))
     dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
     grads = loss_grads(o, lse, shard(do), dlse_local, local + ([sink] if case.with_sink else []))
     unshard = functools.partial(unshard_sequence, layout=case.layout)
@@ -147,6 +170,13 @@ def _errors(rank):
         "window_differs": lambda: ring_attention(x, x, x, window_size=(1 + rank, 0),
                                                  backend="torch"),
         "unshard_shapes_differ": lambda: unshard_sequence(torch.randn(1, 2 + 2 * rank, 3)),
+        "cu_seqlens_short": lambda: ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 4])),
+        "cu_seqlens_differ": lambda: ring_attention(
+            x, x, x, backend="torch", cu_seqlens=torch.tensor([0, 3 + rank, 8])),
+        "cu_seqlens_with_window": lambda: ring_attention(
+            x, x, x, window_size=(2, 0), cu_seqlens=torch.tensor([0, 8])),
+        "cu_seqlens_batch_2": lambda: ring_attention(
+            *[torch.randn(2, 4, 2, 8)] * 3, cu_seqlens=torch.tensor([0, 8])),
     }
     # A group this rank is not in: every rank must create it, only rank 0 is a member.
     only_rank0 = dist.new_group([0])
@@ -193,9 +223,14 @@ def test_matches_reference(ring_runs, world_size, case):
     inputs = (q, k, v) + ((sink,) if case.with_sink else ())
 
     def reference(*inputs, upcast):
-        o, lse = attention_ref(*inputs[:3], causal=case.causal, upcast=upcast,
-                               learnable_sink=inputs[3] if case.with_sink else None,
-                               window_size=case.window, softcap=case.softcap)
+        kw = dict(causal=case.causal, upcast=upcast, window_size=case.window,
+                  softcap=case.softcap, learnable_sink=inputs[3] if case.with_sink else None)
+        if case.packed:  # batch 1: each document on its own
+            cu = case.cu_seqlens(world_size)
+            o, lse = attention_varlen_ref(*(x[0] for x in inputs[:3]), cu, cu, **kw)
+            o, lse = o[None], lse[None]
+        else:
+            o, lse = attention_ref(*inputs[:3], **kw)
         return (o, lse, *loss_grads(o, lse, do.to(q.dtype), dlse, inputs))
     lowp = reference(*inputs, upcast=False)
     ref = reference(*[x.detach().double().requires_grad_() for x in inputs], upcast=True)
@@ -214,6 +249,10 @@ EXPECTED_ERRORS = {
     "window_seqlen_q_neq_k": ("NotImplementedError", "window_size=(1, 1) needs seqlen_q"),
     "window_differs": ("ValueError", "window_size differs across ranks"),
     "unshard_shapes_differ": ("ValueError", "shape differs across ranks"),
+    "cu_seqlens_short": ("ValueError", "cu_seqlens must go from 0 to the global seqlen 8"),
+    "cu_seqlens_differ": ("ValueError", "cu_seqlens differs across ranks"),
+    "cu_seqlens_with_window": ("NotImplementedError", "both cu_seqlens and window_size"),
+    "cu_seqlens_batch_2": ("ValueError", "needs batch 1"),
 }
 
 

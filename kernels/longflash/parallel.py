@@ -45,8 +45,11 @@ the window reaches, each as one call whose rows, keys and window are cut to the 
 distance (_window_span), and the shards stop travelling after the last step at which any
 rank's window reaches them (_steps; a short window over the contiguous layout: two steps,
 then dK/dV go straight back to their owners); softcap applies per score, block by block.
-Limits: causal and
-windows need seqlen_q == seqlen_k (self-attention); no ALiBi, dropout or varlen; the
+Packed sequences
+(cu_seqlens over the global sequence, batch 1): each block runs as one attention_varlen call
+over the documents both shards hold, a document's rows against its keys (_packed_block).
+Limits: causal, windows and packed sequences need seqlen_q == seqlen_k (self-attention); no
+ALiBi or dropout, no window with packed sequences; the
 backward is not captured by torch.compile (a torch.autograd.Function with communication
 inside).
 """
@@ -151,12 +154,15 @@ def _step_plan(ring, src, causal, seqlen):
 class _Block(NamedTuple):
     """One attention call of a ring step: query rows and key/value rows (slices of the local
     shard and of the shard in hand) and its mask (window sides < 0: unbounded; the kernels'
-    rule, the diagonal aligned to the bottom right of the block)."""
-    rows: slice
-    cols: slice
+    rule, the diagonal aligned to the bottom right of the block). Packed sequences: rows and
+    cols are index tensors (batch 1) and varlen the call's (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k), one sequence per document that both sides hold."""
+    rows: object
+    cols: object
     causal: bool
     window_left: int = -1
     window_right: int = -1
+    varlen: tuple = ()
 
 
 def _step_blocks(ring, src, causal, window, seqlen):
@@ -178,6 +184,62 @@ def _step_blocks(ring, src, causal, window, seqlen):
                 blocks.append(_Block(slice(x * chunk + r0, x * chunk + r1),
                                      slice(y * chunk + c0, y * chunk + c1), False, left, right))
     return blocks
+
+
+def _doc_ranges(ring, rank, docs, seqlen):
+    """{document: (first, end)} local rows of each document that rank's shard holds. docs:
+    the documents' global (start, end); seqlen: tokens per rank. A document is one run of
+    the shard's rows: its chunks follow in sequence order, and a document that reaches two
+    of them (zigzag) holds every token between them."""
+    chunk = seqlen // _chunks_per_rank(ring.layout)
+    ranges = {}
+    for x, c in enumerate(_rank_chunks(ring, rank)):
+        g0 = c * chunk
+        for d, (start, end) in enumerate(docs):
+            lo, hi = max(start, g0), min(end, g0 + chunk)
+            if lo < hi:
+                first, last = x * chunk + lo - g0, x * chunk + hi - g0
+                ranges[d] = (ranges[d][0], last) if d in ranges else (first, last)
+    return ranges
+
+
+def _packed_block(ring, src, block, docs, seqlen, device):
+    """A block of _step_blocks over packed sequences: within it, each document's rows see
+    its keys only, as the block's mask says (a causal block is a rank's own: a document's
+    rows and keys coincide there, so the bottom-right diagonal is the global one; the other
+    blocks' keys all precede their rows, or the attention is not causal). None: no document
+    on both sides."""
+    mine, theirs = (_doc_ranges(ring, r, docs, seqlen) for r in (ring.rank, src))
+    r0, r1, _ = block.rows.indices(seqlen)
+    c0, c1, _ = block.cols.indices(seqlen)
+    row_runs, col_runs = [], []
+    for d in sorted(mine.keys() & theirs.keys()):
+        qa, qb = max(mine[d][0], r0), min(mine[d][1], r1)
+        ka, kb = max(theirs[d][0], c0), min(theirs[d][1], c1)
+        if qa < qb and ka < kb:
+            row_runs.append((qa, qb))
+            col_runs.append((ka, kb))
+    if not row_runs:
+        return None
+    (rows, cu_q, max_q), (cols, cu_k, max_k) = (_packed(r, device) for r in (row_runs, col_runs))
+    return block._replace(rows=rows, cols=cols, varlen=(cu_q, cu_k, max_q, max_k))
+
+
+def _packed(runs, device):
+    """runs ((first, end), ...) of rows -> (their index tensor, cu_seqlens, longest run)."""
+    lengths = [b - a for a, b in runs]
+    index = torch.cat([torch.arange(a, b) for a, b in runs]).to(device)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(device=device, dtype=torch.int32)
+    return index, cu_seqlens, max(lengths)
+
+
+def _calls(ring, src, causal, window, seqlen, docs, device):
+    """The blocks of a step (_step_blocks), over packed sequences if docs is not None."""
+    blocks = _step_blocks(ring, src, causal, window, seqlen)
+    if docs is None:
+        return blocks
+    blocks = [_packed_block(ring, src, b, docs, seqlen, device) for b in blocks]
+    return [b for b in blocks if b is not None]
 
 
 def _steps(ring, causal, window, seqlen):
@@ -232,7 +294,13 @@ def _merge_(o, lse, o_blk, lse_blk):
     lse.copy_(lse_new)
 
 
-def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap):
+def _take(x, index, dim, varlen):
+    """x's rows index (slice or index tensor) along dim; packed (batch 1): without batch."""
+    x = x[(slice(None),) * dim + (index,)]
+    return x[0] if varlen else x
+
+
+def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs):
     batch, seqlen_q, nheads, _ = q.shape
     acc = accumulator_dtype(q.dtype)
     o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
@@ -243,12 +311,19 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
         last = step == steps - 1
         if not last:  # posted before the compute, so the transfer overlaps it
             (k_next, v_next), requests = _exchange(ring, k, v)
-        for b in _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
-                              k.shape[1]):
+        for b in _calls(ring, (ring.rank - step) % ring.world_size, causal, window,
+                        k.shape[1], docs, q.device):
+            packed = bool(b.varlen)
             o_blk, lse_blk = torch.ops.longflash.attention_forward(
-                q[:, b.rows], k[:, b.cols], v[:, b.cols], b.causal, softmax_scale, backend,
-                b.window_left, b.window_right, None, softcap)
-            _merge_(o[:, b.rows], lse[:, :, b.rows], o_blk, lse_blk)
+                _take(q, b.rows, 1, packed), _take(k, b.cols, 1, packed),
+                _take(v, b.cols, 1, packed), b.causal, softmax_scale, backend, b.window_left,
+                b.window_right, None, softcap, *((0.0, None, *b.varlen) if packed else ()))
+            if packed:  # rows gathered: merged, then written back
+                o_rows, lse_rows = o[:, b.rows], lse[:, :, b.rows]
+                _merge_(o_rows, lse_rows, o_blk[None], lse_blk[None])
+                o[:, b.rows], lse[:, :, b.rows] = o_rows, lse_rows
+            else:
+                _merge_(o[:, b.rows], lse[:, :, b.rows], o_blk, lse_blk)
         if not last:
             _wait(requests)
             k, v = k_next, v_next
@@ -256,7 +331,7 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
 
 
 def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ring, window,
-                   softcap):
+                   softcap, docs):
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()
@@ -269,15 +344,20 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
         last = step == steps - 1
         if not last:
             (k_next, v_next), kv_requests = _exchange(ring, k, v)
-        blocks = _step_blocks(ring, (ring.rank - step) % ring.world_size, causal, window,
-                              k.shape[1])
+        blocks = _calls(ring, (ring.rank - step) % ring.world_size, causal, window, k.shape[1],
+                        docs, q.device)
         grads = []
         for b in blocks:
-            rows = b.rows
+            rows, packed = b.rows, bool(b.varlen)
+            rows_of = lambda x: _take(x, rows, 1, packed)  # noqa: E731
             dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
-                do[:, rows], q[:, rows], k[:, b.cols], v[:, b.cols], o[:, rows], lse[:, :, rows],
-                None if dlse is None else dlse[:, :, rows], b.causal, softmax_scale, backend,
-                b.window_left, b.window_right, None, softcap)
+                rows_of(do), rows_of(q), _take(k, b.cols, 1, packed), _take(v, b.cols, 1, packed),
+                rows_of(o), _take(lse, rows, 2, packed),
+                None if dlse is None else _take(dlse, rows, 2, packed), b.causal, softmax_scale,
+                backend, b.window_left, b.window_right, None, softcap,
+                *((0.0, None, *b.varlen) if packed else ()))
+            if packed:  # (rows, H, D) of batch 1
+                dq_blk, dk_blk, dv_blk = dq_blk[None], dk_blk[None], dv_blk[None]
             dq[:, rows] += dq_blk
             grads.append((b.cols, dk_blk, dv_blk))
         _wait(dkv_requests)
@@ -298,10 +378,11 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring, window, softcap):
-        o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap)
+    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs):
+        o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap,
+                               docs)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, softmax_scale, backend, ring, window, softcap)
+        ctx.args = (causal, softmax_scale, backend, ring, window, softcap, docs)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not a zero one
         return o, lse
 
@@ -310,7 +391,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do = torch.zeros_like(o) if do is None else do
         dq, dk, dv = _ring_backward(do, dlse, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- checks
@@ -322,6 +403,34 @@ def _check_seqlen(name, x, ring):
                          f"needs a multiple of {per_rank} (the global seqlen a multiple of "
                          f"{per_rank * ring.world_size}, {per_rank} chunks per rank): pad the "
                          f"sequence")
+
+
+def _check_cu_seqlens(cu_seqlens, q, k, window, ring):
+    """The documents' global (start, end), from a checked cu_seqlens (one read to the host)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
+            cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+        raise TypeError(f"cu_seqlens must be a 1-D int32 / int64 tensor of (documents + 1) "
+                        f"offsets, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                        f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if q.shape[0] != 1 or q.shape[1] != k.shape[1]:
+        raise ValueError(f"cu_seqlens (packed sequences) needs batch 1 and seqlen_q == seqlen_k, "
+                         f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if window != (-1, -1):
+        raise NotImplementedError("ring_attention with both cu_seqlens and window_size")
+    offsets = cu_seqlens.tolist()
+    total = q.shape[1] * ring.world_size
+    if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must go from 0 to the global seqlen {total} (this rank's "
+                         f"{q.shape[1]} tokens x {ring.world_size} ranks), non-decreasing, got "
+                         f"{offsets[:4]}{' ...' if len(offsets) > 4 else ''} ending at {offsets[-1]}")
+    return tuple((a, b) for a, b in zip(offsets, offsets[1:]) if b > a)
+
+
+def _fingerprint(docs):
+    """A few numbers that differ when two ranks' documents differ (for the all_gather)."""
+    if docs is None:
+        return (-1.0, -1.0)
+    return (float(len(docs)), float(sum(i * (b - a) for i, (a, b) in enumerate(docs))))
 
 
 def _dtype_code(dtype):
@@ -358,7 +467,7 @@ def _check_same_on_all_ranks(ring, device, **meta):
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
                    return_lse=False, backend="auto", *, window_size=(-1, -1), softcap=0.0,
-                   learnable_sink=None):
+                   learnable_sink=None, cu_seqlens=None):
     """Exact attention over a sequence sharded across the ranks of a process group.
 
     Call it on every rank of group with this rank's shards (see `shard_sequence`):
@@ -385,11 +494,19 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     learnable_sink: (nheads,) attention sinks, as in `longflash.attention`, the same on every
         rank, applied to the merged output and lse; its gradient on each rank is that rank's
         rows' share (sum it over the group, as for any parameter replicated across shards).
+    cu_seqlens: packed sequences (documents) over the global sequence: (documents + 1,)
+        int32 / int64 offsets from 0 to the global seqlen, non-decreasing, the same on every
+        rank (as attention_varlen's cu_seqlens_q, here for both sides); batch must be 1 and
+        seqlen_q == seqlen_k. Each token attends within its document only (causal: to the
+        document's tokens up to itself). Each block of a step runs as one attention_varlen
+        call over the documents both shards hold; a rank that holds no part of a document
+        in hand skips it. Not with window_size.
 
     Raises, before any communication: the errors of `longflash.attention`; ValueError for an
     unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
-    NotImplementedError for causal or a window with seqlen_q != seqlen_k. Then, on every rank,
-    ValueError if shapes, dtype, causal, softmax_scale, window_size, softcap, layout or backend
+    NotImplementedError for causal or a window with seqlen_q != seqlen_k; cu_seqlens: the
+    errors above (TypeError / ValueError naming it). Then, on every rank, ValueError if
+    shapes, dtype, causal, softmax_scale, window_size, softcap, layout, backend or cu_seqlens
     differ between ranks (checked with one all_gather of a few numbers).
     """
     ring = _ring(group, layout)
@@ -403,13 +520,15 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         what = "causal=True" if causal else f"window_size={window}"
         raise NotImplementedError(f"ring_attention with {what} needs seqlen_q == seqlen_k "
                                   f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
+    docs = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q, k, window, ring)
     _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
                              dtype=_dtype_code(q.dtype), causal=(causal,),
                              softmax_scale=(softmax_scale,), window_size=window,
                              softcap=(float(softcap),), layout=(LAYOUTS.index(layout),),
-                             backend=(("triton", "torch").index(backend),))
+                             backend=(("triton", "torch").index(backend),),
+                             cu_seqlens=_fingerprint(docs))
     o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring, window,
-                                  float(softcap))
+                                  float(softcap), docs)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
