@@ -178,11 +178,13 @@ def kernel_flags(kernel):
     return KERNEL_FLAGS.get(kernel, FLASH_FLAGS)
 
 
-def configs_for(kernel, major, headdim):
-    """The triton.Configs the launcher may choose for `kernel` on this major capability."""
+def configs_for(kernel, major, headdim, flags="plain"):
+    """The triton.Configs the launcher may choose for `kernel` on this major capability (for
+    the decoding kernel, with these variant flags)."""
     if kernel == "decode":  # a decoding step (16 packed rows), and 16 queries a sequence
         # (speculative decoding; a shared prefix's call): 64 packed rows, the largest tile
-        return [decode_triton.launch_config(n, DECODE_GROUP, headdim) for n in (1, 16)]
+        return [decode_triton.launch_config(n, DECODE_GROUP, headdim, masked=flags == "mask")
+                for n in (1, 16)]
     if kernel == "decode_append":
         return [decode_triton.append_config(headdim)]
     if kernel == "decode_merge":
@@ -588,10 +590,10 @@ def sweep(conf, log=print):
         rows = []
         for kernel in conf.kernels:
             for headdim in conf.headdims:
-                candidates = ([flash_triton._config(c) for c in conf.configs] or
-                              configs_for(kernel, ARCHS[arch] // 10, headdim))
                 for dtype in conf.dtypes:
                     for flags in [f for f in conf.flags if f in kernel_flags(kernel)]:
+                        candidates = ([flash_triton._config(c) for c in conf.configs] or
+                                      configs_for(kernel, ARCHS[arch] // 10, headdim, flags))
                         # full_tiles: what the warp-specialized candidates compile to;
                         # paged (fp8 too): only the pointer candidates run it (no TMA tile
                         # across pages);

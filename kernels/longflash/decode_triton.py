@@ -396,16 +396,23 @@ def _block_d(headdim):
 
 
 @functools.lru_cache(maxsize=None)  # read-only Configs, looked up on every decoding step
-def launch_config(seqlen_q, group, headdim, headdim_v=None):
+def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False):
     """The split kernel's tile sizes and launch options: BLOCK_M (packed rows: at least 16,
-    the smallest tl.dot), BLOCK_N, BLOCK_D, BLOCK_DV (values' head dim, default headdim's).
-    One place for forward() and experiments.codegen."""
+    the smallest tl.dot), BLOCK_N, BLOCK_D, BLOCK_DV (values' head dim, default headdim's);
+    masked: with an attn_mask (its tile of scores' bias). One place for forward() and
+    experiments.codegen."""
     block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
     block_d, block_dv = _block_d(headdim), _block_d(headdim_v or headdim)
     block_n = 16 if _INTERPRET else (128 if max(block_d, block_dv) <= 64 else 64)
-    # 64 packed rows at head dim 256 (many queries a KV head: speculative decoding, a shared
-    # prefix) spill 120-200 B with 4 warps on sm_90a, none with 8 (results/codegen/)
-    warps = 8 if block_m * max(block_d, block_dv) >= 64 * 256 else 4
+    warps = 4
+    # 64 packed rows (many queries a KV head: speculative decoding, a shared prefix's call)
+    # spilled on sm_90a with Triton 3.6 at head dim 256 (120-200 B) and with a mask (52-512 B
+    # at every head dim); 8 warps, and with a mask half the keys a tile, compile spill-free
+    # (results/codegen/, config 64/...)
+    if block_m == 64 and (masked or max(block_d, block_dv) > 128):
+        warps = 8
+    if block_m == 64 and masked and not _INTERPRET:
+        block_n = 64 if max(block_d, block_dv) <= 128 else 32
     return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                               BLOCK_DV=block_dv), num_warps=warps,
                          num_stages=1 if _INTERPRET else 3)
@@ -511,7 +518,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
     check_cache(k_cache, v_cache)
-    cfg = launch_config(seqlen_q, group, headdim, headdim_v)
+    cfg = launch_config(seqlen_q, group, headdim, headdim_v, opts.attn_mask is not None)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = _cdiv(seqlen_q * group, block_m)
     uniform = not isinstance(seqlens_k, torch.Tensor)  # an int
