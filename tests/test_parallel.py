@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import check_close
+from conftest import check_close, needs_triton
 from experiments.scaling import project, spawn_ranks
 from longflash import _common, attention_ref, attention_varlen_ref
 from longflash.parallel import _Ring, _rank_chunks, _step_blocks, _step_plan, _steps, \
@@ -137,13 +137,13 @@ def _seq_last(lse):
     return lse.transpose(1, 2)  # (batch, nheads, seqlen) <-> (batch, seqlen, nheads)
 
 
-def _run_case(case, world_size):
+def _run_case(case, world_size, backend="torch"):
     q, k, v, do, dlse = full_inputs(case, world_size)
     shard = functools.partial(shard_sequence, layout=case.layout)
     local = [shard(x.detach()).requires_grad_() for x in (q, k, v)]
     sink = sink_for(case)
     o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
-                            backend="torch", learnable_sink=sink, window_size=case.window,
+                            backend=backend, learnable_sink=sink, window_size=case.window,
                             softcap=case.softcap, cu_seqlens=case.cu_seqlens(world_size))
     dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
     grads = loss_grads(o, lse, shard(do), dlse_local, local + ([sink] if case.with_sink else []))
@@ -199,6 +199,18 @@ def _worker(rank, world_size):
     return results, errors
 
 
+# The Triton kernels in the ring (under the interpreter on a CPU: small), dense and packed
+TRITON_CASES = [Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
+                     headdim=16, with_lse_grad=True),
+                Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
+                     headdim=16, packed=True, with_lse_grad=True)]
+
+
+def _triton_worker(rank, world_size):
+    _common.POISON_OUTPUTS = True
+    return {case.id: _run_case(case, world_size, "triton") for case in TRITON_CASES}
+
+
 @pytest.fixture(scope="module")
 def ring_runs():
     """world_size -> (results by case id, per-rank errors), spawning each world size once."""
@@ -216,7 +228,18 @@ def ring_runs():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda p: f"P{p}")
 def test_matches_reference(ring_runs, world_size, case):
-    got = ring_runs(world_size)[0][case.id]
+    check_against_reference(ring_runs(world_size)[0][case.id], case, world_size)
+
+
+@needs_triton
+def test_triton_kernels_in_the_ring():
+    """Two ranks running each block on the Triton kernels (interpreted), dense and packed."""
+    got = spawn_ranks(2, _triton_worker, timeout_s=300)
+    for case in TRITON_CASES:
+        check_against_reference(got[case.id], case, 2)
+
+
+def check_against_reference(got, case, world_size):
     q, k, v, do, dlse = full_inputs(case, world_size)
 
     sink = sink_for(case)
