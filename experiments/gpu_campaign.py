@@ -131,7 +131,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      preflight_ws  as in stage 7 (cut at 30 s there by the budget)
      speedup_prefill  RQ1 part prefill (new): chunked prefill over bf16 and float8 pages read
                 in place, and over float8 pages gathered into a dequantized copy first
-     pytest_shared_prefix  cascade decoding over a shared prefix against float64 (new)
+     pytest_shared_prefix  cascade decoding over a shared prefix, and a masked tree of 16
+                queries (the split-KV kernel's 64-row tile), against float64 (new)
      speedup_shared_prefix  RQ1 part shared_prefix (new): the cascade call against the step
                 over caches that each hold a copy of the prefix
 
@@ -684,12 +685,13 @@ def stage_steps(stage, dry):
             # read in place by the forward kernel"); likely the second call's
             _speedup("speedup_prefill", ["--quick" if dry else "--full", "--parts", "prefill"],
                      estimate_s=45, timeout_s=120, reserve_s=30, tail_s=30),
-            # cascade decoding over a shared prefix (new, never run on a GPU): against float64
-            # (one case: the split-KV kernel, compiled by speedup_decode's shapes), then its
-            # first timing, RQ1 part shared_prefix (the cascade call against the step over
-            # duplicated caches, LongFlash's and SDPA's; PERFLOG "Cascade decoding")
-            _pytest("pytest_shared_prefix", "shared_prefix", estimate_s=15, timeout_s=90,
-                    reserve_s=30),
+            # cascade decoding over a shared prefix (new, never run on a GPU) and a masked
+            # tree of 16 queries, both on the split-KV kernel's 64-row tile (its 8-warp masked
+            # config new), against float64, then the cascade's first timing, RQ1 part
+            # shared_prefix (the cascade call against the step over duplicated caches,
+            # LongFlash's and SDPA's; PERFLOG "Cascade decoding", "64-row tile")
+            _pytest("pytest_shared_prefix", "shared_prefix or 64rows", estimate_s=15,
+                    timeout_s=90, reserve_s=30),
             _speedup("speedup_shared_prefix", ["--quick" if dry else "--full", "--parts",
                                                "shared_prefix"],
                      estimate_s=30, timeout_s=120, tail_s=30),

@@ -468,14 +468,21 @@ def test_attn_mask_gradient_gpu():
                         "triton", device="cuda")
 
 
+# 16 queries x 4 heads a KV head: the split-KV kernel's 64-row tile (8 warps with a mask)
+SPEC16 = ("spec16-H32/8-D128-5K", 1, 16, 32, 8, 128, None, 5200, [5100], 16, dict(causal=True))
+
+
 @pytest.mark.parametrize("case, mask_kind", [(DECODE_LONG[2], "bool-keys"),
                                              (DECODE_LONG[1], "float-heads"),
-                                             (DECODE_LONG[3], "bool-rows")],
-                         ids=["spec4-window-tree", "paged-ragged-float", "leftpad-rows"])
+                                             (DECODE_LONG[3], "bool-rows"),
+                                             (SPEC16, "bool-keys")],
+                         ids=["spec4-window-tree", "paged-ragged-float", "leftpad-rows",
+                              "spec16-tree-64rows"])
 def test_attn_mask_kvcache_gpu(case, mask_kind):
     """attn_mask in decoding (the split-KV kernel's BIAS_KIND) in bf16 against float64: a
     boolean mask shared by the heads over a speculative step's 4 queries (tree attention's
-    shape), a float mask per head over a ragged paged cache, one boolean per row."""
+    shape), a float mask per head over a ragged paged cache, one boolean per row, and a
+    tree over 16 queries (64 packed rows a KV head: the kernel's largest tile)."""
     check_case(case, torch.bfloat16, "triton", 0, device="cuda", mask_kind=mask_kind)
 
 
