@@ -9,9 +9,9 @@ decoding kernel and ring attention merge their parts):
 
 A shared prefix (a system prompt, the prompt of several samples) is read once for the whole
 batch: every query of every sequence attends to it in one call, as one sequence of batch *
-seqlen_q rows (the split-KV decoding path, whatever the batch), then each sequence's own cache is attended as usual and the two are merged
-(cascade attention, as FlashInfer's: a batch of B sequences reads the prefix's P keys once
-instead of B times).
+seqlen_q rows (the split-KV decoding path, whatever the batch), then each sequence's own
+cache is attended as usual and the two are merged (cascade attention, as FlashInfer's: a
+batch of B sequences reads the prefix's P keys once instead of B times).
 """
 
 import torch

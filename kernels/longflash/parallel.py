@@ -39,8 +39,9 @@ travelling dk, dv are float32, so roundings do not compound from step to step.
 
 Communication is torch.distributed's own (`batch_isend_irecv`; gloo on CPU, NCCL on GPU);
 attention is computed by the custom ops of `longflash.interface`, never re-implemented
-here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py);
-not yet run with NCCL on several GPUs. Sliding windows: each step computes the chunk pairs
+here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_parallel.py;
+the blockwise path, and the Triton kernels interpreted at 2 ranks); not yet run with NCCL on
+several GPUs. Sliding windows: each step computes the chunk pairs
 the window reaches, each as one call whose rows, keys and window are cut to the pair's
 distance (_window_span), and the shards stop travelling after the last step at which any
 rank's window reaches them (_steps; a short window over the contiguous layout: two steps,
@@ -419,10 +420,12 @@ def _check_cu_seqlens(cu_seqlens, q, k, window, ring):
         raise NotImplementedError("ring_attention with both cu_seqlens and window_size")
     offsets = cu_seqlens.tolist()
     total = q.shape[1] * ring.world_size
-    if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
+    decreasing = any(b < a for a, b in zip(offsets, offsets[1:]))
+    if offsets[0] != 0 or offsets[-1] != total or decreasing:
         raise ValueError(f"cu_seqlens must go from 0 to the global seqlen {total} (this rank's "
                          f"{q.shape[1]} tokens x {ring.world_size} ranks), non-decreasing, got "
-                         f"{offsets[:4]}{' ...' if len(offsets) > 4 else ''} ending at {offsets[-1]}")
+                         f"{offsets[:4]}{' ...' if len(offsets) > 4 else ''} ending at "
+                         f"{offsets[-1]}")
     return tuple((a, b) for a, b in zip(offsets, offsets[1:]) if b > a)
 
 

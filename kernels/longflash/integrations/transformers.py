@@ -227,12 +227,10 @@ def _segments(kwargs):
     are padding in the 2D attention_mask are left out, as queries (their output is 0) and as
     keys (sdpa_mask hides them from every query); the others are packed, row after row, and
     each query's keys reduced to one run [first, last] of packed tokens, which must be
-    nonempty.
-    Segment starts are the queries that see only themselves (causal) or whose run starts
-    anew (full); then the runs must equal, exactly, those
-    of causal attention within each segment, under one sliding window (window_left: the
-    largest distance to a first key that is not the segment's start), or full attention
-    within each segment."""
+    nonempty. Segment starts are the queries that see only themselves (causal) or whose run
+    starts anew (full); then the runs must equal, exactly, those of causal attention within
+    each segment, under one sliding window (window_left: the largest distance to a first key
+    that is not the segment's start), or full attention within each segment."""
     from transformers import masking_utils
 
     batch, n = kwargs["batch_size"], kwargs.get("q_length")
