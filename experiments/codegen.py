@@ -12,8 +12,8 @@ split-KV, "decode_merge", "decode_append": the append and rotary embedding) at t
 launcher chooses for a decoding step of a Llama-like shape (one query, 4 query heads per KV
 head; the split-KV kernel also at 16 queries a sequence, its 64-row tile: speculative decoding,
 a shared prefix's call; the merge for the split count chosen at batch 1, 8 KV heads, 128K
-keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and each variant flag of the kernel, then
-reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
+keys on a 132-SM H100), for head dims 64/128/256, bf16 and fp16, and each variant flag of
+the kernel, then reads the ptxas report (`ptxas -v`, the ptxas shipped in the triton package) and the PTX.
 
 The flash kernels compile as a launch compiles them (compile_launch): their launcher is called
 on CPU tensors with Triton's driver a stand-in of the target GPU, so Triton specializes every

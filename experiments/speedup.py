@@ -54,13 +54,14 @@ decode.
 
 Part "shared_prefix" (experiments/shared_prefix.py): a decoding step of a batch that shares a
 prefix, LongFlash's cascade call (the prefix read once for the batch) against the same step
-over caches that each hold a copy of the prefix (LongFlash and SDPA). It runs last.
+over caches that each hold a copy of the prefix (LongFlash and SDPA). It runs after part
+prefill.
 
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
 dim 128: time and the cache bytes read per second, LongFlash's split-KV kernel with and
-without splitting against SDPA's backends and FlexAttention. It runs after the other parts,
-before the closing ceilings.
+without splitting against SDPA's backends and FlexAttention. It runs after parts batch and
+long, before parts prefill and shared_prefix and the closing ceilings.
 
 Modes: fwd = the forward pass of training (inputs require grad, so the graph is built);
 bwd = the backward pass alone, torch.autograd.grad of an output computed beforehand
