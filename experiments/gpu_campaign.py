@@ -117,24 +117,25 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      pytest_fp8   a float8 KV cache through the decoding and append kernels against float64
                 (bit for bit the append's quantization)
      speedup_decode  RQ1 part decode again, every provider and the float8 cache in one run
-  8  env        as in stage 1
+  8  env        as in stage 1 (the next window: an H200's, the only kind lent now)
      pytest_fp8   as in stage 7 (4 of 5 failed there on -0, since fixed), and float8 pages
                 read in place by the forward kernel (chunked prefill; new)
-     speedup_decode  as in stage 7 (not reached there), before the gate
-     host_time  as in stage 7, with each LongFlash call's cProfile to the log (--profile)
-     pytest_graphs  a training forward and backward captured in CUDA graphs, bit for bit eager
-     pytest_ws_fwd  as in stage 7 (12 of 13 passed there; the packed call, which raised an
-                illegal instruction, now checks that the autotuner leaves WS out there)
-     speedup_batch, speedup_short, speedup_long  as in stage 7: measured again only if the
-                gate turned the forward's WS on
-     scaling_exact  as in stage 5 (no window has reached it)
-     preflight_ws  as in stage 7 (cut at 30 s there by the budget)
-     speedup_prefill  RQ1 part prefill (new): chunked prefill over bf16 and float8 pages read
-                in place, and over float8 pages gathered into a dequantized copy first
      pytest_shared_prefix  cascade decoding over a shared prefix, and a masked tree of 16
                 queries (the split-KV kernel's 64-row tile), against float64 (new)
+     pytest_graphs  a training forward and backward captured in CUDA graphs, bit for bit eager
+     speedup_decode  as in stage 7 (not reached there), before the gate
+     host_time  as in stage 7, with each LongFlash call's cProfile to the log (--profile)
+     pytest_ws_fwd  as in stage 7 (12 of 13 passed there; the packed call, which raised an
+                illegal instruction, now checks that the autotuner leaves WS out there)
+     speedup_batch  as in stage 7 (4K-16K, d128, d64, d256): measured again only under other
+                switches than its rows' (on a GPU without rows, measured)
      speedup_shared_prefix  RQ1 part shared_prefix (new): the cascade call against the step
                 over caches that each hold a copy of the prefix
+     speedup_prefill  RQ1 part prefill (new): chunked prefill over bf16 and float8 pages read
+                in place, and over float8 pages gathered into a dequantized copy first
+     speedup_short, speedup_long  as speedup_batch at 1K-2K and 32K-128K
+     preflight_ws  as in stage 7 (cut at 30 s there by the budget)
+     scaling_exact  as in stage 5 (no window has reached it)
 
 Outputs. The steps write into a scratch tree (a temporary folder, never under DIR, so that
 DIR holds the archive alone) whose paths mirror the repository
@@ -632,69 +633,72 @@ def stage_steps(stage, dry):
                      estimate_s=60, timeout_s=150, tail_s=30),
         ]
     if stage == 8:
-        # The fifth window (15 minutes; GPU.md "The next window"): the fourth's two faults,
-        # mended offline, checked first (the float8 append's -0, PERFLOG "Fourth GPU
-        # window"; the forward's warp-specialized candidates on packed sequences, now left
-        # out there), then the float8 cache's first timing and where the host's time per
-        # call goes, then RQ1 again with the forward's WS if the gate passes, then what no
-        # window has reached.
+        # The next window (15 minutes; GPU.md "The next window"), on an H200 since the device
+        # tool lends no other kind (its first: no H200 row yet, so each RQ1 step measures its
+        # whole slice there): the fourth H100 window's two faults, mended offline, and the
+        # features no GPU has run checked against float64 first (a minute), then the float8
+        # cache's first timing and the host's time per call, then the forward's WS gate and
+        # RQ1's goals (part batch at 4K-16K) with WS if it passed, the cascade's and chunked
+        # prefill's first timings, then RQ1's other slices and what no window has reached
+        # (likely the second call's).
         batch_4k_16k, short, long_, decode = _rq1_slices(dry)
         return [
             _probe("env", estimate_s=5, timeout_s=60),
             # the float8 cache against float64 and the append's rounding bit for bit torch's,
             # NaN included (the fourth window: 4 of 5 failed on -0, before the fix; 10 s), and
-            # chunked prefill over float8 pages, read in place by the forward kernel (new: one
-            # more autotuned compile)
+            # chunked prefill over float8 pages, read in place by the forward kernel (one more
+            # autotuned compile)
             _pytest("pytest_fp8", "fp8", estimate_s=30, timeout_s=120, reserve_s=300),
+            # cascade decoding over a shared prefix and a masked tree of 16 queries, both on the
+            # split-KV kernel's 64-row tile (its 8-warp masked config new), against float64
+            _pytest("pytest_shared_prefix", "shared_prefix or 64rows", estimate_s=15,
+                    timeout_s=90, reserve_s=300),
+            # a training forward and backward in CUDA graphs (make_graphed_callables, and the
+            # backward alone as the sweep's time_ms_graph captures it, which failed at d256 1K
+            # in two windows), bit for bit the eager call's: two cases, a compile each
+            _pytest("pytest_graphs", "test_training_cuda_graphs", estimate_s=20,
+                    timeout_s=90, reserve_s=300),
             # RQ1 part decode, rows before DECODE_FP8_ADDED measured again: every provider and
-            # LongFlash's float8 cache in one run (stage 3's run of the part took 52 s). Before
-            # the gate, so that its rows are the default switches'.
+            # LongFlash's float8 cache in one run (stage 3's run of the part took 52 s on the
+            # H100). Before the gate, so that its rows are the default switches'.
             _speedup("speedup_decode", decode + ["--resume-after", DECODE_FP8_ADDED],
                      estimate_s=60, timeout_s=150, reserve_s=250, tail_s=30),
-            # the host's time per call again (the fourth window: LongFlash's launched forward
+            # the host's time per call (the fourth window: LongFlash's launched forward
             # 169-319 us, 47-64 us of it above Triton's launcher; SDPA's 17-21 us), with each
             # LongFlash call's profile (its top 25 functions by own time) to the log
             Step("host_time", _py("experiments.host_time", *(["--quick"] if dry else []),
                                   "--profile", "25", "--out", "{out}"),
                  rq="host_time", estimate_s=25, timeout_s=90, reserve_s=250),
-            # a training forward and backward in CUDA graphs (make_graphed_callables, and the
-            # backward alone as the sweep's time_ms_graph captures it, which failed at d256 1K
-            # in two windows), bit for bit the eager call's: two cases, a compile each
-            _pytest("pytest_graphs", "test_training_cuda_graphs", estimate_s=20,
-                    timeout_s=90, reserve_s=230),
-            # the gate again (13 cases; the fourth window: 12 passed, the packed sequences'
-            # raised an illegal instruction, which the autotuner now leaves out): if every
-            # case passes, the later steps run with the forward's WS on (LONGFLASH_WS=fwd)
+            # the gate (13 cases; the fourth window: 12 passed, the packed sequences' raised an
+            # illegal instruction, which the autotuner now leaves out): if every case passes,
+            # the later steps run with the forward's WS on (LONGFLASH_WS=fwd)
             _pytest("pytest_ws_fwd", "test_forward_warp_specialized", estimate_s=40,
                     timeout_s=180, reserve_s=220, env=WS_FORWARD, then_env=WS_FORWARD),
             # RQ1 with --resume: rows measured under other switches count as not measured
-            # (results.same_switches), so these measure again only if the gate turned the
-            # forward's WS on (the fourth window: 4K-16K about 45 s a head dim, 1K-2K 85 s,
-            # 32K-128K 68 s); else they find every row and end at once
+            # (results.same_switches). On a GPU with rows (the H100) these measure again only
+            # if the gate turned the forward's WS on; on one without (the H200) they measure
+            # their whole slice (the H100's fourth window: 4K-16K about 45 s a head dim, 1K-2K
+            # 85 s, 32K-128K 68 s). The goals' slice first; its reserve keeps the two new
+            # parts' timings in the first call.
             _speedup("speedup_batch", batch_4k_16k, estimate_s=30, timeout_s=200,
-                     reserve_s=200),
-            _speedup("speedup_short", short, estimate_s=30, timeout_s=160, reserve_s=150),
-            _speedup("speedup_long", long_, estimate_s=30, timeout_s=200, reserve_s=120),
-            # no window has reached it (the fourth's budget ran out before it twice)
-            _scaling_exact(dry, estimate_s=60, timeout_s=150, reserve_s=60),
-            # dK/dV's WS candidate at d128 beside WS_TRIALS' tiles (cut at 30 s twice in the
-            # fourth window, by the budget left, not its own timeout)
-            _preflight_ws("128", dry, estimate_s=60, timeout_s=150, reserve_s=45),
-            # RQ1 part prefill (new): chunked prefill over a paged cache, bf16 and float8
-            # pages read in place against float8 pages gathered first (PERFLOG "Float8 pages
-            # read in place by the forward kernel"); likely the second call's
-            _speedup("speedup_prefill", ["--quick" if dry else "--full", "--parts", "prefill"],
-                     estimate_s=45, timeout_s=120, reserve_s=30, tail_s=30),
-            # cascade decoding over a shared prefix (new, never run on a GPU) and a masked
-            # tree of 16 queries, both on the split-KV kernel's 64-row tile (its 8-warp masked
-            # config new), against float64, then the cascade's first timing, RQ1 part
-            # shared_prefix (the cascade call against the step over duplicated caches,
-            # LongFlash's and SDPA's; PERFLOG "Cascade decoding", "64-row tile")
-            _pytest("pytest_shared_prefix", "shared_prefix or 64rows", estimate_s=15,
-                    timeout_s=90, reserve_s=30),
+                     reserve_s=75),
+            # the cascade's first timing, RQ1 part shared_prefix (the cascade call against the
+            # step over duplicated caches, LongFlash's and SDPA's; PERFLOG "Cascade decoding")
             _speedup("speedup_shared_prefix", ["--quick" if dry else "--full", "--parts",
                                                "shared_prefix"],
-                     estimate_s=30, timeout_s=120, tail_s=30),
+                     estimate_s=30, timeout_s=120, reserve_s=45, tail_s=30),
+            # RQ1 part prefill: chunked prefill over a paged cache, bf16 and float8 pages read
+            # in place against float8 pages gathered first (PERFLOG "Float8 pages read in place
+            # by the forward kernel")
+            _speedup("speedup_prefill", ["--quick" if dry else "--full", "--parts", "prefill"],
+                     estimate_s=45, timeout_s=120, reserve_s=30, tail_s=30),
+            _speedup("speedup_short", short, estimate_s=30, timeout_s=160, reserve_s=30),
+            _speedup("speedup_long", long_, estimate_s=30, timeout_s=200, reserve_s=60),
+            # dK/dV's WS candidate at d128 beside WS_TRIALS' tiles (cut at 30 s twice in the
+            # fourth window, by the budget left, not its own timeout)
+            _preflight_ws("128", dry, estimate_s=60, timeout_s=150, reserve_s=60),
+            # no window has reached it (the fourth's budget ran out before it twice)
+            _scaling_exact(dry, estimate_s=60, timeout_s=150),
         ]
     raise ValueError(f"stage must be 1, 2, 3, 4, 5, 6, 7 or 8, got {stage!r}")
 

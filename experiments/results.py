@@ -165,18 +165,41 @@ def kernel_switches():
             if os.environ.get(name, default).strip() not in ("", default)]
 
 
-def switches_of(command):
-    """The kernels' switches a row's command names, its leading NAME=value words, but those
-    that give a switch its default (KERNEL_SWITCHES: a default may become what a switch
-    turned on before, and the rows measured with it are then the default's)."""
-    words = []
+# A switch's earlier defaults, {name: [(value, until), ...]} (until: an ISO time, UTC): a row
+# measured before `until` whose command names no value for the switch ran with `value`.
+# Empty until a default changes (experiments/GPU.md: LONGFLASH_WS "0" -> "fwd" once a window's
+# gate passes: then {"LONGFLASH_WS": [("0", <the change's time>)]}), so that the rows measured
+# before keep saying what they ran (row_switches) and --resume measures them again.
+EARLIER_DEFAULTS = {}
+
+
+def _named_switches(command):
+    """{name: value} of the kernels' switches a command's leading NAME=value words set."""
+    named = {}
     for word in str(command).split():
         name, _, value = word.partition("=")
         if name not in KERNEL_SWITCHES:
             break
-        if value != KERNEL_SWITCHES[name]:
-            words.append(word)
-    return words
+        named[name] = value
+    return named
+
+
+def switches_of(command, timestamp=None):
+    """The kernels' switches a row ran with, other than today's defaults (KERNEL_SWITCHES: a
+    default may become what a switch turned on before, and the rows measured with it are then
+    the default's), as NAME=value words: those its command's leading words set, and, for a row
+    measured at `timestamp` while a switch it does not name had another default
+    (EARLIER_DEFAULTS), that default."""
+    named = _named_switches(command)
+    if timestamp is not None and not pd.isna(timestamp):
+        when = pd.Timestamp(timestamp)
+        when = when.tz_localize("UTC") if when.tzinfo is None else when
+        for name, history in EARLIER_DEFAULTS.items():
+            for value, until in sorted(history, key=lambda h: h[1]):
+                if name not in named and when < pd.Timestamp(until, tz="UTC"):
+                    named[name] = value
+    return [f"{name}={value}" for name, value in named.items()
+            if value != KERNEL_SWITCHES[name]]
 
 
 def same_switches(df):
@@ -185,7 +208,9 @@ def same_switches(df):
     if "command" not in df:
         return pd.Series(True, index=df.index)
     now = kernel_switches()
-    return df["command"].map(lambda command: switches_of(command) == now).astype(bool)
+    stamps = df["timestamp"] if "timestamp" in df else pd.Series(None, index=df.index)
+    return pd.Series([switches_of(c, t) == now for c, t in zip(df["command"], stamps)],
+                     index=df.index, dtype=bool)
 
 
 def this_command():

@@ -7,8 +7,8 @@
 The numbers are the macros that the notebooks write into paper/generated/*.tex from results/,
 so the README, the paper and the results cannot disagree: a number has one source. Each row
 names the device it was measured on and the results file behind it. Once a GPU's RQ1 macros
-exist (paper/generated/devices.tex defines \\GpuSpeedup), a GPU row for RQ1 comes first
-(GPU_ROWS); without them the table is the CPU rows alone. Run by `make figures`
+exist (paper/generated/devices.tex defines \\GpuSpeedup), a GPU row for RQ1 comes first, one
+for each GPU (GPU_ROWS); without them the table is the CPU rows alone. Run by `make figures`
 after the notebooks; the test suite runs --check. The macros are read from
 $LONGFLASH_GENERATED when it is set, as the notebooks write them (a `make reproduce QUICK=1`).
 """
@@ -107,11 +107,13 @@ GPU_MORE_ROWS = [
 
 
 def gpu_rows(macros):
-    """GPU_ROWS with the GPU's macro prefix filled in, or [] when no GPU's RQ1 macros exist."""
-    gpu = macros.get("GpuSpeedup")
-    if not gpu or f"Speedup{gpu}Device" not in macros:
+    """GPU_ROWS once for each GPU with RQ1 macros (\\GpuSpeedupAll, the first GPU's first), then
+    GPU_MORE_ROWS; [] when no GPU's RQ1 macros exist."""
+    gpus = macros.get("GpuSpeedupAll", macros.get("GpuSpeedup", "")).split(",")
+    gpus = [gpu for gpu in gpus if gpu and f"Speedup{gpu}Device" in macros]
+    rows = [tuple(cell.replace("<G>", gpu) for cell in row) for gpu in gpus for row in GPU_ROWS]
+    if not rows:
         return []
-    rows = [tuple(cell.replace("<G>", gpu) for cell in row) for row in GPU_ROWS]
     for prefix_macro, *row in GPU_MORE_ROWS:
         prefix = macros.get(prefix_macro)
         row = tuple(cell.replace("<G>", prefix or "") for cell in row)

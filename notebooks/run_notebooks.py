@@ -111,9 +111,13 @@ RQS = ("speedup", "io_complexity", "scaling", "long_context_training")
 
 def write_device_index():
     """paper/generated/devices.tex: \\input of every per-device macro file (<rq>_<class>.tex),
-    and for each research question with a GPU's macros, \\Gpu<Rq> (the macro prefix of the
-    first such GPU class: HOneZeroZero for h100) and \\Gpu<Rq>Tag (its class, for figure
-    names), e.g. \\GpuSpeedup, \\GpuScalingTag: the paper's GPU paragraphs test these."""
+    and for each research question with a GPU's macros: \\Gpu<Rq> (the macro prefix of the
+    first such GPU class: HOneZeroZero for h100) and \\Gpu<Rq>Tag (its class, for figure and
+    label names), e.g. \\GpuSpeedup, \\GpuScalingTag, which the paper's GPU paragraphs test and
+    its headline sentences (abstract, conclusion) use; \\Gpu<Rq>All (every such prefix, comma
+    separated: the README's GPU rows) and \\Gpu<Rq>ForEach{body}, which sets the two to each GPU
+    class in turn around the body (the section's per-GPU paragraphs, tables and figures), then
+    leaves the first's; and \\GpuSpeedupDevices, the GPUs of RQ1 by name."""
     files = sorted(glob.glob(os.path.join(plotting.GENERATED, "*_*.tex")))
     files = [f for f in files if os.path.basename(f) != "devices.tex"
              and os.path.splitext(os.path.basename(f))[0].rsplit("_", 1)[0] in RQS]
@@ -125,8 +129,17 @@ def write_device_index():
                 and os.path.exists(os.path.join(plotting.GENERATED, f"{rq}_{c}.tex"))]
         if gpus:
             name = f"Gpu{plotting.camel(rq)}"
+            each = "".join(f"\\begingroup\\def\\{name}{{{plotting.camel(c)}}}"
+                           f"\\def\\{name}Tag{{{c}}}#1\\endgroup" for c in gpus)
             lines += [f"\\newcommand{{\\{name}}}{{{plotting.camel(gpus[0])}}}\n",
-                      f"\\newcommand{{\\{name}Tag}}{{{gpus[0]}}}\n"]
+                      f"\\newcommand{{\\{name}Tag}}{{{gpus[0]}}}\n",
+                      f"\\newcommand{{\\{name}All}}{{{','.join(map(plotting.camel, gpus))}}}\n",
+                      f"\\newcommand{{\\{name}ForEach}}[1]{{{each}}}\n"]
+            if rq == "speedup":  # the GPUs RQ1 ran on, named: "A and B", "A, B and C"
+                names = [f"\\Speedup{plotting.camel(c)}Device{{}}" for c in gpus]
+                listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1
+                                      else names)
+                lines.append(f"\\newcommand{{\\GpuSpeedupDevices}}{{{listed}}}\n")
 
     def write(tmp):
         with open(tmp, "w") as f:

@@ -137,6 +137,31 @@ def test_same_switches_reads_them_back_from_the_command(monkeypatch):
     assert same_switches(df.drop(columns="command")).tolist() == [True, True]
 
 
+
+def test_rows_measured_under_an_earlier_default_say_so(monkeypatch):
+    """Once a switch's default changes (the forward's WS "0" -> "fwd" after a window's gate),
+    a row measured before, whose command names no value for it, ran with the earlier default:
+    switches_of names it, --resume measures it again, the notebooks say what it ran."""
+    from experiments import results
+    monkeypatch.setitem(results.KERNEL_SWITCHES, "LONGFLASH_WS", "fwd")
+    monkeypatch.setattr(results, "EARLIER_DEFAULTS",
+                        {"LONGFLASH_WS": [("0", "2026-12-01T00:00:00")]})
+    before, after = "2026-11-27T10:00:00+00:00", "2026-12-02T10:00:00+00:00"
+    assert results.switches_of("python3 -m x", before) == ["LONGFLASH_WS=0"]
+    assert results.switches_of("python3 -m x", after) == []
+    assert results.switches_of("python3 -m x") == []  # no timestamp: the command alone
+    assert results.switches_of("LONGFLASH_WS=fwd python3 -m x", before) == []  # named: today's
+    assert results.switches_of("LONGFLASH_WS=0 python3 -m x", after) == ["LONGFLASH_WS=0"]
+    assert results.switches_of("LONGFLASH_TMA=0 python3 -m x", "2026-11-27T10:00:00") == [
+        "LONGFLASH_TMA=0", "LONGFLASH_WS=0"]  # a naive time reads as UTC
+    df = pd.DataFrame(dict(command=["python3 -m x"] * 2 + ["LONGFLASH_WS=fwd python3 -m x"],
+                           timestamp=[before, after, before]))
+    monkeypatch.delenv("LONGFLASH_TMA", raising=False)
+    monkeypatch.delenv("LONGFLASH_WS", raising=False)
+    assert results.same_switches(df).tolist() == [False, True, True]
+    monkeypatch.setenv("LONGFLASH_WS", "0")
+    assert results.same_switches(df).tolist() == [True, False, False]
+
 def test_read_results_concatenates_with_source(tmp_path):
     write_results([make_row(128)], tmp_path / "cpu.csv")
     write_results([make_row(128, device="NVIDIA H100 80GB HBM3"), make_row(256)],

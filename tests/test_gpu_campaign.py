@@ -673,21 +673,21 @@ def test_stage7_measures_what_still_times_the_old_tiles_then_tests_and_tunes_d25
     _assert_shares_fit(7, second_call=second_call)
 
 
-def test_stage8_checks_the_fourth_windows_faults_first_then_times_the_float8_cache():
-    """Stage 8 (the fifth window): the float8 cache's GPU tests first (4 of 5 failed in the
-    fourth window, on -0), then its first timing (RQ1 part decode, every provider in one run,
-    before the gate so that its rows are the default switches'), the host's time per call with
-    LongFlash's profile, a training step in CUDA graphs, the forward's WS gate (its packed
-    case now checks that WS is left out), RQ1 again (measured only if the gate switched WS
-    on), then what no window reached, then the new part prefill (float8 pages in place) and
-    cascade decoding (its GPU test, then RQ1 part shared_prefix). Every step fits the first
-    call; each reserve leaves its step its estimate and keeps the
-    next one's."""
+def test_stage8_checks_what_no_gpu_ran_first_then_times_it_and_the_goals():
+    """Stage 8 (the next window, an H200's): the GPU tests of what no GPU has run first (the
+    float8 cache, 4 of 5 failed in the fourth window on -0; cascade decoding and the 64-row
+    tile; a training step in CUDA graphs), then the float8 cache's first timing (RQ1 part
+    decode, every provider in one run, before the gate so that its rows are the default
+    switches'), the host's time per call with LongFlash's profile, the forward's WS gate (its
+    packed case now checks that WS is left out), RQ1's goals slice (measured where its rows
+    are missing or under other switches), the cascade's and chunked prefill's first timings,
+    RQ1's other slices, then what no window reached. Every step fits the first call; each
+    reserve leaves its step its estimate and keeps the next one's."""
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
-    names = ["env", "pytest_fp8", "speedup_decode", "host_time", "pytest_graphs",
-             "pytest_ws_fwd", "speedup_batch", "speedup_short", "speedup_long",
-             "scaling_exact", "preflight_ws", "speedup_prefill", "pytest_shared_prefix",
-             "speedup_shared_prefix"]
+    names = ["env", "pytest_fp8", "pytest_shared_prefix", "pytest_graphs", "speedup_decode",
+             "host_time", "pytest_ws_fwd", "speedup_batch", "speedup_shared_prefix",
+             "speedup_prefill", "speedup_short", "speedup_long", "preflight_ws",
+             "scaling_exact"]
     for dry in (False, True):
         steps = gc.stage_steps(8, dry)
         assert [s.name for s in steps] == names

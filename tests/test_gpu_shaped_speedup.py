@@ -142,7 +142,7 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     text = _paper(tmp_path, gen)
     if text:
         flat = " ".join(text.split())
-        assert "On a GPU." in flat and "measured (worst, where)" in flat
+        assert f"On {gpu_shaped.GPU}." in flat and "measured (worst, where)" in flat
         assert "timed instead as replays of each step captured in a CUDA graph" in flat
         start = flat.index("RQ1: How much faster")  # this section's text only
         rq1 = flat[start:flat.index("RQ2: ", start)]

@@ -39,14 +39,18 @@ MACHINE = dict(cores=16, threads=math.nan, mem_budget_mb=math.nan)
 
 
 def campaign_configs(stages=(1, 2, 3)):
-    """[(stage, argv, Config)] of every speedup step of the GPU campaign's stages, in order."""
+    """[(stage, argv, Config, switches)] of every speedup step of the GPU campaign's stages, in
+    order; switches: the NAME=value words its rows' command starts with where every gate
+    before it in its stage passed (Step.then_env: LONGFLASH_WS=fwd after stage 8's)."""
     from experiments import gpu_campaign
     out = []
     for stage in stages:
+        env = {}
         for step in gpu_campaign.stage_steps(stage, dry=False):
             if step.rq == "speedup":
                 argv = step.argv[step.argv.index("--") + 1:]
-                out.append((stage, argv, config(argv)))
+                out.append((stage, argv, config(argv), [f"{k}={v}" for k, v in env.items()]))
+            env.update(step.then_env)
     return out
 
 
@@ -66,6 +70,8 @@ def config(argv):
         cfg = replace(cfg, long_seqlens=ints(args["--long-seqlens"]))
     if "--parts" in args:
         cfg = replace(cfg, parts=tuple(args["--parts"].split(",")))
+    if "--providers" in args:
+        cfg = replace(cfg, providers=tuple(args["--providers"].split(",")))
     return cfg
 
 
@@ -222,21 +228,69 @@ def prefill_rows(cfg, rng, error_parts=()):
     return rows
 
 
+def shared_prefix_rows(cfg, rng, error_parts=()):
+    """Part shared_prefix's rows (experiments.shared_prefix, through decode.step_rows): each
+    route's step bandwidth-bound on the keys and values it reads once (made up: the cascade
+    reads the prefix once and pays a merge; sdpa_efficient refuses grouped-query heads)."""
+    from experiments import decode, shared_prefix
+    rows = []
+    token_bytes = 2 * cfg.decode_nheads_kv * cfg.decode_headdim * 2  # bf16 keys and values
+    for batch in cfg.shared_batches:
+        for prefix_len in cfg.shared_prefixes:
+            seqlen_k = prefix_len + cfg.shared_suffix_len
+            base = dict(experiment="speedup", part="shared_prefix", mode="fwd",
+                        dtype=cfg.dtype, causal=False, batch=batch, seqlen_q=1,
+                        seqlen_k=seqlen_k, nheads=cfg.decode_nheads,
+                        nheads_kv=cfg.decode_nheads_kv, headdim=cfg.decode_headdim,
+                        prefix_len=prefix_len, load_avg_1m=0.6, **MACHINE)
+            for provider in [p for p in cfg.providers if p in shared_prefix.GPU_PROVIDERS]:
+                for route in (("cascade", "duplicated") if provider == "longflash"
+                              else ("duplicated",)):
+                    tokens = (prefix_len + batch * cfg.shared_suffix_len if route == "cascade"
+                              else batch * seqlen_k)
+                    status = ("error" if "shared_prefix" in error_parts else
+                              "unsupported" if provider == "sdpa_efficient" else "ok")
+                    r = dict(status=status, err=math.nan, quant_err=math.nan,
+                             times=(math.nan,) * 3,
+                             message="" if status == "ok" else "made-up failure",
+                             graph=((math.nan,) * 3, status, "made-up failure"))
+                    if status == "ok":
+                        frac = {"longflash": 0.75, "sdpa_flash": 0.5, "sdpa_cudnn": 0.55}[provider]
+                        ms = tokens * token_bytes / (COPY_GBPS * 1e9 * frac) * 1e3 + (
+                            0.015 if route == "cascade" else 0.008)
+                        ms *= rng.uniform(0.97, 1.03)
+                        r.update(times=(ms, ms * 0.99, ms * 1.02),
+                                 graph=((ms - 0.006, ms * 0.99 - 0.006, ms * 1.02 - 0.006),
+                                        "ok", ""),
+                                 err=3.9e-3 if provider == "longflash" else math.nan)
+                    rows += decode.step_rows(dict(base, provider=provider, route=route), route,
+                                             r, tokens * token_bytes, lambda message: None)
+    return rows
+
+
 def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=(),
-          prefill=True):
+          prefill=True, gates_pass=False):
     """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it, and
-    with `prefill` stage 8's part prefill (--full --parts prefill) after them.
-    error_parts ("batch", "long", "decode", "prefill") / error_providers: every such row has
-    status "error" (a part that failed, for the partial-results tests); decode_errors: see
-    decode_rows. Returns the path."""
-    from experiments import decode
+    with `prefill` stage 8's part prefill (--full --parts prefill) after them where `stages`
+    has none. error_parts ("batch", "long", "decode", "prefill", "shared_prefix") /
+    error_providers: every such row has status "error" (a part that failed, for the
+    partial-results tests); decode_errors: see decode_rows; gates_pass: the steps after a
+    stage's gate ran with its switches (their command names them, as results.this_command
+    writes it). Returns the path."""
+    from experiments import decode, shared_prefix
+    from experiments import prefill as prefill_part
     from experiments.results import write_results
     out = path(results_dir, "speedup")
     rng = np.random.default_rng(1)
+    configs = campaign_configs(stages)
+    if prefill and not any("prefill" in cfg.parts for _, _, cfg, _ in configs):
+        argv = ["--full", "--parts", "prefill"]
+        configs.append((8, argv, config(argv), []))
     with as_gpu():
-        for stage, argv, cfg in campaign_configs(stages):
-            command = ("tests/gpu_shaped/speedup.py, made-up values shaped like: python3 -m "
-                       "experiments.speedup " + " ".join(argv))
+        for stage, argv, cfg, switches in configs:
+            command = " ".join((switches if gates_pass else []) + [
+                "tests/gpu_shaped/speedup.py, made-up values shaped like: python3 -m "
+                "experiments.speedup"] + argv)
             write_results(ceiling_rows(cfg), out, command=command)
             rows = batch_rows(cfg, rng, error_parts, error_providers)
             if rows:
@@ -244,11 +298,10 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), dec
             if "decode" in cfg.parts:
                 rows = decode_rows(cfg, rng, error_parts, error_providers, decode_errors)
                 write_results(rows, out, command=command, key_columns=decode.KEY_COLUMNS)
-        if prefill:
-            from experiments import prefill as part
-            argv = ["--full", "--parts", "prefill"]
-            write_results(prefill_rows(config(argv), rng, error_parts), out,
-                          command="tests/gpu_shaped/speedup.py, made-up values shaped like: "
-                          "python3 -m experiments.speedup " + " ".join(argv),
-                          key_columns=part.KEY_COLUMNS)
+            if "prefill" in cfg.parts:
+                write_results(prefill_rows(cfg, rng, error_parts), out, command=command,
+                              key_columns=prefill_part.KEY_COLUMNS)
+            if "shared_prefix" in cfg.parts:
+                write_results(shared_prefix_rows(cfg, rng, error_parts), out, command=command,
+                              key_columns=shared_prefix.KEY_COLUMNS)
     return out
