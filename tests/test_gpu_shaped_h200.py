@@ -122,3 +122,6 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
         assert "ran with kernel switches" not in flat[first:second]
         assert flat.count("The goals set for LongFlash on a GPU, on") == 2
         assert f"{h100} and {GPU}" in flat  # the setup and threats name both
+        for gpu in (h100, GPU):  # the abstract, the contributions and the conclusion: each GPU
+            assert flat.count(f"On {gpu}, LongFlash") == 1, gpu
+            assert flat.count(f"On {gpu}, its Triton kernels met") == 2, gpu
