@@ -37,7 +37,7 @@ NCU_CONFIG_TIMEOUT_S = 120
 KEY_COLUMNS = ("model_hbm_bytes",)
 NCU_CONFIG_MIN_S = 20      # a configuration is started only with this much of the budget left
 NCU_NOT_MEASURED = "not measured: stage budget"
-L2_DEFAULT_BYTES = 50 * 2**20  # H100 and H200; used where the device does not say
+L2_DEFAULT_BYTES = 50 * 2**20  # an H100's (an H200 reports 60 MB); where the device does not say
 
 
 def ncu_working_set(p):
