@@ -21,7 +21,9 @@ regenerates it tile by tile.
 Variable names, block ranges and the order of operations follow
 `flash_triton.py`; the kernel runs one (query block, batch * head) program per
 grid cell, here batch and heads are batched tensor dimensions and the block
-loops run in Python. GQA: query head h reads key/value head h // (nheads //
+loops run in Python. One difference: the backward is one pass over the key blocks
+that also adds each tile's dQ (FlashAttention-2's Algorithm 2), where the kernel
+gives dQ a pass of its own so that its programs need no atomic adds. GQA: query head h reads key/value head h // (nheads //
 nheads_kv); tensors are viewed as (batch, nheads_kv, group, seqlen, headdim) so
 that keys and values broadcast over the group without being copied. Packed
 variable-length batches run sequence by sequence, so no padding is computed; paged keys
@@ -82,7 +84,16 @@ def _scores(q_i, k_j, tile, opts, masked):
     """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
     softcap gradient (None without softcap). attn_mask after ALiBi: a boolean one hides the
     keys where it is False, a float one is added."""
-    s = _group_mm(q_i, k_j.transpose(-1, -2)) * opts.softmax_scale
+    s = _group_mm(q_i, k_j.transpose(-1, -2))
+    if opts.softcap == 0 and tile.slopes is None and tile.bias is None:
+        # the kernel's qk_scale: the scale and log2(e) in one pass, in place (on a CPU each
+        # pass over a tile costs about as much as a small matmul)
+        s.mul_(opts.softmax_scale * LOG2E)
+        if masked:
+            s.masked_fill_(~visible(tile.i, tile.j, tile.seqlen_q, tile.seqlen_k,
+                                    opts.window_left, opts.window_right), float("-inf"))
+        return s, None
+    s = s * opts.softmax_scale
     t = None
     if opts.softcap > 0:
         t = torch.tanh(s / opts.softcap)
@@ -122,12 +133,12 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, opts, ctx
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = torch.maximum(m_i, qk.amax(-1))
         m_safe = torch.where(m_ij == float("-inf"), 0.0, m_ij)  # rows that saw no key yet
-        p = torch.exp2(qk - m_safe[..., None])
+        p = qk.sub_(m_safe[..., None]).exp2_()  # in place: qk is this tile's own
         alpha = torch.exp2(m_i - m_safe)
         l_i = l_i * alpha + p.sum(-1)
         if opts.dropout_p > 0:
             p = p * _dropout_scale(p, tile, opts)
-        acc = acc * alpha[..., None] + _group_mm(p, v_j)
+        acc = acc.mul_(alpha[..., None]).add_(_group_mm(p, v_j))
         m_i = m_ij
     return acc, l_i, m_i
 
@@ -215,7 +226,7 @@ def forward(q, k, v, opts, block_m=None, block_n=None):
 def _probs(q_i, k_j, lse2_i, tile, opts, masked):
     """Recompute one block of probabilities p = exp(s - lse) from the saved lse."""
     qk, t = _scores(q_i, k_j, tile, opts, masked)
-    return torch.exp2(qk - lse2_i[..., None]), t
+    return qk.sub_(lse2_i[..., None]).exp2_(), t  # in place: qk is this tile's own
 
 
 def _grad_scores(p, dp, delta_i, t, tile, opts):
@@ -223,7 +234,7 @@ def _grad_scores(p, dp, delta_i, t, tile, opts):
     the scores' gradient before softcap and the scale (an attn_mask's)."""
     if opts.dropout_p > 0:
         dp = dp * _dropout_scale(p, tile, opts)
-    ds = p * (dp - delta_i[..., None])
+    ds = dp.sub_(delta_i[..., None]).mul_(p)  # in place: dp is the caller's fresh product
     ds_qk = ds * (1 - t * t) if t is not None else ds  # d softcap * tanh(s / softcap) / ds
     return ds_qk * opts.softmax_scale, ds
 
@@ -249,10 +260,15 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
         opts.attn_mask_grad.unflatten(1, (nheads_kv, -1))  # (B, Hkv, G, Nq, Nk)
     dk4, dv4 = dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)  # (B, Hkv, Nk, D)
 
-    # -- dK, dV: one key block at a time, over the query blocks that see it --
+    # -- one pass over the key blocks (FlashAttention-2's Algorithm 2): dK, dV of a key block
+    # over the query blocks that see it, and each tile's share of dQ added to its rows. The
+    # kernel gives dQ a pass of its own (programs in parallel would need atomic adds); here
+    # the tiles run one after another, and one pass saves recomputing every tile's
+    # probabilities and dP a second time: five matmuls a tile, not seven. --
+    dq_acc = torch.zeros(q5.shape, dtype=dtype, device=q.device)  # (B, Hkv, G, Nq, D)
     for start_n in range(0, seqlen_k, block_n):
-        k_j = k5[..., start_n:start_n + block_n, :].to(dtype)
-        v_j = v5[..., start_n:start_n + block_n, :].to(dtype)
+        cols = slice(start_n, start_n + block_n)
+        k_j, v_j = k5[..., cols, :].to(dtype), v5[..., cols, :].to(dtype)
         dk_j = k_j.new_zeros(k_j.shape[:2] + k_j.shape[3:])  # (B, Hkv, BN, D)
         dv_j = v_j.new_zeros(v_j.shape[:2] + v_j.shape[3:])  # (B, Hkv, BN, Dv)
         lo, mid_lo, mid_hi, hi = query_range(start_n, block_m, block_n, seqlen_q, seqlen_k,
@@ -265,30 +281,15 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
             p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
             p_kept = p * _dropout_scale(p, tile, opts) if opts.dropout_p > 0 else p
             dv_j += _group_mm_t(p_kept, do_i)  # summed over the group's heads
-            ds, _ = _grad_scores(p, _group_mm(do_i, v_j.transpose(-1, -2)), delta[..., rows],
-                                 t, tile, opts)
-            dk_j += _group_mm_t(ds, q_i)
-        dk4[:, :, start_n:start_n + block_n] = dk_j
-        dv4[:, :, start_n:start_n + block_n] = dv_j
-
-    # -- dQ: one query block at a time, over the key blocks it sees --
-    for start_m in range(0, seqlen_q, block_m):
-        rows = slice(start_m, start_m + block_m)
-        q_i, do_i = q5[..., rows, :].to(dtype), do5[..., rows, :].to(dtype)
-        dq_i = torch.zeros_like(q_i)
-        lo, mid_lo, mid_hi, hi = key_range(start_m, block_m, block_n, seqlen_q, seqlen_k, *window)
-        for start_n in range(lo, hi, block_n):
-            k_j = k5[..., start_n:start_n + block_n, :].to(dtype)
-            v_j = v5[..., start_n:start_n + block_n, :].to(dtype)
-            tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
-            masked = not mid_lo <= start_n < mid_hi
-            p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
             ds, ds_scores = _grad_scores(p, _group_mm(do_i, v_j.transpose(-1, -2)),
                                          delta[..., rows], t, tile, opts)
-            dq_i += _group_mm(ds, k_j)
-            if dmask5 is not None:  # the mask's gradient, written by the dQ loop alone
-                dmask5[..., rows, start_n:start_n + block_n] = ds_scores
-        dq5[..., rows, :] = dq_i
+            dk_j += _group_mm_t(ds, q_i)
+            dq_acc[..., rows, :] += _group_mm(ds, k_j)
+            if dmask5 is not None:  # the mask's gradient: each tile's, written once
+                dmask5[..., rows, cols] = ds_scores
+        dk4[:, :, cols] = dk_j
+        dv4[:, :, cols] = dv_j
+    dq5.copy_(dq_acc)
 
 
 @torch.no_grad()
