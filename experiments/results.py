@@ -169,7 +169,7 @@ def kernel_switches():
 # measured before `until` whose command names no value for the switch ran with `value`.
 # Empty until a default changes (experiments/GPU.md: LONGFLASH_WS "0" -> "fwd" once a window's
 # gate passes: then {"LONGFLASH_WS": [("0", <the change's time>)]}), so that the rows measured
-# before keep saying what they ran (row_switches) and --resume measures them again.
+# before keep saying what they ran (switches_of) and --resume measures them again.
 EARLIER_DEFAULTS = {}
 
 

@@ -21,11 +21,12 @@ regenerates it tile by tile.
 Variable names, block ranges and the order of operations follow
 `flash_triton.py`; the kernel runs one (query block, batch * head) program per
 grid cell, here batch and heads are batched tensor dimensions and the block
-loops run in Python. One difference: the backward is one pass over the key blocks
-that also adds each tile's dQ (FlashAttention-2's Algorithm 2), where the kernel
-gives dQ a pass of its own so that its programs need no atomic adds. GQA: query head h reads key/value head h // (nheads //
-nheads_kv); tensors are viewed as (batch, nheads_kv, group, seqlen, headdim) so
-that keys and values broadcast over the group without being copied. Packed
+loops run in Python. One difference: the backward is one pass over the key
+blocks that also adds each tile's dQ (FlashAttention-2's Algorithm 2), where the
+kernel gives dQ a pass of its own so that its programs need no atomic adds.
+GQA: query head h reads key/value head h // (nheads // nheads_kv); tensors are
+viewed as (batch, nheads_kv, group, seqlen, headdim) so that keys and values
+broadcast over the group without being copied. Packed
 variable-length batches run sequence by sequence, so no padding is computed; paged keys
 (opts.block_table) are read one sequence at a time through the block table, where the
 kernel reads each key block's rows through it; float8 pages' tiles are converted as they are

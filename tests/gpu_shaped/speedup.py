@@ -40,8 +40,8 @@ MACHINE = dict(cores=16, threads=math.nan, mem_budget_mb=math.nan)
 
 def campaign_configs(stages=(1, 2, 3)):
     """[(stage, argv, Config, switches)] of every speedup step of the GPU campaign's stages, in
-    order; switches: the NAME=value words its rows' command starts with where every gate
-    before it in its stage passed (Step.then_env: LONGFLASH_WS=fwd after stage 8's)."""
+    order; switches: the NAME=value words its rows' command starts with if the gates before it
+    in its stage pass (Step.then_env: LONGFLASH_WS=fwd after stage 8's)."""
     from experiments import gpu_campaign
     out = []
     for stage in stages:
