@@ -23,6 +23,19 @@ ROOT = gpu_shaped.ROOT
 GPU, TAG, PREFIX = "NVIDIA H200", "h200", "HTwoZeroZero"
 
 
+def _readme_gpu_rows(tmp_path, gen):
+    """The README's RQ1 GPU rows, its table filled from the macros in gen (a copy of README.md;
+    the repository's is never written)."""
+    readme = tmp_path / "README.md"
+    shutil.copy(os.path.join(ROOT, "README.md"), readme)
+    table = subprocess.run([sys.executable, "notebooks/readme_table.py", "--readme", str(readme)],
+                           cwd=ROOT, env=dict(os.environ, LONGFLASH_GENERATED=str(gen)),
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    return [line for line in readme.read_text().splitlines()
+            if line.startswith("| RQ1 speed on a GPU |")]
+
+
 def test_figures_readme_and_paper_on_an_h200(tmp_path, monkeypatch):
     pytest.importorskip("nbclient", reason="the notebooks need pip install .[analysis]")
     pytest.importorskip("matplotlib", reason="the notebooks need pip install .[analysis]")
@@ -41,14 +54,7 @@ def test_figures_readme_and_paper_on_an_h200(tmp_path, monkeypatch):
     devices = (gen / "devices.tex").read_text()
     assert f"\\newcommand{{\\GpuSpeedup}}{{{PREFIX}}}" in devices and "HOneZeroZero" not in devices
     # README: the GPU row names the H200 and its results file.
-    readme = tmp_path / "README.md"
-    shutil.copy(os.path.join(ROOT, "README.md"), readme)
-    table = subprocess.run([sys.executable, "notebooks/readme_table.py", "--readme", str(readme)],
-                           cwd=ROOT, env=dict(os.environ, LONGFLASH_GENERATED=str(gen)),
-                           capture_output=True, text=True, timeout=120)
-    assert table.returncode == 0, table.stderr
-    gpu_row = [line for line in readme.read_text().splitlines()
-               if line.startswith("| RQ1 speed on a GPU |")]
+    gpu_row = _readme_gpu_rows(tmp_path, gen)
     assert len(gpu_row) == 1 and GPU in gpu_row[0] and f"`results/speedup/{TAG}.csv`" in gpu_row[0]
     # The paper builds, with the H200's GPU paragraphs and no "no GPU was available".
     built = gpu_shaped.build_paper(tmp_path / "build", gen, [fig])
@@ -101,14 +107,7 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
     assert "SpeedupHOneZeroZeroLongflashSwitches" not in gpu_shaped.macros(
         gen / "speedup_h100.tex")  # the H100's rows ran with the defaults
     # README: a GPU row for each GPU, the H100's first
-    readme = tmp_path / "README.md"
-    shutil.copy(os.path.join(ROOT, "README.md"), readme)
-    table = subprocess.run([sys.executable, "notebooks/readme_table.py", "--readme", str(readme)],
-                           cwd=ROOT, env=dict(os.environ, LONGFLASH_GENERATED=str(gen)),
-                           capture_output=True, text=True, timeout=120)
-    assert table.returncode == 0, table.stderr
-    gpu_rows = [line for line in readme.read_text().splitlines()
-                if line.startswith("| RQ1 speed on a GPU |")]
+    gpu_rows = _readme_gpu_rows(tmp_path, gen)
     assert len(gpu_rows) == 2
     assert "`results/speedup/h100.csv`" in gpu_rows[0] and GPU in gpu_rows[1]
     built = gpu_shaped.build_paper(tmp_path / "build", gen, [fig])
