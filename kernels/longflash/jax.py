@@ -56,7 +56,7 @@ from ._common import (LN2, LOG2E, check_alibi_shape, check_attn_mask_shape, chec
                       check_shapes, check_softcap, check_window_size, key_range, query_range,
                       resolve_softmax_scale, visible)
 
-BLOCK_M = 128  # the blockwise PyTorch path's tiles: on a CPU each tile is one batched matmul
+BLOCK_M = 128  # tiles for a CPU, where each tile is one batched matmul
 BLOCK_N = 256
 BACKENDS = ("auto", "triton", "jax")
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
