@@ -10,21 +10,22 @@ that file first): a query block of block_m rows walks over the key blocks of blo
 columns, keeping the running row maximum m_i, sum l_i and unnormalized output acc
 (online softmax), and saves the log-sum-exp lse of each row. `jax.custom_vjp` saves only
 (q, k, v, o, lse) for the backward pass, which recomputes each block of probabilities
-from lse: delta = rowsum(o * do), then dK/dV one key block at a time over the query
-blocks that see it, then dQ one query block at a time. Nothing of size
+from lse: delta = rowsum(o * do), then one pass over the key blocks, each over the query
+blocks that see it, accumulating its dK/dV and adding each tile's share of dQ to a float32
+buffer of q's size (FlashAttention-2's Algorithm 2, as blockwise.py). Nothing of size
 seqlen_q x seqlen_k is ever formed: the query (key) blocks run sequentially under
-`lax.map`, the inner loops are `lax.fori_loop`s whose bounds come from the same block
-ranges as every other implementation (`_common.key_range`, `_common.query_range`), so
+`lax.map` (`lax.scan`), the inner loops are `lax.fori_loop`s whose bounds come from the same
+block ranges as every other implementation (`_common.key_range`, `_common.query_range`), so
 causal and sliding-window attention skip the blocks no row sees, and only the blocks that
-straddle a mask edge (the diagonal, a window's edge, the sequence end) are masked. Sequences are padded to whole blocks; the mask
-covers the padding, and outputs are sliced back. An attn_mask (PyTorch's, as in
-`longflash.attention`) becomes an additive bias (0 / -inf for a boolean one) that each tile
-slices along the dimensions it has (one of size 1 is broadcast, never materialized) and adds
-to every tile, masked or not; a float mask's cotangent, dS summed over the dimensions it
-broadcasts, is accumulated by the dQ loop (its key blocks' columns), one query block's rows
-at a time. Accumulators are float32 (float64 for
-float64 inputs, with jax_enable_x64); matmuls use Precision.HIGHEST, so float32 inputs
-are not rounded to TF32 / bfloat16 on accelerators.
+straddle a mask edge (the diagonal, a window's edge, the sequence end) are masked. Sequences
+are padded to whole blocks; the mask covers the padding, and outputs are sliced back. An
+attn_mask (PyTorch's, as in `longflash.attention`) becomes an additive bias (0 / -inf for a
+boolean one) that each tile slices along the dimensions it has (one of size 1 is broadcast,
+never materialized) and adds to every tile, masked or not; a float mask's cotangent, dS
+summed over the dimensions it broadcasts, is accumulated tile by tile in the same pass (an
+array of the mask's own shape). Accumulators are float32 (float64 for float64 inputs, with
+jax_enable_x64); matmuls use Precision.HIGHEST, so float32 inputs are not rounded to TF32 /
+bfloat16 on accelerators.
 
 backend="auto" calls the project's Triton kernels (`flash_triton.py`: _attn_fwd,
 _attn_bwd_preprocess, _attn_bwd_dkdv, _attn_bwd_dq) through jax_triton.triton_call when
@@ -56,7 +57,10 @@ from ._common import (LN2, LOG2E, check_alibi_shape, check_attn_mask_shape, chec
                       check_shapes, check_softcap, check_window_size, key_range, query_range,
                       resolve_softmax_scale, visible)
 
-BLOCK_M = 128  # tiles for a CPU, where each tile is one batched matmul
+# Tiles for a CPU, where each tile is one batched matmul. Under jit the loops run compiled
+# (no per-tile Python as in blockwise.py, hence not its 256 x 256): 64-256 rows and 128-256
+# columns timed within 10% of each other (PERFLOG).
+BLOCK_M = 128
 BLOCK_N = 256
 BACKENDS = ("auto", "triton", "jax")
 _DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
@@ -405,6 +409,15 @@ def _sum_to_bias(ds, bias_shape):
     return ds.sum(axes, keepdims=True)
 
 
+def _add_bias_tile(dbias, tile, start_m, start_n):
+    """dbias (B or 1, H or 1, rows or 1, columns or 1) with a tile of dS summed to its shape
+    (_sum_to_bias) added at (start_m, start_n) along the dimensions it does not broadcast."""
+    starts = tuple(jnp.asarray(x, jnp.int32) for x in  # one index type (start_n's may be int64)
+                   (0, 0, start_m if dbias.shape[2] > 1 else 0, start_n if dbias.shape[3] > 1 else 0))
+    return lax.dynamic_update_slice(dbias, lax.dynamic_slice(dbias, starts, tile.shape) + tile,
+                                    starts)
+
+
 def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segments=None):
     """dq, dk, dv and, with cfg.bias_grad, the gradient of attn_mask's 4-D bias (dL/ds summed
     over the dimensions it broadcasts; else None)."""
@@ -430,85 +443,54 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segm
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
     slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
     segments = _padded_segments(segments, padded_q, padded_k)
+    # the float attn_mask's gradient, in the padded bias's shape (its broadcast dimensions 1)
+    dbias = jnp.zeros(bias.shape, ctx.dtype) if bias is not None and cfg.bias_grad else None
 
-    # -- dK, dV: one key block at a time, over the query blocks that see it --
-    def key_block(args):
+    # -- one pass over the key blocks (FlashAttention-2's Algorithm 2, as blockwise.py): dK,
+    # dV of a key block over the query blocks that see it, each tile's share of dQ (and of
+    # the mask's gradient) added to its rows. The Triton kernels give dQ a pass of its own
+    # (programs in parallel would need atomic adds); here the tiles run one after another,
+    # and one pass saves recomputing each tile's probabilities and dP: five matmuls a tile,
+    # not seven. --
+    def key_block(carry, args):
         start_n, k_j, v_j, (lo, mid_lo, mid_hi, hi) = args
 
         def body(masked):
             def step(m, carry):
-                dk_j, dv_j = carry
+                dk_j, dv_j, dq, dbias = carry
                 start_m = m * block_m
-                q_i, do_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
-                             for x in (q5, do5))
-                lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, axis=3)
-                                   for x in (lse2, delta))
+                q_i, do_i, lse2_i, delta_i = (lax.dynamic_slice_in_dim(x, start_m, block_m, 3)
+                                              for x in (q5, do5, lse2, delta))
                 p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes,
                               segments)
                 # sum over the group's heads, which share this key head
                 dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
-                ds = _grad_qk(_grad_scores(p, dp, delta_i), t, ctx)
+                ds = _grad_scores(p, dp, delta_i)
+                if dbias is not None:
+                    dbias = _add_bias_tile(dbias, _sum_to_bias(ds, dbias.shape), start_m,
+                                           start_n)
+                ds = _grad_qk(ds, t, ctx)
                 dk_j += jnp.einsum("bhgmn,bhgmd->bhnd", ds, q_i, precision=_HIGHEST)
-                return dk_j, dv_j
+                dq_i = lax.dynamic_slice_in_dim(dq, start_m, block_m, 3) + jnp.einsum(
+                    "bhgmn,bhnd->bhgmd", ds, k_j, precision=_HIGHEST)
+                return dk_j, dv_j, lax.dynamic_update_slice_in_dim(dq, dq_i, start_m, 3), dbias
             return step
 
-        carry = (jnp.zeros_like(k_j), jnp.zeros_like(v_j))  # (B, Hkv, BN, D)
+        carry = (jnp.zeros_like(k_j), jnp.zeros_like(v_j), *carry)  # dK, dV (B, Hkv, BN, D)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             carry = _block_loop(a, b, block_m, body(masked), carry)
-        return carry
+        dk_j, dv_j, dq, dbias = carry
+        return (dq, dbias), (dk_j, dv_j)
 
     starts_n = jnp.arange(0, padded_k, block_n)
-    dk4, dv4 = lax.map(key_block, (starts_n, _blocks(k4, 2, block_n), _blocks(v4, 2, block_n),
-                                   _ranges(ctx, False)))
+    (dq5, dbias), (dk4, dv4) = lax.scan(
+        key_block, (jnp.zeros_like(q5), dbias),
+        (starts_n, _blocks(k4, 2, block_n), _blocks(v4, 2, block_n), _ranges(ctx, False)))
+    dq = _ungrouped(dq5[..., :seqlen_q, :])
     dk = _unblocks(dk4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)  # (B, Nk, Hkv, D)
     dv = _unblocks(dv4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)
-
-    # -- dQ: one query block at a time, over the key blocks it sees; with cfg.bias_grad also
-    # this block's rows of the bias's gradient (dS, summed where the bias broadcasts) --
-    wants_dbias = bias is not None and cfg.bias_grad
-
-    def query_block(args):
-        start_m, q_i, do_i, lse2_i, delta_i, (lo, mid_lo, mid_hi, hi) = args
-
-        def body(masked):
-            def step(n, carry):
-                dq_i, dbias_i = carry
-                start_n = n * block_n
-                k_j = lax.dynamic_slice_in_dim(k4, start_n, block_n, axis=2)
-                v_j = lax.dynamic_slice_in_dim(v4, start_n, block_n, axis=2)
-                p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes,
-                              segments)
-                dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
-                ds = _grad_scores(p, dp, delta_i)
-                if wants_dbias:
-                    tile = _sum_to_bias(ds, bias.shape)
-                    if bias.shape[3] > 1:  # this key block's columns
-                        tile = tile + lax.dynamic_slice_in_dim(dbias_i, start_n, block_n, 3)
-                        dbias_i = lax.dynamic_update_slice_in_dim(dbias_i, tile, start_n, 3)
-                    else:
-                        dbias_i = dbias_i + tile
-                ds = _grad_qk(ds, t, ctx)
-                dq_i = dq_i + jnp.einsum("bhgmn,bhnd->bhgmd", ds, k_j, precision=_HIGHEST)
-                return dq_i, dbias_i
-            return step
-
-        dbias_i = None
-        if wants_dbias:  # (B or 1, H or 1, BM or 1, padded_k or 1)
-            dbias_i = jnp.zeros(bias.shape[:2] + (block_m if bias.shape[2] > 1 else 1,)
-                                + bias.shape[3:], ctx.dtype)
-        carry = (jnp.zeros_like(q_i), dbias_i)
-        for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
-            carry = _block_loop(a, b, block_n, body(masked), carry)
-        return carry
-
-    starts_m = jnp.arange(0, padded_q, block_m)
-    dq5, dbias = lax.map(query_block, (starts_m, *(_blocks(x, 3, block_m)
-                                                   for x in (q5, do5, lse2, delta)),
-                                       _ranges(ctx, True)))
-    dq = _ungrouped(_unblocks(dq5, 3)[..., :seqlen_q, :])
-    if wants_dbias:  # (query blocks, ...) -> the bias's own shape
-        dbias = _unblocks(dbias, 2) if bias.shape[2] > 1 else dbias.sum(0)
+    if dbias is not None:  # the padding's rows and columns dropped
         dbias = dbias[:, :, :bias_shape[2], :bias_shape[3]]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
 
