@@ -83,7 +83,11 @@ def test_gpt_example():
 def test_jax_example():
     pytest.importorskip("jax", reason="jax not installed: pip install .[jax]")
     prelude = ("import jax\nkeys = jax.random.split(jax.random.PRNGKey(0), 3)\n"
-               "q, k, v = (jax.random.normal(key, (1, 64, 4, 32)) for key in keys)")
+               "q, k, v = (jax.random.normal(key, (1, 64, 4, 32)) for key in keys)\n"
+               "q1, k1, v1 = q[:, :1], k[:, :1, :2], v[:, :1, :2]  # a step's token, 2 KV heads\n"
+               "k_cache, v_cache = k[:, :, :2] * 0, v[:, :, :2] * 0  # 64 tokens a sequence\n"
+               "cache_seqlens = jax.numpy.array([10])")
     got = run(example("import jax, longflash.jax"), prelude,
-              dict(o="list(o.shape)", dq="list(dq.shape)"))
-    assert got == dict(o=[1, 64, 4, 32], dq=[1, 64, 4, 32])
+              dict(o="list(o.shape)", dq="list(dq.shape)", k_cache="list(k_cache.shape)",
+                   appended="bool((k_cache[:, 10] == k1[:, 0]).all())"))
+    assert got == dict(o=[1, 1, 4, 32], dq=[1, 64, 4, 32], k_cache=[1, 64, 2, 32], appended=True)

@@ -4,6 +4,10 @@
     o = longflash.jax.attention(q, k, v, causal=True)   # q: (batch, seqlen, nheads, headdim)
     dq, dk, dv = jax.grad(lambda q, k, v: longflash.jax.attention(q, k, v).sum(),
                           argnums=(0, 1, 2))(q, k, v)
+    (o, k_cache, v_cache) = longflash.jax.attention_with_kvcache(q, k_cache, v_cache, k, v,
+                                                                 cache_seqlens)  # decoding
+
+Decoding over a KV cache (contiguous or paged) is `jax_kvcache.py`'s, exported here.
 
 The algorithm is `blockwise.py`'s, written with jax.lax, with the same names (read
 that file first): a query block of block_m rows walks over the key blocks of block_n
@@ -832,3 +836,9 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     p = p[..., :seqlen_k]
     o = jnp.einsum("bhij,bjhd->bihd", p, v, precision=_HIGHEST)
     return o.astype(q.dtype), lse
+
+
+# decoding over a KV cache: its own file, which imports this one's helpers
+from .jax_kvcache import attention_with_kvcache  # noqa: E402
+
+__all__ = ["attention", "attention_ref", "attention_with_kvcache", "jax_triton_missing"]

@@ -1,0 +1,210 @@
+"""longflash.jax.attention_with_kvcache: decoding over a KV cache in JAX, against the
+materializing reference run on each sequence's keys.
+
+o and lse by the project's rule (`check_close`: the float32 result's max error against the
+float64 reference at most twice that of the float32 reference plus a rounding floor); the
+appended caches exactly. Tiles of 16 keys, so the odd capacities end in a partial block
+(read as a block overlapping the one before).
+"""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="JAX not installed: pip install .[jax]")
+import jax.numpy as jnp  # noqa: E402
+
+import longflash.jax as lj  # noqa: E402
+from conftest import check_close  # noqa: E402
+from test_jax import to_torch, x64  # noqa: E402,F401  (x64: float64 while these tests run)
+
+
+# (batch, seqlen_q, nheads, nheads_kv, headdim, headdim_v, capacity, lengths before the append,
+#  seqlen_new, keywords)
+CASES = [
+    (3, 1, 4, 2, 40, 40, 97, [0, 17, 80], 1, dict(causal=True)),  # one token a step
+    (2, 5, 6, 2, 64, 64, 203, [113, 40], 5, dict(causal=True)),  # a speculative step
+    (2, 3, 8, 1, 64, 32, 130, [100, 7], 0, dict()),  # MQA, v's head dim smaller, no append
+    (2, 4, 4, 4, 40, 40, 157, [150, 33], 2, dict(causal=True, window_size=(20, -1))),
+    (1, 2, 4, 2, 59, 59, 113, [60], 2, dict(softcap=30.0)),
+    (2, 3, 4, 2, 32, 32, 80, [30, 2], 3, dict(window_size=(4, 1))),  # a window both ways
+]
+
+
+def case_id(case):
+    b, nq, h, hkv, d, dv, cap, lengths, new, kw = case
+    flags = "-".join(f"{k}{v}" for k, v in kw.items())
+    return f"B{b}-Nq{nq}-H{h}/{hkv}-D{d}/{dv}-C{cap}-L{lengths}-new{new}-{flags}"
+
+
+def make_inputs(case, seed=0):
+    """q, k_cache, v_cache, k, v (float64; k, v None without new tokens) and the lengths."""
+    b, nq, h, hkv, d, dv, cap, lengths, new, _ = case
+    rng = np.random.default_rng(seed)
+    shapes = [(b, nq, h, d), (b, cap, hkv, d), (b, cap, hkv, dv), (b, new, hkv, d),
+              (b, new, hkv, dv)]
+    arrays = [jnp.asarray(rng.standard_normal(s), jnp.float64) for s in shapes]
+    if not new:
+        arrays[3:] = None, None
+    return (*arrays, jnp.asarray(lengths, jnp.int32))
+
+
+def appended(cache, new, lengths):
+    """The expected cache after the append, built in numpy."""
+    out = np.array(cache)
+    for b, n in enumerate(np.asarray(lengths)):
+        if new is not None:
+            out[b, n:n + new.shape[1]] = np.asarray(new[b])
+    return out
+
+
+def reference(q, k_cache, v_cache, lengths, new, **kw):
+    """(o, lse) of attention_ref over each sequence's keys after the append."""
+    outs = [lj.attention_ref(q[b:b + 1], k_cache[b:b + 1, :n + new], v_cache[b:b + 1, :n + new],
+                             **kw) for b, n in enumerate(np.asarray(lengths))]
+    return jnp.concatenate([o for o, _ in outs]), jnp.concatenate([lse for _, lse in outs])
+
+
+def paged(cache, page_size, seed=1):
+    """A contiguous cache (B, capacity, Hkv, D) as pages in shuffled order, with two spare
+    pages: (pages, block_table)."""
+    b, cap = cache.shape[:2]
+    max_pages = -(-cap // page_size)
+    cache = np.pad(np.asarray(cache), [(0, 0), (0, max_pages * page_size - cap), (0, 0), (0, 0)])
+    order = np.random.default_rng(seed).permutation(b * max_pages + 2)
+    pages = np.zeros((b * max_pages + 2, page_size) + cache.shape[2:], cache.dtype)
+    table = order[:b * max_pages].reshape(b, max_pages)
+    pages[table] = cache.reshape(b, max_pages, page_size, *cache.shape[2:])
+    return jnp.asarray(pages), jnp.asarray(table, jnp.int32)
+
+
+def unpaged(pages, table, capacity):
+    return np.asarray(pages)[np.asarray(table)].reshape(table.shape[0], -1,
+                                                        *pages.shape[2:])[:, :capacity]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+def test_matches_reference(case, page_size):
+    """float32 o and lse against the float64 reference by the tolerance rule; the caches
+    after the append exactly as expected; the rows past each sequence's end filled with NaN
+    (they must not be read into the output)."""
+    q, k_cache, v_cache, k, v, lengths = make_inputs(case)
+    kw, new, cap = case[-1], case[-2], case[6]
+    k_full, v_full = (jnp.asarray(appended(c, x, lengths)) for c, x in ((k_cache, k), (v_cache, v)))
+    ref64 = reference(q, k_full, v_full, lengths, new, **kw)
+    lowp = [None if x is None else x.astype(jnp.float32) for x in (q, k_full, v_full, k, v)]
+    ref32 = reference(*lowp[:3], lengths, new, **kw)
+    past_end = np.arange(cap)[None, :] >= np.asarray(lengths)[:, None]  # (B, capacity)
+    caches = [jnp.where(past_end[:, :, None, None], jnp.nan, c.astype(jnp.float32))
+              for c in (k_cache, v_cache)]
+    table = None
+    if page_size:
+        (k_pages, table), (v_pages, _) = (paged(c, page_size) for c in caches)
+        caches = [k_pages, v_pages]
+    (o, lse), k_out, v_out = lj.attention_with_kvcache(
+        lowp[0], *caches, *lowp[3:], cache_seqlens=lengths, block_table=table, return_lse=True,
+        block_n=16, **kw)
+    label = case_id(case) + ("" if page_size is None else f"-paged{page_size}")
+    for name, a, b, r in zip(("o", "lse"), (o, lse), ref32, ref64):
+        assert a.shape == r.shape, name
+        check_close(f"{label} {name}", to_torch(a), to_torch(b), to_torch(r))
+    for name, out, cache, x in (("k", k_out, caches[0], lowp[3]), ("v", v_out, caches[1], lowp[4])):
+        got = np.asarray(out) if table is None else unpaged(out, table, cap)
+        before = np.asarray(cache) if table is None else unpaged(cache, table, cap)
+        np.testing.assert_array_equal(got, appended(before, x, lengths), err_msg=f"{name}_cache")
+
+
+def test_a_sequence_without_keys():
+    """Length 0 and nothing appended: o = 0 and lse = -inf for it, the others unaffected."""
+    case = (2, 2, 4, 2, 32, 32, 40, [0, 25], 0, dict(causal=True))
+    q, k_cache, v_cache, _, _, lengths = make_inputs(case)
+    (o, lse), _, _ = lj.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                               causal=True, return_lse=True, block_n=16)
+    assert not np.asarray(o[0]).any() and np.isneginf(np.asarray(lse[0])).all()
+    ref = reference(q[1:], k_cache[1:], v_cache[1:], lengths[1:], 0, causal=True)
+    np.testing.assert_allclose(np.asarray(o[1:]), np.asarray(ref[0]), rtol=1e-12, atol=1e-12)
+
+
+def test_a_jitted_decoding_loop_compiles_once():
+    """Five steps of a jitted step (caches donated, lengths traced) equal the eager steps, and
+    the step compiles once for every length; an int cache_seqlens (the default: the whole
+    capacity) gives the same as an array."""
+    case = (2, 1, 4, 2, 32, 32, 64, [3, 30], 1, dict(causal=True))
+    q, k_cache, v_cache, _, _, lengths = make_inputs(case)
+    rng = np.random.default_rng(2)
+    new = [[jnp.asarray(rng.standard_normal((2, 1, 2, 32))) for _ in range(2)] for _ in range(5)]
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return lj.attention_with_kvcache(q, k_cache, v_cache, k, v, lengths, causal=True,
+                                         block_n=16)
+
+    jitted = jax.jit(step, donate_argnums=(1, 2))
+    eager_caches = (k_cache, v_cache)
+    jitted_caches = tuple(jnp.array(c, copy=True) for c in eager_caches)  # donated
+    for t, (k, v) in enumerate(new):
+        o_eager, *eager_caches = step(q, *eager_caches, k, v, lengths + t)
+        o_jit, *jitted_caches = jitted(q, *jitted_caches, k, v, lengths + t)
+        np.testing.assert_allclose(np.asarray(o_jit), np.asarray(o_eager), rtol=1e-12,
+                                   atol=1e-12)
+    assert jitted._cache_size() == 1
+    for a, b in zip(jitted_caches, eager_caches):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    full = lj.attention_with_kvcache(q, k_cache, v_cache, block_n=16)[0]
+    as_array = lj.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=jnp.full(2, 64),
+                                         block_n=16)[0]
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(as_array))
+
+
+def test_learnable_sink():
+    case = CASES[1]
+    q, k_cache, v_cache, k, v, lengths = make_inputs(case)
+    sink = jnp.asarray(np.random.default_rng(3).standard_normal(case[2]))
+    (o, lse), k_full, v_full = lj.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, lengths, causal=True, return_lse=True, learnable_sink=sink,
+        block_n=16)
+    ref = reference(q, k_full, v_full, lengths, case[-2], causal=True, learnable_sink=sink)
+    for a, r in zip((o, lse), ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-12)
+
+
+def _bad_inputs():
+    """(keywords replacing the valid call's, error, message)."""
+    x = np.zeros
+    return [
+        (dict(q=x((2, 4, 32), np.float32)), ValueError, "q must have 4 dimensions"),
+        (dict(q=[1.0]), TypeError, "q must be a jax.Array"),
+        (dict(q=x((2, 1, 4, 32), np.int32)), TypeError, "q has dtype int32"),
+        (dict(k_cache=x((2, 40, 2, 32), np.float64)), TypeError, "k_cache has dtype float64"),
+        (dict(v_cache=x((2, 41, 2, 32), np.float32)), ValueError, "same shape but for the head"),
+        (dict(k_cache=x((2, 40, 2, 16), np.float32)), ValueError, "k_cache headdim 16"),
+        (dict(k_cache=x((2, 40, 3, 32), np.float32), v_cache=x((2, 40, 3, 32), np.float32)),
+         ValueError, "multiple of the nheads_kv"),
+        (dict(k_cache=x((3, 40, 2, 32), np.float32), v_cache=x((3, 40, 2, 32), np.float32)),
+         ValueError, "a paged cache needs block_table"),
+        (dict(v=None), ValueError, "k and v must be given together"),
+        (dict(k=x((2, 1, 2, 16), np.float32)), ValueError, "k and v must have shapes"),
+        (dict(cache_seqlens=40), ValueError, r"cache_seqlens \+ seqlen_new must lie in \[0, 40\]"),
+        (dict(cache_seqlens=np.array([3, -1])), ValueError, "cache_seqlens in \\[-1, 3\\]"),
+        (dict(cache_seqlens=np.array([3.0, 1.0])), TypeError, "cache_seqlens must be an int"),
+        (dict(cache_seqlens=np.array([3])), TypeError, "cache_seqlens must be an int"),
+        (dict(block_table=np.zeros((2, 4), np.int64)), TypeError, "block_table must be an int32"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(window_size=(3,)), TypeError, "window_size"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+        (dict(learnable_sink=np.zeros(3, np.float32)), ValueError, "learnable_sink must have"),
+        (dict(block_n=0), ValueError, "block_n must be a positive int"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _bad_inputs(),
+                         ids=[m for _, _, m in _bad_inputs()])
+def test_bad_input(kwargs, error, match):
+    """A clear error naming the argument, raised before anything runs."""
+    f32 = np.float32
+    call = dict(q=np.zeros((2, 1, 4, 32), f32), k_cache=np.zeros((2, 40, 2, 32), f32),
+                v_cache=np.zeros((2, 40, 2, 32), f32), k=np.zeros((2, 1, 2, 32), f32),
+                v=np.zeros((2, 1, 2, 32), f32), cache_seqlens=3)
+    call.update(kwargs)
+    with pytest.raises(error, match=match):
+        lj.attention_with_kvcache(**call)
