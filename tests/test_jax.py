@@ -370,6 +370,54 @@ def ones(*shape, dtype=np.float32):
     return np.ones(shape, dtype)
 
 
+DROPOUT = [(2, 45, 70, 4, 2, 32, True), (1, 113, 97, 2, 2, 40, False)]
+
+
+@pytest.mark.parametrize("case", DROPOUT, ids=[case_id(c) for c in DROPOUT])
+def test_dropout(case):
+    """Dropout (p = 0.3) against the reference with the same elements dropped, by the
+    tolerance rule (o, lse and every gradient): the backward pass regenerates each tile's
+    mask."""
+    check_blockwise(case_id(case) + "-dropout", *make_inputs(case), causal=case[-1],
+                    dropout_p=0.3, dropout_rng=(7 << 32) + 11)
+
+
+def test_dropout_drops_what_longflash_attention_drops():
+    """An int seed: the output and gradients of longflash.attention (PyTorch path, float64)
+    with the same seed, so both bindings train the same model the same way."""
+    case = DROPOUT[0]
+    q, k, v, do, _ = make_inputs(case)
+    seed = (3 << 32) + 5
+
+    def loss(q, k, v):
+        return (lj.attention(q, k, v, causal=True, dropout_p=0.25, dropout_rng=seed,
+                             block_m=32, block_n=16) * do).sum()
+    got = [lj.attention(q, k, v, causal=True, dropout_p=0.25, dropout_rng=seed),
+           *jax.grad(loss, argnums=(0, 1, 2))(q, k, v)]
+    tq, tk, tv = (to_torch(x).requires_grad_() for x in (q, k, v))
+    import longflash
+    o = longflash.attention(tq, tk, tv, causal=True, dropout_p=0.25, seed=seed, backend="torch")
+    expected = [o, *torch.autograd.grad((o * to_torch(do)).sum(), (tq, tk, tv))]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected):
+        np.testing.assert_allclose(np.asarray(a), b.detach().numpy(), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+
+
+def test_dropout_with_a_traced_key():
+    """A jax.random key under jit: the same key gives the eager result, another key another
+    mask; about dropout_p of the probabilities drop (o of v = ones counts the kept mass)."""
+    q, k, v, _, _ = make_inputs((1, 64, 64, 2, 2, 16, False))
+    ones_v = jnp.ones_like(v)
+    run = jax.jit(lambda key, v: lj.attention(q, k, v, dropout_p=0.5, dropout_rng=key,
+                                              block_m=32, block_n=16))
+    key, other = jax.random.split(jax.random.key(0))
+    eager = lj.attention(q, k, v, dropout_p=0.5, dropout_rng=key, block_m=32, block_n=16)
+    np.testing.assert_allclose(np.asarray(run(key, v)), np.asarray(eager), rtol=1e-12)
+    assert not np.allclose(np.asarray(run(other, v)), np.asarray(eager))
+    kept = np.asarray(run(key, ones_v))[..., 0]  # sum of the kept probabilities / (1 - p)
+    assert 0.9 < kept.mean() < 1.1 and kept.std() > 0.05
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(q=ones(2, 3, 4)), ValueError, "q must have 4 dimensions"),
     (dict(k=[[1.0]]), TypeError, "k must be a jax.Array"),
@@ -407,6 +455,12 @@ def ones(*shape, dtype=np.float32):
     (dict(segment_ids=(ones(1, 4, dtype=np.int32),)), TypeError, "segment_ids must be"),
     (dict(segment_ids=(ones(1, 4, dtype=np.int32), ones(1, 5, dtype=np.int32)),
           backend="triton"), NotImplementedError, "segment_ids"),
+    (dict(dropout_p=1.0, dropout_rng=0), ValueError, r"dropout_p must be in \[0, 1\)"),
+    (dict(dropout_p="0.1", dropout_rng=0), TypeError, "dropout_p must be a float"),
+    (dict(dropout_p=0.1), TypeError, "dropout_p > 0 needs dropout_rng"),
+    (dict(dropout_p=0.1, dropout_rng=ones(2)), TypeError, "dropout_p > 0 needs dropout_rng"),
+    (dict(dropout_p=0.1, dropout_rng=-1), ValueError, "dropout_rng as an int seed"),
+    (dict(dropout_p=0.1, dropout_rng=0, backend="triton"), NotImplementedError, "dropout"),
 ])
 def test_bad_input(kwargs, error, match):
     args = {**dict(q=ones(1, 4, 2, 8), k=ones(1, 5, 2, 8), v=ones(1, 5, 2, 8)), **kwargs}

@@ -280,8 +280,8 @@ def query_range(start_n, block_m, block_n, seqlen_q, seqlen_k, window_left, wind
 
 # ----------------------------------------------------------------------------- dropout
 
-_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
-_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
 _U32 = 0xFFFFFFFF
 
 
@@ -307,10 +307,10 @@ def dropout_uniform(seed, bh, i, j):
     c3 = torch.zeros_like(c0)
     k0, k1 = seed & _U32, (seed >> 32) & _U32
     for _ in range(10):
-        hi_b, lo_b = _mul_hi_lo(torch.full_like(c2, _PHILOX_ROUND_B), c2)
-        hi_a, lo_a = _mul_hi_lo(torch.full_like(c0, _PHILOX_ROUND_A), c0)
+        hi_b, lo_b = _mul_hi_lo(torch.full_like(c2, PHILOX_ROUND_B), c2)
+        hi_a, lo_a = _mul_hi_lo(torch.full_like(c0, PHILOX_ROUND_A), c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
+        k0, k1 = (k0 + PHILOX_KEY_A) & _U32, (k1 + PHILOX_KEY_B) & _U32
     return (c0 >> 8).to(torch.float32) * (1.0 / 2**24)
 
 

@@ -27,7 +27,9 @@ attn_mask (PyTorch's, as in `longflash.attention`) becomes an additive bias (0 /
 boolean one) that each tile slices along the dimensions it has (one of size 1 is broadcast,
 never materialized) and adds to every tile, masked or not; a float mask's cotangent, dS
 summed over the dimensions it broadcasts, is accumulated tile by tile in the same pass (an
-array of the mask's own shape). Accumulators are float32 (float64 for float64 inputs, with
+array of the mask's own shape). Dropout draws the same Philox numbers as the other
+implementations (`_common.dropout_uniform`, here in uint32 arithmetic) per tile, forward and
+backward, so nothing of the mask is stored. Accumulators are float32 (float64 for float64 inputs, with
 jax_enable_x64); matmuls use Precision.HIGHEST, so float32 inputs are not rounded to TF32 /
 bfloat16 on accelerators.
 
@@ -57,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import (LN2, LOG2E, check_alibi_shape, check_attn_mask_shape, check_bools,
+from ._common import (LN2, LOG2E, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B,
+                      check_alibi_shape, check_attn_mask_shape, check_bools, check_real,
                       check_shapes, check_softcap, check_window_size, key_range, query_range,
                       resolve_softmax_scale, visible)
 
@@ -82,6 +85,7 @@ class _Config(NamedTuple):
     window_left: int = -1
     window_right: int = -1
     softcap: float = 0.0
+    dropout_p: float = 0.0
 
     @property
     def window(self):
@@ -216,6 +220,7 @@ class _Ctx(NamedTuple):
     window_right: int
     dtype: object  # accumulator dtype
     softcap: float
+    dropout_p: float
 
 
 def _context(q, k, cfg):
@@ -224,7 +229,7 @@ def _context(q, k, cfg):
     block_m = min(cfg.block_m, max(seqlen_q, 1))
     block_n = min(cfg.block_n, max(seqlen_k, 1))
     return _Ctx(seqlen_q, seqlen_k, block_m, block_n, cfg.softmax_scale, *cfg.window,
-                _accumulator_dtype(q.dtype), cfg.softcap)
+                _accumulator_dtype(q.dtype), cfg.softcap, cfg.dropout_p)
 
 
 def _ranges(ctx, keys):
@@ -297,13 +302,49 @@ def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None, slopes=None, seg
     return s * LOG2E, t
 
 
+def _philox_uniform(seed, bh, i, j):
+    """_common.dropout_uniform in uint32 jax arithmetic (the same numbers, so the same
+    elements drop as in longflash.attention with the same seed): Philox-4x32-10 with counter
+    (j, i, bh, 0) and key seed (uint32 (2,): the seed's low and high 32 bits)."""
+    u32 = jnp.uint32
+    c0, c1, c2 = jnp.broadcast_arrays(*(jnp.asarray(x).astype(u32) for x in (j, i, bh)))
+    c3 = jnp.zeros_like(c0)
+    k0, k1 = seed[0], seed[1]
+
+    def mul_hi_lo(a, b):  # b a constant; no 64-bit integers needed
+        a_hi, a_lo, b_hi, b_lo = a >> 16, a & 0xFFFF, u32(b >> 16), u32(b & 0xFFFF)
+        t = a_lo * b_lo
+        u = a_hi * b_lo + (t >> 16)
+        w = (u & 0xFFFF) + a_lo * b_hi
+        return a_hi * b_hi + (u >> 16) + (w >> 16), a * u32(b)
+
+    for _ in range(10):
+        hi_b, lo_b = mul_hi_lo(c2, PHILOX_ROUND_B)
+        hi_a, lo_a = mul_hi_lo(c0, PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = k0 + u32(PHILOX_KEY_A), k1 + u32(PHILOX_KEY_B)
+    return (c0 >> 8).astype(jnp.float32) * (1.0 / 2**24)
+
+
+def _dropout_scale(seed, start_m, start_n, shape5, ctx):
+    """keep / (1 - dropout_p) of a tile (B, Hkv, G, BM, BN): element (b, h, i, j) is kept iff
+    its uniform number (batch * nheads + head, query, key) is at least dropout_p."""
+    batch, nheads_kv, group, block_m, block_n = shape5
+    bh = (jnp.arange(batch)[:, None, None] * (nheads_kv * group)
+          + jnp.arange(nheads_kv * group).reshape(nheads_kv, group))[..., None, None]
+    i = start_m + jnp.arange(block_m)[:, None]
+    j = start_n + jnp.arange(block_n)[None, :]
+    keep = _philox_uniform(seed, bh, i, j) >= ctx.dropout_p
+    return jnp.where(keep, 1.0 / (1.0 - ctx.dropout_p), 0.0).astype(ctx.dtype)
+
+
 def _block_loop(lo, hi, block, body, carry):
     """body over the blocks [lo, hi) of a range (lo a multiple of block)."""
     return lax.fori_loop(lo // block, (hi + block - 1) // block, body, carry)
 
 
 def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias, slopes,
-                    segments):
+                    segments, seed):
     def body(n, carry):
         acc, l_i, m_i = carry
         start_n = n * ctx.block_n
@@ -316,7 +357,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias
         m_safe = jnp.where(m_ij == -jnp.inf, 0.0, m_ij)  # rows that saw no key yet
         p = jnp.exp2(qk - m_safe[..., None])
         alpha = jnp.exp2(m_i - m_safe)
-        l_i = l_i * alpha + p.sum(-1)
+        l_i = l_i * alpha + p.sum(-1)  # the lse is of the undropped row
+        if ctx.dropout_p > 0:
+            p = p * _dropout_scale(seed, start_m, start_n, p.shape, ctx)
         acc = acc * alpha[..., None] + jnp.einsum("bhgmn,bhnd->bhgmd", p, v_j,
                                                   precision=_HIGHEST)
         return acc, l_i, m_ij
@@ -350,11 +393,11 @@ def _grouped_slopes(slopes, nheads_kv, dtype):
     return slopes.astype(dtype).reshape(slopes.shape[0], nheads_kv, -1, 1, 1)
 
 
-def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None):
+def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None, seed=None):
     """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype. bias: None,
     or attn_mask as a 4-D additive bias (-inf hides a key; dimensions of 1 broadcast).
     slopes: None, or ALiBi's (B or 1, H). segments: None, or the segment ids (B, Nq) of the
-    queries and (B, Nk) of the keys."""
+    queries and (B, Nk) of the keys. seed: None, or dropout's (uint32 (2,))."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv = k.shape[2]
     ctx = _context(q, k, cfg)
@@ -374,7 +417,7 @@ def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None):
         acc = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], ctx.dtype)  # (B, Hkv, G, BM, Dv)
         for a, b, masked in ((lo, mid_lo, True), (mid_lo, mid_hi, False), (mid_hi, hi, True)):
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q_i, k4, v4, start_m, a, b, masked,
-                                            ctx, bias, slopes, segments)
+                                            ctx, bias, slopes, segments, seed)
         # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
         l_safe = jnp.where(l_i == 0, 1.0, l_i)
         o_i = acc / l_safe[..., None]
@@ -422,7 +465,8 @@ def _add_bias_tile(dbias, tile, start_m, start_n):
                                     starts)
 
 
-def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segments=None):
+def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segments=None,
+                    seed=None):
     """dq, dk, dv and, with cfg.bias_grad, the gradient of attn_mask's 4-D bias (dL/ds summed
     over the dimensions it broadcasts; else None)."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -467,9 +511,11 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segm
                                               for x in (q5, do5, lse2, delta))
                 p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes,
                               segments)
+                keep = 1.0 if ctx.dropout_p == 0 else \
+                    _dropout_scale(seed, start_m, start_n, p.shape, ctx)
                 # sum over the group's heads, which share this key head
-                dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p, do_i, precision=_HIGHEST)
-                dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST)
+                dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p * keep, do_i, precision=_HIGHEST)
+                dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST) * keep
                 ds = _grad_scores(p, dp, delta_i)
                 if dbias is not None:
                     dbias = _add_bias_tile(dbias, _sum_to_bias(ds, dbias.shape), start_m,
@@ -605,48 +651,51 @@ def _triton_backward(do, dlse, q, k, v, o, lse, cfg):
 
 # ----------------------------------------------------------------------------- custom VJP
 
-def _forward(q, k, v, bias, slopes, segments, cfg):
+def _forward(q, k, v, bias, slopes, segments, seed, cfg):
     if 0 in q.shape[:2] or 0 in k.shape[:2]:  # empty: o = 0, lse = -inf (no key seen)
         batch, seqlen_q, nheads, _ = q.shape
         return (jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype),
                 jnp.full((batch, nheads, seqlen_q), -jnp.inf, _accumulator_dtype(q.dtype)))
     if cfg.backend == "triton":  # (no attn_mask or ALiBi there: attention() takes "jax")
         return _triton_forward(q, k, v, cfg)
-    return _forward_dense(q, k, v, cfg, bias, slopes, segments)
+    return _forward_dense(q, k, v, cfg, bias, slopes, segments, seed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, bias, slopes, segments, cfg):
-    return _forward(q, k, v, bias, slopes, segments, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, bias, slopes, segments, seed, cfg):
+    return _forward(q, k, v, bias, slopes, segments, seed, cfg)
 
 
-def _attention_fwd(q, k, v, bias, slopes, segments, cfg):
-    o, lse = _forward(q, k, v, bias, slopes, segments, cfg)
+def _attention_fwd(q, k, v, bias, slopes, segments, seed, cfg):
+    o, lse = _forward(q, k, v, bias, slopes, segments, seed, cfg)
     # saved for backward: O(seqlen), nothing N x N (and attn_mask's bias, the caller's)
-    return (o, lse), (q, k, v, bias, slopes, segments, o, lse)
+    return (o, lse), (q, k, v, bias, slopes, segments, seed, o, lse)
 
 
 def _attention_bwd(cfg, residuals, cotangents):
     """dq, dk, dv, a float attn_mask's gradient (None for a boolean one), None for the ALiBi
-    slopes (not differentiated, as in FlashAttention) and for the segment ids."""
-    q, k, v, bias, slopes, segments, o, lse = residuals
+    slopes (not differentiated, as in FlashAttention), the segment ids and dropout's seed."""
+    q, k, v, bias, slopes, segments, seed, o, lse = residuals
     do, dlse = cotangents
     if 0 in q.shape[:2] or 0 in k.shape[:2]:
         return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
-                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias), None, None)
+                None if bias is None or not cfg.bias_grad else jnp.zeros_like(bias), None, None,
+                None)
     if cfg.backend == "triton":
-        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None, None, None)
-    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias, slopes, segments)
-    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype), None, None
+        return (*_triton_backward(do, dlse, q, k, v, o, lse, cfg), None, None, None, None)
+    dq, dk, dv, dbias = _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias, slopes, segments,
+                                        seed)
+    return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype), None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-_attention_jit = jax.jit(_attention, static_argnums=6)
+_attention_jit = jax.jit(_attention, static_argnums=7)
 
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, block_m=BLOCK_M,
               block_n=BLOCK_N, backend="auto", learnable_sink=None, attn_mask=None,
-              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, segment_ids=None):
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, segment_ids=None,
+              dropout_p=0.0, dropout_rng=None):
     """Exact softmax attention, computed block by block; differentiable (custom VJP).
 
     Arguments:
@@ -695,6 +744,14 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             row (for sequences packed one after the other, causal within each). Each tile
             masks from the ids, O(seqlen) memory; every tile the other masks leave is
             computed (no tile is skipped for lying across segments). Blockwise JAX path only.
+        dropout_p: the probability of dropping each attention probability (training); kept
+            ones are scaled by 1 / (1 - dropout_p); lse is of the undropped row. The backward
+            pass regenerates the mask tile by tile (nothing N x N is stored). Blockwise JAX
+            path only.
+        dropout_rng: with dropout_p > 0: a jax.random key (its bits choose the stream; a
+            traced key under jit), or an int seed in [0, 2^64), which drops exactly the
+            elements that `longflash.attention(..., dropout_p, seed=)` drops (the same
+            Philox numbers per (batch * nheads + head, query, key)).
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -705,9 +762,9 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     path has no batching rule).
     """
     blockwise_only = attn_mask is not None or alibi_slopes is not None or \
-        segment_ids is not None
+        segment_ids is not None or (not isinstance(dropout_p, bool) and dropout_p != 0)
     if blockwise_only and backend == "triton":
-        raise NotImplementedError("attn_mask, alibi_slopes and segment_ids run on the "
+        raise NotImplementedError("attn_mask, alibi_slopes, segment_ids and dropout run on the "
                                   "blockwise JAX path only: use backend='auto' or 'jax'")
     q, k, v, cfg = _check_inputs(q, k, v, causal, softmax_scale, return_lse, block_m, block_n,
                                  "jax" if blockwise_only else backend, window_size, softcap)
@@ -715,9 +772,11 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
     slopes = _check_slopes(alibi_slopes, q.shape[0], q.shape[2])
     bias = _mask_bias(attn_mask, q, k)
     segments = _check_segment_ids(segment_ids, q, k)
+    seed = _dropout_seed(dropout_p, dropout_rng)
+    cfg = cfg._replace(dropout_p=float(dropout_p))
     if bias is not None:  # a float mask's cotangent is computed, a boolean one's is not
         cfg = cfg._replace(bias_grad=attn_mask.dtype != np.bool_)
-    o, lse = _attention_jit(q, k, v, bias, slopes, segments, cfg)
+    o, lse = _attention_jit(q, k, v, bias, slopes, segments, seed, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
@@ -739,6 +798,26 @@ def _check_segment_ids(segment_ids, q, k):
             raise ValueError(f"{name} must have shape (batch, seqlen) = {shape}, got "
                              f"{tuple(ids.shape)}")
     return tuple(jnp.asarray(x) for x in pair)
+
+
+def _dropout_seed(dropout_p, dropout_rng):
+    """dropout_p checked; dropout's key as uint32 (2,) (None without dropout)."""
+    check_real("dropout_p", dropout_p, "a float in [0, 1)")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0:
+        return None
+    if isinstance(dropout_rng, int) and not isinstance(dropout_rng, bool):
+        if not 0 <= dropout_rng < 2**64:
+            raise ValueError(f"dropout_rng as an int seed must lie in [0, 2^64), got {dropout_rng}")
+        return jnp.asarray([dropout_rng & 0xFFFFFFFF, dropout_rng >> 32], jnp.uint32)
+    is_key = isinstance(dropout_rng, (jax.Array, np.ndarray)) and (
+        jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key) or
+        (dropout_rng.dtype == np.uint32 and dropout_rng.shape == (2,)))
+    if not is_key:
+        raise TypeError(f"dropout_p > 0 needs dropout_rng: a jax.random key or an int seed (JAX "
+                        f"has no global random state), got {type(dropout_rng).__name__}")
+    return jax.random.bits(dropout_rng, (2,), jnp.uint32)
 
 
 def _check_slopes(alibi_slopes, batch, nheads):
@@ -793,12 +872,13 @@ def _with_sink(o, lse, learnable_sink):
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None,
-                  attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                  attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  dropout_p=0.0, dropout_rng=None):
     """Standard attention that materializes the (seqlen_q, seqlen_k) matrix, in the inputs'
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
     the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
     column of scores appended to every row, then dropped. attn_mask, window_size, softcap,
-    alibi_slopes: as in `attention`."""
+    alibi_slopes, dropout_p, dropout_rng: as in `attention` (the same elements dropped)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
@@ -834,6 +914,11 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     p = e / l_safe
     lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
     p = p[..., :seqlen_k]
+    if dropout_p > 0:
+        bh = jnp.arange(batch * nheads).reshape(batch, nheads, 1, 1)
+        i, j = jnp.arange(seqlen_q)[:, None], jnp.arange(seqlen_k)[None, :]
+        keep = _philox_uniform(_dropout_seed(dropout_p, dropout_rng), bh, i, j) >= dropout_p
+        p = p * keep / (1.0 - dropout_p)
     o = jnp.einsum("bhij,bjhd->bihd", p, v, precision=_HIGHEST)
     return o.astype(q.dtype), lse
 
