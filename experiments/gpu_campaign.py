@@ -54,7 +54,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
      speedup_long  RQ1 part long at 32K, 64K, 128K tokens (head dim 128, batch 1)
      scaling_exact  RQ3 part exactness: ring steps on gloo ranks against one-rank attention
   3  hf         a small random Llama: LongFlash logits against eager, one generate
-     jax        longflash.jax on the GPU (Triton path: jax-triton >= 0.4, triton >= 3.7)
+     jax        longflash.jax on the GPU: attention and a decoding step against float64 (the
+                Triton path needs jax-triton >= 0.4, triton >= 3.7)
      speedup_decode  RQ1 part decode: one step of attention_with_kvcache over 1K..128K
                 tokens of cache, batch 1 then 8, against SDPA's backends and FlexAttention
      variants   experiments.variants --full
@@ -892,8 +893,40 @@ def probe_jax(path):
     except Exception as exc:  # noqa: BLE001
         rows.append(_row("max_abs_diff_default_backend", float("nan"), "", "error",
                          f"{type(exc).__name__}: {exc}"))
+    rows.append(_probe_jax_decoding(lf_jax, q, k, v, gpu))
     _dump(path, dict(rows=rows))
     print(rows)
+
+
+def _probe_jax_decoding(lf_jax, q, k, v, gpu):
+    """One decoding step of longflash.jax.attention_with_kvcache (jitted, lengths traced) over
+    k and v as a cache of two sequences of different lengths, against longflash.attention_ref
+    per sequence in float64: a row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import longflash
+    lengths = [k.shape[1] - 1, k.shape[1] // 3]
+    k_cache, v_cache = (jnp.concatenate([x, x[:, ::-1]]) for x in (k, v))  # (2, N, H, D)
+    try:
+        step = jax.jit(lambda *a: lf_jax.attention_with_kvcache(*a, causal=True)[0])
+        out = np.asarray(step(q[:, -1:].repeat(2, 0), k_cache, v_cache, k_cache[:, :1],
+                              v_cache[:, :1], jnp.asarray(lengths)), np.float64)
+        diff = 0.0
+        for b, n in enumerate(lengths):
+            new_k, new_v = (np.concatenate([np.asarray(c[b, :n]), np.asarray(c[b, :1])])
+                            for c in (k_cache, v_cache))
+            ref, _ = longflash.attention_ref(*(torch.from_numpy(np.asarray(x, np.float64))[None]
+                                               for x in (q[0, -1:], new_k, new_v)), causal=True)
+            diff = max(diff, float(np.abs(out[b] - ref.numpy()[0]).max()))
+        return _row("max_abs_diff_kvcache", diff, "", "ok" if diff < (1e-2 if gpu else 1e-3)
+                    else "error", "jax attention_with_kvcache, batch 2, lengths "
+                    f"{[n + 1 for n in lengths]} after the append")
+    except Exception as exc:  # noqa: BLE001
+        return _row("max_abs_diff_kvcache", float("nan"), "", "error",
+                    f"{type(exc).__name__}: {exc}")
 
 
 # The preflight: the Hopper-only candidates, in the order they are checked (the warp-specialized

@@ -208,3 +208,15 @@ def test_bad_input(kwargs, error, match):
     call.update(kwargs)
     with pytest.raises(error, match=match):
         lj.attention_with_kvcache(**call)
+
+
+def test_the_gpu_campaigns_jax_probe(tmp_path):
+    """Stage 3's JAX probe (experiments.gpu_campaign.probe_jax) checks a decoding step too; here
+    on the CPU both of its rows pass."""
+    import json
+
+    from experiments import gpu_campaign
+    gpu_campaign.probe_jax(tmp_path / "jax.json")
+    rows = {r["metric"]: r for r in json.loads((tmp_path / "jax.json").read_text())["rows"]}
+    for metric in ("max_abs_diff_default_backend", "max_abs_diff_kvcache"):
+        assert rows[metric]["status"] == "ok" and rows[metric]["value"] < 1e-3, rows[metric]
