@@ -114,6 +114,57 @@ def test_matches_reference(case, page_size):
         np.testing.assert_array_equal(got, appended(before, x, lengths), err_msg=f"{name}_cache")
 
 
+def tree_mask(lengths_after, seqlen_q, width, seed=4):
+    """(batch, 1, seqlen_q, width) boolean: speculative decoding's draft tree, the last seqlen_q
+    keys of each sequence; query i sees the cache before them and its ancestors and itself
+    among them (parent of draft t: a random earlier draft, or none)."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((len(lengths_after), 1, seqlen_q, width), bool)
+    for b, n in enumerate(lengths_after):
+        parents = [-1] + [int(rng.integers(-1, t)) for t in range(1, seqlen_q)]
+        mask[b, 0, :, :n - seqlen_q] = True
+        for i in range(seqlen_q):
+            t = i
+            while t >= 0:
+                mask[b, 0, i, n - seqlen_q + t] = True
+                t = parents[t]
+    return mask
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+def test_alibi_and_attn_mask(page_size):
+    """ALiBi (per sequence and head) with a speculative tree as a boolean attn_mask, then with
+    a float mask broadcast over the batch and queries, against the reference on each
+    sequence's keys (the mask's columns cut to its length) by the tolerance rule."""
+    case = (2, 4, 4, 2, 40, 40, 101, [70, 21], 4, dict())
+    q, k_cache, v_cache, k, v, lengths = make_inputs(case)
+    after = [n + 4 for n in np.asarray(lengths)]
+    rng = np.random.default_rng(5)
+    slopes = jnp.asarray(rng.uniform(0.05, 0.5, (2, 4)))
+    masks = [jnp.asarray(tree_mask(after, 4, 101)),
+             jnp.asarray(rng.standard_normal((1, 4, 1, 90)))]  # L = 90 >= the lengths
+    k_full, v_full = (jnp.asarray(appended(c, x, lengths)) for c, x in ((k_cache, k), (v_cache, v)))
+    for mask in masks:
+        def ref(q, k_all, v_all):
+            outs = [lj.attention_ref(q[b:b + 1], k_all[b:b + 1, :n], v_all[b:b + 1, :n],
+                                     alibi_slopes=slopes[b:b + 1],
+                                     attn_mask=mask[min(b, mask.shape[0] - 1)][None, ..., :n])
+                    for b, n in enumerate(after)]
+            return [jnp.concatenate(x) for x in zip(*outs)]
+        lowp = [x.astype(jnp.float32) for x in (q, k_cache, v_cache, k, v, k_full, v_full)]
+        caches, table = lowp[1:3], None
+        if page_size:
+            (k_pages, table), (v_pages, _) = (paged(c, page_size) for c in caches)
+            caches = [k_pages, v_pages]
+        (o, lse), _, _ = lj.attention_with_kvcache(
+            lowp[0], *caches, *lowp[3:5], cache_seqlens=lengths, block_table=table,
+            alibi_slopes=slopes.astype(jnp.float32), attn_mask=mask, return_lse=True, block_n=16)
+        label = f"alibi-mask{mask.shape}-{page_size}"
+        for name, a, b, r in zip(("o", "lse"), (o, lse), ref(*lowp[0:1], *lowp[5:]),
+                                 ref(q, k_full, v_full)):
+            check_close(f"{label} {name}", to_torch(a), to_torch(b), to_torch(r))
+
+
 def test_a_sequence_without_keys():
     """Length 0 and nothing appended: o = 0 and lse = -inf for it, the others unaffected."""
     case = (2, 2, 4, 2, 32, 32, 40, [0, 25], 0, dict(causal=True))
@@ -194,6 +245,9 @@ def _bad_inputs():
         (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
         (dict(learnable_sink=np.zeros(3, np.float32)), ValueError, "learnable_sink must have"),
         (dict(block_n=0), ValueError, "block_n must be a positive int"),
+        (dict(alibi_slopes=x(3, np.float32)), ValueError, "alibi_slopes must have shape"),
+        (dict(attn_mask=x((2, 1, 1, 3), bool)), ValueError, r"L >= seqlen_k.*\(2, 4, 1, 4\)"),
+        (dict(attn_mask=x((1, 40), np.int32)), TypeError, "attn_mask must be a bool"),
     ]
 
 

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import LN2, LOG2E, check_bools, check_softcap, check_window_size, \
-    resolve_softmax_scale
-from .jax import _DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _with_sink
+from ._common import LN2, LOG2E, check_attn_mask_shape, check_bools, check_softcap, \
+    check_window_size, resolve_softmax_scale
+from .jax import _DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slopes, _with_sink
 
 BLOCK_N = 256  # keys a tile
 
@@ -38,8 +38,9 @@ class _Config(NamedTuple):
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                            block_table=None, softmax_scale=None, causal=False,
-                           window_size=(-1, -1), softcap=0.0, return_lse=False, *,
-                           learnable_sink=None, block_n=BLOCK_N):
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False, *, learnable_sink=None, attn_mask=None,
+                           block_n=BLOCK_N):
     """Attention of a few new queries over a KV cache, after appending new keys and values
     (FlashAttention-2's flash_attn_with_kvcache, and `longflash.attention_with_kvcache`, with
     JAX's immutable arrays: the updated caches are returned).
@@ -65,10 +66,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5:
                 1 1 1 1 0
                 1 1 1 1 1
-        window_size, softcap: as in `longflash.jax.attention`, aligned per sequence like causal.
+        window_size, softcap, alibi_slopes: as in `longflash.jax.attention`, aligned per
+            sequence like causal (ALiBi's distance is i + seqlen_k - seqlen_q - j).
         return_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for float64).
         learnable_sink: (nheads,) floating-point array, or None: attention sinks, as in
             `longflash.jax.attention`.
+        attn_mask: None, or a bool or floating-point array broadcastable to (batch, nheads,
+            seqlen_q, L), as in `longflash.attention_with_kvcache`: True where query i may see
+            the key, a float added to the scores (after softcap and ALiBi); its last
+            dimension is the key's position in its sequence: L = 1, or L at least every
+            sequence's key count after the append (checked when the lengths are known; a
+            traced length past L reads column L - 1). For tree attention in speculative
+            decoding: the draft tokens' tree as a (batch, 1, seqlen_q, L) boolean mask.
+            Each tile gathers its entries; a broadcast mask is never materialized.
         block_n: keys a tile (default 256; capped at the capacity).
     Returns (out, k_cache, v_cache): out is o (batch, seqlen_q, nheads, headdim of v_cache),
     or (o, lse) with return_lse; the caches with k and v appended (the same arrays without
@@ -79,16 +89,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     q, k_cache, v_cache, k, v = _check_arrays(q, k_cache, v_cache, k, v)
     seqlen_new = 0 if k is None else k.shape[1]
     capacity = _check_cache(q, k_cache, v_cache, k, v, block_table)
-    seqlens = _check_seqlens(cache_seqlens, q.shape[0], seqlen_new, capacity)
+    seqlens, max_seqlen = _check_seqlens(cache_seqlens, q.shape[0], seqlen_new, capacity)
     check_bools(causal=causal, return_lse=return_lse)
     check_window_size(window_size)
     check_softcap(softcap)
     _check_sink(learnable_sink, q.shape[2])
+    slopes = _check_slopes(alibi_slopes, q.shape[0], q.shape[2])
+    bias = _check_mask(attn_mask, q, None if max_seqlen is None else max_seqlen + seqlen_new)
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
         raise ValueError(f"block_n must be a positive int, got {block_n!r}")
     cfg = _Config(float(resolve_softmax_scale(softmax_scale, q.shape[3])), int(window_size[0]),
                   0 if causal else int(window_size[1]), float(softcap), block_n)
-    o, lse, k_cache, v_cache = _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, cfg)
+    o, lse, k_cache, v_cache = _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes,
+                                        bias, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return ((o, lse) if return_lse else o), k_cache, v_cache
@@ -150,9 +163,24 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table):
     return block_table.shape[1] * slots
 
 
+def _check_mask(attn_mask, q, seqlen_k):
+    """attn_mask checked and returned 4-D (batch or 1, nheads or 1, seqlen_q or 1, L); None
+    stays None. seqlen_k: the longest sequence's keys after the append, None if unknown."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, (jax.Array, np.ndarray)) or not (
+            attn_mask.dtype == np.bool_ or jnp.issubdtype(attn_mask.dtype, jnp.floating)):
+        raise TypeError(f"attn_mask must be a bool or floating-point array, or None, got "
+                        f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
+    shape = tuple(attn_mask.shape)
+    check_attn_mask_shape(shape, q.shape[0], q.shape[2], q.shape[1], seqlen_k,
+                          keys_at_least=True)
+    return jnp.asarray(attn_mask).reshape((1,) * (4 - len(shape)) + shape)
+
+
 def _check_seqlens(cache_seqlens, batch, seqlen_new, capacity):
     """cache_seqlens as a (batch,) int32 array, its values checked against the capacity when
-    they are known (not traced)."""
+    they are known (not traced); and their maximum (None when traced)."""
     if cache_seqlens is None:
         cache_seqlens = capacity - seqlen_new
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -171,18 +199,19 @@ def _check_seqlens(cache_seqlens, batch, seqlen_new, capacity):
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache "
                          f"capacity), got cache_seqlens in [{lengths.min()}, {lengths.max()}] "
                          f"and seqlen_new = {seqlen_new}")
-    return jnp.broadcast_to(jnp.asarray(cache_seqlens, jnp.int32), (batch,))
+    max_seqlen = None if lengths is None else int(lengths.max(initial=0))
+    return jnp.broadcast_to(jnp.asarray(cache_seqlens, jnp.int32), (batch,)), max_seqlen
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, cfg):
+def _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes, bias, cfg):
     """Checked arguments -> (o, lse, k_cache, v_cache)."""
     seqlen_new = 0
     if k is not None:
         seqlen_new = k.shape[1]
         k_cache = _append(k_cache, k, seqlens, block_table)
         v_cache = _append(v_cache, v, seqlens, block_table)
-    o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, cfg)
+    o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, slopes, bias, cfg)
     return o, lse, k_cache, v_cache
 
 
@@ -211,9 +240,10 @@ def _read(cache, block_table, start_n, block_n):
     return x.transpose(0, 2, 1, 3)
 
 
-def _forward(q, k_cache, v_cache, seqlens_k, block_table, cfg):
+def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, cfg):
     """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype, over the
-    first seqlens_k[b] keys of each sequence."""
+    first seqlens_k[b] keys of each sequence. slopes: None or ALiBi's (B or 1, H); bias: None
+    or attn_mask, 4-D (B or 1, H or 1, Nq or 1, L)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv, headdim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_kv
@@ -227,6 +257,15 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, cfg):
     i = jnp.arange(M) // group  # query position of each row
     offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
     diag = (offset[:, None] + i)[:, None, :, None]  # (B, 1, M, 1)
+    if slopes is not None:  # (B or 1, H) -> (B or 1, Hkv, M, 1): row r's head's slope
+        slopes = jnp.broadcast_to(slopes.astype(dtype).reshape(-1, nheads_kv, 1, group),
+                                  (slopes.shape[0], nheads_kv, seqlen_q, group))
+        slopes = slopes.reshape(-1, nheads_kv, M, 1)
+    if bias is not None:  # indices of row r's (batch, head, query) in attn_mask, or 0
+        bias_b = jnp.arange(batch)[:, None, None, None] if bias.shape[0] > 1 else 0
+        heads = jnp.arange(nheads_kv)[:, None] * group + jnp.arange(M) % group
+        bias_h = heads[None, :, :, None] if bias.shape[1] > 1 else 0
+        bias_i = i[None, None, :, None] if bias.shape[2] > 1 else 0
     # -- the keys some row of some sequence sees: [lo, hi), as kvcache.key_limits --
     hi = seqlens_k if cfg.window_right < 0 else \
         jnp.clip(offset + seqlen_q + cfg.window_right, 0, seqlens_k)
@@ -248,7 +287,16 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, cfg):
         qk = jnp.einsum("bhmd,bhnd->bhmn", q_packed, k_j, precision=_HIGHEST) * cfg.softmax_scale
         if cfg.softcap > 0:
             qk = cfg.softcap * jnp.tanh(qk / cfg.softcap)
+        if slopes is not None:
+            qk = qk - slopes * jnp.abs(diag - j).astype(dtype)
         mask = in_seq[:, None, None, :]
+        if bias is not None:  # (B, Hkv, M, BN), each key at its position (the last column's
+            # past the end: masked anyway)
+            bias_ij = bias[bias_b, bias_h, bias_i, jnp.minimum(j, bias.shape[3] - 1)]
+            if bias_ij.dtype == jnp.bool_:
+                mask = mask & bias_ij
+            else:
+                qk = qk + bias_ij.astype(dtype)
         if cfg.window_right >= 0:
             mask = mask & (j <= diag + cfg.window_right)
         if cfg.window_left >= 0:
