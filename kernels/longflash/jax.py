@@ -833,19 +833,26 @@ def _check_slopes(alibi_slopes, batch, nheads):
     return jnp.asarray(alibi_slopes).reshape(-1, nheads)
 
 
+def _mask_array(attn_mask, q, seqlen_k, keys_at_least=False):
+    """attn_mask checked (type; shape broadcastable to (batch, nheads, seqlen_q, seqlen_k), or
+    with keys_at_least a last dimension of 1 or >= seqlen_k, None: unknown) and returned 4-D,
+    leading dimensions of 1 added."""
+    if not isinstance(attn_mask, (jax.Array, np.ndarray)) or not (
+            attn_mask.dtype == np.bool_ or jnp.issubdtype(attn_mask.dtype, jnp.floating)):
+        raise TypeError(f"attn_mask must be a bool or floating-point array, or None, got "
+                        f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
+    shape = tuple(attn_mask.shape)
+    check_attn_mask_shape(shape, q.shape[0], q.shape[2], q.shape[1], seqlen_k, keys_at_least)
+    return jnp.asarray(attn_mask).reshape((1,) * (4 - len(shape)) + shape)
+
+
 def _mask_bias(attn_mask, q, k):
     """attn_mask checked (before any work) and returned as a 4-D additive bias (batch or 1,
     nheads or 1, seqlen_q or 1, seqlen_k or 1): a boolean one as 0 / -inf in the accumulator
     dtype, a float one as it is; None stays None."""
     if attn_mask is None:
         return None
-    if not isinstance(attn_mask, (jax.Array, np.ndarray)) or not (
-            attn_mask.dtype == np.bool_ or jnp.issubdtype(attn_mask.dtype, jnp.floating)):
-        raise TypeError(f"attn_mask must be a bool or floating-point array, or None, got "
-                        f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
-    shape = tuple(attn_mask.shape)
-    check_attn_mask_shape(shape, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-    bias = jnp.asarray(attn_mask).reshape((1,) * (4 - len(shape)) + shape)
+    bias = _mask_array(attn_mask, q, k.shape[1])
     if bias.dtype == jnp.bool_:
         return jnp.where(bias, 0.0, -jnp.inf).astype(_accumulator_dtype(q.dtype))
     return bias

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import LN2, LOG2E, check_attn_mask_shape, check_bools, check_softcap, \
-    check_window_size, resolve_softmax_scale
-from .jax import _DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slopes, _with_sink
+from ._common import LN2, LOG2E, check_bools, check_softcap, check_window_size, \
+    resolve_softmax_scale
+from .jax import (_DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slopes, _mask_array,
+                  _with_sink)
 
 BLOCK_N = 256  # keys a tile
 
@@ -166,16 +167,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table):
 def _check_mask(attn_mask, q, seqlen_k):
     """attn_mask checked and returned 4-D (batch or 1, nheads or 1, seqlen_q or 1, L); None
     stays None. seqlen_k: the longest sequence's keys after the append, None if unknown."""
-    if attn_mask is None:
-        return None
-    if not isinstance(attn_mask, (jax.Array, np.ndarray)) or not (
-            attn_mask.dtype == np.bool_ or jnp.issubdtype(attn_mask.dtype, jnp.floating)):
-        raise TypeError(f"attn_mask must be a bool or floating-point array, or None, got "
-                        f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
-    shape = tuple(attn_mask.shape)
-    check_attn_mask_shape(shape, q.shape[0], q.shape[2], q.shape[1], seqlen_k,
-                          keys_at_least=True)
-    return jnp.asarray(attn_mask).reshape((1,) * (4 - len(shape)) + shape)
+    return None if attn_mask is None else _mask_array(attn_mask, q, seqlen_k, keys_at_least=True)
 
 
 def _check_seqlens(cache_seqlens, batch, seqlen_new, capacity):
