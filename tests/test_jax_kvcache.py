@@ -165,6 +165,28 @@ def test_alibi_and_attn_mask(page_size):
             check_close(f"{label} {name}", to_torch(a), to_torch(b), to_torch(r))
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_rotary_as_longflash_attention_with_kvcache(interleaved, causal):
+    """Rotary embeddings (rotary_dim 24 of head dim 40) give the output and caches of
+    longflash.attention_with_kvcache (the PyTorch path, float64) with the same arguments:
+    the new keys rotated at cache_seqlens + t, the queries at cache_seqlens (+ i if causal)."""
+    import longflash
+    case = (2, 3, 4, 2, 40, 40, 60, [30, 9], 3, dict())
+    q, k_cache, v_cache, k, v, lengths = make_inputs(case)
+    rng = np.random.default_rng(6)
+    cos, sin = (jnp.asarray(rng.uniform(-1, 1, (40, 12))) for _ in range(2))
+    kw = dict(causal=causal, rotary_interleaved=interleaved)
+    o, k_out, v_out = lj.attention_with_kvcache(q, k_cache, v_cache, k, v, lengths,
+                                                rotary_cos=cos, rotary_sin=sin, block_n=16, **kw)
+    t = [to_torch(x) for x in (q, k_cache, v_cache, k, v, lengths, cos, sin)]
+    o_t = longflash.attention_with_kvcache(*t[:5], cache_seqlens=t[5].long(), rotary_cos=t[6],
+                                           rotary_sin=t[7], backend="torch", **kw)
+    np.testing.assert_allclose(np.asarray(o), o_t.numpy(), rtol=1e-10, atol=1e-12)
+    for got, expected in ((k_out, t[1]), (v_out, t[2])):  # the PyTorch call appended in place
+        np.testing.assert_allclose(np.asarray(got), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def test_a_sequence_without_keys():
     """Length 0 and nothing appended: o = 0 and lse = -inf for it, the others unaffected."""
     case = (2, 2, 4, 2, 32, 32, 40, [0, 25], 0, dict(causal=True))
@@ -248,6 +270,15 @@ def _bad_inputs():
         (dict(alibi_slopes=x(3, np.float32)), ValueError, "alibi_slopes must have shape"),
         (dict(attn_mask=x((2, 1, 1, 3), bool)), ValueError, r"L >= seqlen_k.*\(2, 4, 1, 4\)"),
         (dict(attn_mask=x((1, 40), np.int32)), TypeError, "attn_mask must be a bool"),
+        (dict(rotary_cos=x((50, 8), np.float32)), ValueError, "given together"),
+        (dict(rotary_cos=x((50, 8), np.float32), rotary_sin=x((50, 8), np.float32), k=None,
+              v=None), ValueError, "they need k and v"),
+        (dict(rotary_cos=x((50, 8), np.int32), rotary_sin=x((50, 8), np.int32)), TypeError,
+         "rotary_cos must be a floating-point array"),
+        (dict(rotary_cos=x((50, 20), np.float32), rotary_sin=x((50, 20), np.float32)),
+         ValueError, r"rotary_dim \(2 \* rotary_cos.shape\[1\] = 40\)"),
+        (dict(rotary_cos=x((3, 8), np.float32), rotary_sin=x((3, 8), np.float32)), ValueError,
+         "position 3 is needed"),
     ]
 
 

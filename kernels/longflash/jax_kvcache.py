@@ -40,7 +40,8 @@ class _Config(NamedTuple):
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                            block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           return_lse=False, *, learnable_sink=None, attn_mask=None,
+                           return_lse=False, *, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, learnable_sink=None, attn_mask=None,
                            block_n=BLOCK_N):
     """Attention of a few new queries over a KV cache, after appending new keys and values
     (FlashAttention-2's flash_attn_with_kvcache, and `longflash.attention_with_kvcache`, with
@@ -70,6 +71,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         window_size, softcap, alibi_slopes: as in `longflash.jax.attention`, aligned per
             sequence like causal (ALiBi's distance is i + seqlen_k - seqlen_q - j).
         return_lse: also return lse (batch, nheads, seqlen_q), float32 (float64 for float64).
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) floating-point arrays, or None:
+            rotary embeddings as FlashAttention applies them (needs k and v): the first
+            rotary_dim dims of the new k are rotated before they are written, key t of
+            sequence b at position cache_seqlens[b] + t; those of q at cache_seqlens[b] + i
+            for query i if causal or windowed, else all at cache_seqlens[b]. Positions past
+            seqlen_ro raise when the lengths are known (a traced one reads the last row).
+        rotary_interleaved: rotate dims (2i, 2i + 1) together (GPT-J; FlashAttention's
+            default) if True, else (i, i + rotary_dim / 2) (GPT-NeoX, Llama).
         learnable_sink: (nheads,) floating-point array, or None: attention sinks, as in
             `longflash.jax.attention`.
         attn_mask: None, or a bool or floating-point array broadcastable to (batch, nheads,
@@ -96,11 +105,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     check_softcap(softcap)
     _check_sink(learnable_sink, q.shape[2])
     slopes = _check_slopes(alibi_slopes, q.shape[0], q.shape[2])
+    q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
+    rotary = _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen,
+                           seqlen_new, q_in_order)
     bias = _check_mask(attn_mask, q, None if max_seqlen is None else max_seqlen + seqlen_new)
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
         raise ValueError(f"block_n must be a positive int, got {block_n!r}")
     cfg = _Config(float(resolve_softmax_scale(softmax_scale, q.shape[3])), int(window_size[0]),
                   0 if causal else int(window_size[1]), float(softcap), block_n)
+    if rotary is not None:
+        q, k = _rotate(q, k, *rotary, rotary_interleaved, seqlens, q_in_order)
     o, lse, k_cache, v_cache = _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes,
                                         bias, cfg)
     if learnable_sink is not None:
@@ -168,6 +182,60 @@ def _check_mask(attn_mask, q, seqlen_k):
     """attn_mask checked and returned 4-D (batch or 1, nheads or 1, seqlen_q or 1, L); None
     stays None. seqlen_k: the longest sequence's keys after the append, None if unknown."""
     return None if attn_mask is None else _mask_array(attn_mask, q, seqlen_k, keys_at_least=True)
+
+
+def _check_rotary(q, k, rotary_cos, rotary_sin, interleaved, max_seqlen, seqlen_new,
+                  q_in_order):
+    """The rotary arguments as kvcache._check_rotary checks them; returns (cos, sin) as jax
+    arrays, or None. max_seqlen: the largest length before the append, None if traced."""
+    check_bools(rotary_interleaved=interleaved)
+    if rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
+    if k is None:
+        raise ValueError("rotary_cos and rotary_sin rotate the new keys as they are appended: "
+                         "they need k and v (as in FlashAttention)")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(x, (jax.Array, np.ndarray)) or x.ndim != 2 or \
+                not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array of shape (seqlen_ro, "
+                            f"rotary_dim / 2), got {getattr(x, 'dtype', type(x).__name__)} "
+                            f"{tuple(getattr(x, 'shape', ()))}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
+                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= q.shape[-1]:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must lie in "
+                         f"[2, headdim = {q.shape[-1]}]")
+    if max_seqlen is not None:
+        last = max_seqlen + max(seqlen_new, q.shape[1] if q_in_order else 1) - 1
+        if last >= seqlen_ro:
+            raise ValueError(f"rotary_cos and rotary_sin have {seqlen_ro} positions, position "
+                             f"{last} is needed (cache_seqlens + new tokens)")
+    return jnp.asarray(rotary_cos), jnp.asarray(rotary_sin)
+
+
+def _rotate(q, k, cos, sin, interleaved, seqlens, q_in_order):
+    """q and the new keys k rotated at their positions (nn.apply_rotary's rule, in float32,
+    float64 staying float64)."""
+    def rotated(x, n):
+        pos = seqlens[:, None] + jnp.arange(n)  # (B, n), or (B, 1) for q out of order
+        c, s = (t[pos][:, :, None, :] for t in (cos, sin))  # (B, n, 1, rotary_dim / 2)
+        dtype = x.dtype
+        x = x if dtype == jnp.float64 else x.astype(jnp.float32)
+        c, s = c.astype(x.dtype), s.astype(x.dtype)
+        rotary_dim = 2 * cos.shape[-1]
+        if interleaved:
+            x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+            out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(
+                *x.shape[:-1], rotary_dim)
+        else:
+            x1, x2 = x[..., :rotary_dim // 2], x[..., rotary_dim // 2:rotary_dim]
+            out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        return jnp.concatenate([out, x[..., rotary_dim:]], axis=-1).astype(dtype)
+    return rotated(q, q.shape[1] if q_in_order else 1), rotated(k, k.shape[1])
 
 
 def _check_seqlens(cache_seqlens, batch, seqlen_new, capacity):
