@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import LN2, LOG2E, check_bools, check_softcap, check_window_size, \
+from ._common import LN2, LOG2E, check_bools, check_rotary, check_softcap, check_window_size, \
     resolve_softmax_scale
 from .jax import (_DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slopes, _mask_array,
                   _with_sink)
@@ -186,34 +186,15 @@ def _check_mask(attn_mask, q, seqlen_k):
 
 def _check_rotary(q, k, rotary_cos, rotary_sin, interleaved, max_seqlen, seqlen_new,
                   q_in_order):
-    """The rotary arguments as kvcache._check_rotary checks them; returns (cos, sin) as jax
-    arrays, or None. max_seqlen: the largest length before the append, None if traced."""
+    """The rotary arguments as the PyTorch path checks them (_common.check_rotary); returns
+    (cos, sin) as jax arrays, or None. max_seqlen: the largest length before the append, None
+    if traced."""
     check_bools(rotary_interleaved=interleaved)
-    if rotary_cos is None and rotary_sin is None:
+    if not check_rotary(rotary_cos, rotary_sin,
+                        lambda x: isinstance(x, (jax.Array, np.ndarray)) and x.ndim == 2 and
+                        jnp.issubdtype(x.dtype, jnp.floating), "array", k is not None,
+                        q.shape[-1], q.shape[1], max_seqlen, seqlen_new, q_in_order):
         return None
-    if rotary_cos is None or rotary_sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
-    if k is None:
-        raise ValueError("rotary_cos and rotary_sin rotate the new keys as they are appended: "
-                         "they need k and v (as in FlashAttention)")
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if not isinstance(x, (jax.Array, np.ndarray)) or x.ndim != 2 or \
-                not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must be a floating-point array of shape (seqlen_ro, "
-                            f"rotary_dim / 2), got {getattr(x, 'dtype', type(x).__name__)} "
-                            f"{tuple(getattr(x, 'shape', ()))}")
-    if rotary_cos.shape != rotary_sin.shape:
-        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
-                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
-    if not 0 < rotary_dim <= q.shape[-1]:
-        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must lie in "
-                         f"[2, headdim = {q.shape[-1]}]")
-    if max_seqlen is not None:
-        last = max_seqlen + max(seqlen_new, q.shape[1] if q_in_order else 1) - 1
-        if last >= seqlen_ro:
-            raise ValueError(f"rotary_cos and rotary_sin have {seqlen_ro} positions, position "
-                             f"{last} is needed (cache_seqlens + new tokens)")
     return jnp.asarray(rotary_cos), jnp.asarray(rotary_sin)
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, check_bools,
-                      define_op, empty_outputs, paged_rows)
+                      check_rotary, define_op, empty_outputs, paged_rows)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -467,32 +467,13 @@ def _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, 
     """The rotary arguments; max_seqlen: the largest length before the append (None: not
     known without reading the device, so the positions go unchecked)."""
     check_bools(rotary_interleaved=rotary_interleaved)
-    if rotary_cos is None and rotary_sin is None:
-        return
-    if rotary_cos is None or rotary_sin is None:
-        raise ValueError("rotary_cos and rotary_sin must be given together (or neither)")
-    if k is None:
-        raise ValueError("rotary_cos and rotary_sin rotate the new keys as they are appended: "
-                         "they need k and v (as in FlashAttention)")
+    given = check_rotary(rotary_cos, rotary_sin,
+                         lambda x: isinstance(x, torch.Tensor) and x.dim() == 2 and
+                         x.is_floating_point(), "tensor", k is not None, q.shape[-1], q.shape[1],
+                         max_seqlen, seqlen_new, q_in_order)
     for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor of shape (seqlen_ro, "
-                            f"rotary_dim / 2), got {getattr(x, 'dtype', type(x).__name__)} "
-                            f"{tuple(getattr(x, 'shape', ()))}")
-        if x.device != q.device:
+        if given and x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}: they must match")
-    if rotary_cos.shape != rotary_sin.shape:
-        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
-                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
-    if not 0 < rotary_dim <= q.shape[-1]:
-        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must lie in "
-                         f"[2, headdim = {q.shape[-1]}]")
-    if max_seqlen is not None:
-        last = max_seqlen + max(seqlen_new, q.shape[1] if q_in_order else 1) - 1
-        if last >= seqlen_ro:
-            raise ValueError(f"rotary_cos and rotary_sin have {seqlen_ro} positions, position "
-                             f"{last} is needed (cache_seqlens + new tokens)")
 
 
 def _rotate(q, k, cos, sin, interleaved, seqlens, q_in_order):
