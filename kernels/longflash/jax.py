@@ -7,7 +7,8 @@
     (o, k_cache, v_cache) = longflash.jax.attention_with_kvcache(q, k_cache, v_cache, k, v,
                                                                  cache_seqlens)  # decoding
 
-Decoding over a KV cache (contiguous or paged) is `jax_kvcache.py`'s, exported here.
+Decoding over a KV cache (contiguous or paged) is `jax_kvcache.py`'s, packed
+variable-length sequences (cu_seqlens) `jax_varlen.py`'s, both exported here.
 
 The algorithm is `blockwise.py`'s, written with jax.lax, with the same names (read
 that file first): a query block of block_m rows walks over the key blocks of block_n
@@ -86,6 +87,7 @@ class _Config(NamedTuple):
     window_right: int = -1
     softcap: float = 0.0
     dropout_p: float = 0.0
+    varlen: bool = False  # packed sequences (attention_varlen): segments is _Packed
 
     @property
     def window(self):
@@ -221,6 +223,7 @@ class _Ctx(NamedTuple):
     dtype: object  # accumulator dtype
     softcap: float
     dropout_p: float
+    varlen: bool
 
 
 def _context(q, k, cfg):
@@ -229,7 +232,7 @@ def _context(q, k, cfg):
     block_m = min(cfg.block_m, max(seqlen_q, 1))
     block_n = min(cfg.block_n, max(seqlen_k, 1))
     return _Ctx(seqlen_q, seqlen_k, block_m, block_n, cfg.softmax_scale, *cfg.window,
-                _accumulator_dtype(q.dtype), cfg.softcap, cfg.dropout_p)
+                _accumulator_dtype(q.dtype), cfg.softcap, cfg.dropout_p, cfg.varlen)
 
 
 def _ranges(ctx, keys):
@@ -271,33 +274,50 @@ def _bias_tile(bias, start_m, start_n, block_m, block_n, shape5):
     return bias[:, None]
 
 
+def _tile(x, start, block, axis=1):
+    return lax.dynamic_slice_in_dim(x, start, block, axis=axis)
+
+
+def _positions(start_m, start_n, block_m, block_n, ctx, segments):
+    """A tile's (diag, j), broadcastable to (BM, BN): diag = i + seqlen_k - seqlen_q, the key
+    position a query's causal edge is at (visible() with seqlen_q = seqlen_k = 0), j the key
+    position; positions in the row, or with ctx.varlen in each packed sequence."""
+    if ctx.varlen:
+        return (_tile(segments.q_diag, start_m, block_m, 0)[:, None],
+                _tile(segments.k_pos, start_n, block_n, 0)[None, :])
+    i = start_m + jnp.arange(block_m)[:, None]
+    return i + ctx.seqlen_k - ctx.seqlen_q, start_n + jnp.arange(block_n)[None, :]
+
+
 def _scores(q_i, k_j, start_m, start_n, ctx, masked, bias=None, slopes=None, segments=None):
     """One tile of scores in log2 units (B, Hkv, G, BM, BN), and tanh(s / softcap) for the
     softcap gradient (None without softcap): softcap after the scale, then ALiBi (slopes:
-    (B or 1, Hkv, G, 1, 1)), then attn_mask's bias, then the masks; masked tiles also hide the
-    padding rows and columns past the sequence ends. segments: None, or the (B, rows) and
-    (B, columns) segment ids (padded): every tile hides the keys of other segments."""
+    (B or 1, Hkv, G, BM or 1, 1)), then attn_mask's bias, then the masks; masked tiles also
+    hide the padding rows and columns past the sequence ends. segments: None, the (B, rows)
+    and (B, columns) segment ids (padded): every tile hides the keys of other segments; or,
+    with ctx.varlen, _Packed, whose positions the masks and ALiBi use (every tile masked)."""
+    block_m, block_n = q_i.shape[-2], k_j.shape[-2]
     s = jnp.einsum("bhgmd,bhnd->bhgmn", q_i, k_j, precision=_HIGHEST) * ctx.softmax_scale
     t = None
     if ctx.softcap > 0:
         t = jnp.tanh(s / ctx.softcap)
         s = ctx.softcap * t
     if slopes is not None:  # -slope * |i + seqlen_k - seqlen_q - j|
-        i = start_m + jnp.arange(q_i.shape[-2])[:, None]
-        j = start_n + jnp.arange(k_j.shape[-2])[None, :]
-        s = s - slopes * jnp.abs(i + ctx.seqlen_k - ctx.seqlen_q - j).astype(s.dtype)
+        diag, j = _positions(start_m, start_n, block_m, block_n, ctx, segments)
+        if slopes.shape[3] > 1:  # per row (packed sequences)
+            slopes = _tile(slopes, start_m, block_m, 3)
+        s = s - slopes * jnp.abs(diag - j).astype(s.dtype)
     if bias is not None:
-        s = s + _bias_tile(bias, start_m, start_n, q_i.shape[-2], k_j.shape[-2], s.shape)
+        s = s + _bias_tile(bias, start_m, start_n, block_m, block_n, s.shape)
     if segments is not None:
-        q_ids = lax.dynamic_slice_in_dim(segments[0], start_m, q_i.shape[-2], axis=1)
-        kv_ids = lax.dynamic_slice_in_dim(segments[1], start_n, k_j.shape[-2], axis=1)
+        q_ids, kv_ids = _tile(segments[0], start_m, block_m), _tile(segments[1], start_n, block_n)
         same = q_ids[:, None, None, :, None] == kv_ids[:, None, None, None, :]
         s = jnp.where(same, s, -jnp.inf)
-    if masked:
-        i = start_m + jnp.arange(q_i.shape[-2])[:, None]
-        j = start_n + jnp.arange(k_j.shape[-2])[None, :]
-        mask = visible(i, j, ctx.seqlen_q, ctx.seqlen_k, ctx.window_left, ctx.window_right)
-        mask = mask & (i < ctx.seqlen_q) & (j < ctx.seqlen_k)
+    if masked:  # (packed: the padding's ids match no query's, hidden above)
+        diag, j = _positions(start_m, start_n, block_m, block_n, ctx, segments)
+        mask = visible(diag, j, 0, 0, ctx.window_left, ctx.window_right)
+        if not ctx.varlen:
+            mask = mask & (diag < ctx.seqlen_k) & (j < ctx.seqlen_k)  # i < seqlen_q
         s = jnp.where(mask, s, -jnp.inf)
     return s * LOG2E, t
 
@@ -326,14 +346,21 @@ def _philox_uniform(seed, bh, i, j):
     return (c0 >> 8).astype(jnp.float32) * (1.0 / 2**24)
 
 
-def _dropout_scale(seed, start_m, start_n, shape5, ctx):
+def _dropout_scale(seed, start_m, start_n, shape5, ctx, segments):
     """keep / (1 - dropout_p) of a tile (B, Hkv, G, BM, BN): element (b, h, i, j) is kept iff
-    its uniform number (batch * nheads + head, query, key) is at least dropout_p."""
+    its uniform number (batch * nheads + head, query, key) is at least dropout_p; packed
+    sequences (ctx.varlen): b the sequence, i and j positions in it, as attention_varlen."""
     batch, nheads_kv, group, block_m, block_n = shape5
-    bh = (jnp.arange(batch)[:, None, None] * (nheads_kv * group)
-          + jnp.arange(nheads_kv * group).reshape(nheads_kv, group))[..., None, None]
-    i = start_m + jnp.arange(block_m)[:, None]
-    j = start_n + jnp.arange(block_n)[None, :]
+    heads = jnp.arange(nheads_kv * group).reshape(nheads_kv, group)[..., None, None]
+    if ctx.varlen:
+        b = _tile(segments.q_ids[0], start_m, block_m, 0)[:, None]  # (BM, 1)
+        i, j = (_tile(x, start, n, 0) for x, start, n in ((segments.q_pos, start_m, block_m),
+                                                          (segments.k_pos, start_n, block_n)))
+        bh, i, j = b * (nheads_kv * group) + heads, i[:, None], j[None, :]
+    else:
+        bh = jnp.arange(batch)[:, None, None, None, None] * (nheads_kv * group) + heads
+        i = start_m + jnp.arange(block_m)[:, None]
+        j = start_n + jnp.arange(block_n)[None, :]
     keep = _philox_uniform(seed, bh, i, j) >= ctx.dropout_p
     return jnp.where(keep, 1.0 / (1.0 - ctx.dropout_p), 0.0).astype(ctx.dtype)
 
@@ -359,7 +386,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, ctx, bias
         alpha = jnp.exp2(m_i - m_safe)
         l_i = l_i * alpha + p.sum(-1)  # the lse is of the undropped row
         if ctx.dropout_p > 0:
-            p = p * _dropout_scale(seed, start_m, start_n, p.shape, ctx)
+            p = p * _dropout_scale(seed, start_m, start_n, p.shape, ctx, segments)
         acc = acc * alpha[..., None] + jnp.einsum("bhgmn,bhnd->bhgmd", p, v_j,
                                                   precision=_HIGHEST)
         return acc, l_i, m_ij
@@ -377,20 +404,89 @@ def _padded_bias(bias, ctx, padded_q, padded_k):
     return _pad_to(bias, 3, padded_k) if bias.shape[3] > 1 else bias
 
 
-def _padded_segments(segments, padded_q, padded_k):
+class _Packed(NamedTuple):
+    """Packed sequences (attention_varlen) per token, padded to whole blocks: the sequence of
+    each query (1, rows) and key (1, columns) (-1 and -2 for padding, which match nothing),
+    their positions in it (q_pos, k_pos), q_diag = q_pos + seqlen_k - seqlen_q of the query's
+    sequence; the (lo, hi, hi, hi) key range of each query block (ranges_q) and query range
+    of each key block (ranges_k), every tile masked."""
+    q_ids: jax.Array
+    k_ids: jax.Array
+    q_pos: jax.Array
+    q_diag: jax.Array
+    k_pos: jax.Array
+    ranges_q: jax.Array
+    ranges_k: jax.Array
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, ctx, padded_q, padded_k):
+    """_Packed from the (batch + 1,) offsets (traced under jit: the ranges are loop bounds).
+    A query block's keys run from its first row's sequence's first visible key to its last
+    row's sequence's last visible one (the blocks between hold the sequences between); a key
+    block's queries likewise, so nothing outside the blocks that hold a sequence's visible
+    pairs is computed."""
+    def tokens(cu, padded, pad_id):  # sequence and position of each token
+        n = jnp.arange(padded)
+        ids = jnp.clip(jnp.searchsorted(cu, n, side="right") - 1, 0, cu.shape[0] - 2)
+        return ids, n - cu[ids], jnp.where(n < cu[-1], ids, pad_id)
+
+    cu_q, cu_k = (jnp.asarray(x, jnp.int32) for x in (cu_seqlens_q, cu_seqlens_k))
+    len_q, len_k = jnp.diff(cu_q), jnp.diff(cu_k)
+    q_seq, q_pos, q_ids = tokens(cu_q, padded_q, -1)
+    k_seq, k_pos, k_ids = tokens(cu_k, padded_k, -2)
+    shift = len_k - len_q  # a query's diag is its position + its sequence's shift
+    left, right = ctx.window_left, ctx.window_right
+
+    def ranges(first, last, block, cu_other, len_other, lower, upper):
+        """(lo, hi, hi, hi), whole blocks of `block`, of the blocks starting at first with
+        last their last real token: lower(seq, pos) / upper(...) the first / one past the
+        last visible position (other side) of a token, None meaning the sequence's end."""
+        (seq0, pos0), (seq1, pos1) = first, last
+        lo = cu_other[seq0] + (0 if lower is None else jnp.clip(lower(seq0, pos0), 0,
+                                                               len_other[seq0]))
+        hi = cu_other[seq1] + (len_other[seq1] if upper is None else
+                               jnp.clip(upper(seq1, pos1), 0, len_other[seq1]))
+        lo, hi = lo // block * block, -(-hi // block) * block
+        lo = jnp.where(hi > lo, lo, 0)
+        hi = jnp.where(hi > lo, hi, 0)
+        return jnp.stack([lo, hi, hi, hi], -1).astype(jnp.int32)
+
+    def blocks(seq, pos, total, block):  # first and last real token of each block
+        starts = jnp.arange(0, seq.shape[0], block)
+        ends = jnp.clip(jnp.minimum(starts + block, total) - 1, 0, seq.shape[0] - 1)
+        return (seq[starts], pos[starts]), (seq[ends], pos[ends])
+
+    ranges_q = ranges(*blocks(q_seq, q_pos, cu_q[-1], ctx.block_m), ctx.block_n, cu_k, len_k,
+                      None if left < 0 else lambda b, i: i + shift[b] - left,
+                      None if right < 0 else lambda b, i: i + shift[b] + right + 1)
+    ranges_k = ranges(*blocks(k_seq, k_pos, cu_k[-1], ctx.block_n), ctx.block_m, cu_q, len_q,
+                      None if right < 0 else lambda b, j: j - shift[b] - right,
+                      None if left < 0 else lambda b, j: j - shift[b] + left + 1)
+    return _Packed(q_ids[None], k_ids[None], q_pos, q_pos + shift[q_seq], k_pos, ranges_q,
+                   ranges_k)
+
+
+def _padded_segments(segments, ctx, padded_q, padded_k):
     """The (queries', keys') segment ids padded to whole blocks (with 0, as the bias: the tiles
-    that hold padding are the masked ones, which hide it); None stays None."""
+    that hold padding are the masked ones, which hide it); with ctx.varlen, _Packed from the
+    (cu_seqlens_q, cu_seqlens_k) pair; None stays None."""
     if segments is None:
         return None
+    if ctx.varlen:
+        return _packed(*segments, ctx, padded_q, padded_k)
     return tuple(_pad_to(x.astype(jnp.int32), 1, n) for x, n in zip(segments, (padded_q, padded_k)))
 
 
-def _grouped_slopes(slopes, nheads_kv, dtype):
-    """ALiBi slopes (B or 1, H) as (B or 1, Hkv, G, 1, 1) in the accumulator dtype; None stays
-    None."""
+def _grouped_slopes(slopes, nheads_kv, dtype, segments):
+    """ALiBi slopes (B or 1, H) as (B or 1, Hkv, G, 1, 1) in the accumulator dtype; packed
+    sequences' (batch, H) as (1, Hkv, G, rows, 1), each row its sequence's; None stays None."""
     if slopes is None:
         return None
-    return slopes.astype(dtype).reshape(slopes.shape[0], nheads_kv, -1, 1, 1)
+    slopes = slopes.astype(dtype)
+    if isinstance(segments, _Packed) and slopes.shape[0] > 1:
+        rows = slopes[jnp.clip(segments.q_ids[0], 0, None)].T  # (H, rows)
+        return rows.reshape(1, nheads_kv, -1, rows.shape[1], 1)
+    return slopes.reshape(slopes.shape[0], nheads_kv, -1, 1, 1)
 
 
 def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None, seed=None):
@@ -407,8 +503,8 @@ def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None, seed=Non
     k4 = _pad_to(k.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)  # (B, Hkv, Nk, D)
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
-    slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
-    segments = _padded_segments(segments, padded_q, padded_k)
+    segments = _padded_segments(segments, ctx, padded_q, padded_k)
+    slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype, segments)
 
     def query_block(args):
         start_m, q_i, (lo, mid_lo, mid_hi, hi) = args
@@ -425,7 +521,8 @@ def _forward_dense(q, k, v, cfg, bias=None, slopes=None, segments=None, seed=Non
         return o_i, lse_i
 
     starts_m = jnp.arange(0, padded_q, ctx.block_m)
-    o5, lse4 = lax.map(query_block, (starts_m, _blocks(q5, 3, ctx.block_m), _ranges(ctx, True)))
+    ranges = segments.ranges_q if ctx.varlen else _ranges(ctx, True)
+    o5, lse4 = lax.map(query_block, (starts_m, _blocks(q5, 3, ctx.block_m), ranges))
     o5, lse4 = _unblocks(o5, 3)[..., :seqlen_q, :], _unblocks(lse4, 3)[..., :seqlen_q]
     return _ungrouped(o5).astype(q.dtype), lse4.reshape(batch, nheads, seqlen_q)
 
@@ -489,8 +586,8 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segm
     v4 = _pad_to(v.transpose(0, 2, 1, 3).astype(ctx.dtype), 2, padded_k)
     bias_shape = None if bias is None else bias.shape
     bias = _padded_bias(bias, ctx, padded_q, padded_k)
-    slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype)
-    segments = _padded_segments(segments, padded_q, padded_k)
+    segments = _padded_segments(segments, ctx, padded_q, padded_k)
+    slopes = _grouped_slopes(slopes, nheads_kv, ctx.dtype, segments)
     # the float attn_mask's gradient, in the padded bias's shape (its broadcast dimensions 1)
     dbias = jnp.zeros(bias.shape, ctx.dtype) if bias is not None and cfg.bias_grad else None
 
@@ -512,7 +609,7 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segm
                 p, t = _probs(q_i, k_j, lse2_i, start_m, start_n, ctx, masked, bias, slopes,
                               segments)
                 keep = 1.0 if ctx.dropout_p == 0 else \
-                    _dropout_scale(seed, start_m, start_n, p.shape, ctx)
+                    _dropout_scale(seed, start_m, start_n, p.shape, ctx, segments)
                 # sum over the group's heads, which share this key head
                 dv_j += jnp.einsum("bhgmn,bhgmd->bhnd", p * keep, do_i, precision=_HIGHEST)
                 dp = jnp.einsum("bhgmd,bhnd->bhgmn", do_i, v_j, precision=_HIGHEST) * keep
@@ -536,7 +633,8 @@ def _backward_dense(do, dlse, q, k, v, o, lse, cfg, bias=None, slopes=None, segm
     starts_n = jnp.arange(0, padded_k, block_n)
     (dq5, dbias), (dk4, dv4) = lax.scan(
         key_block, (jnp.zeros_like(q5), dbias),
-        (starts_n, _blocks(k4, 2, block_n), _blocks(v4, 2, block_n), _ranges(ctx, False)))
+        (starts_n, _blocks(k4, 2, block_n), _blocks(v4, 2, block_n),
+         segments.ranges_k if ctx.varlen else _ranges(ctx, False)))
     dq = _ungrouped(dq5[..., :seqlen_q, :])
     dk = _unblocks(dk4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)  # (B, Nk, Hkv, D)
     dv = _unblocks(dv4, 2)[:, :, :ctx.seqlen_k].transpose(0, 2, 1, 3)
@@ -743,7 +841,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, *, bl
             Combines with causal, windows and attn_mask, which keep their positions in the
             row (for sequences packed one after the other, causal within each). Each tile
             masks from the ids, O(seqlen) memory; every tile the other masks leave is
-            computed (no tile is skipped for lying across segments). Blockwise JAX path only.
+            computed (no tile is skipped for lying across segments: `attention_varlen`, for
+            sequences packed one after the other, skips them). Blockwise JAX path only.
         dropout_p: the probability of dropping each attention probability (training); kept
             ones are scaled by 1 / (1 - dropout_p); lse is of the undropped row. The backward
             pass regenerates the mask tile by tile (nothing N x N is stored). Blockwise JAX
@@ -930,7 +1029,10 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     return o.astype(q.dtype), lse
 
 
-# decoding over a KV cache: its own file, which imports this one's helpers
+# decoding over a KV cache and packed sequences: files of their own, which import this one's
+# helpers
 from .jax_kvcache import attention_with_kvcache  # noqa: E402
+from .jax_varlen import attention_varlen  # noqa: E402
 
-__all__ = ["attention", "attention_ref", "attention_with_kvcache", "jax_triton_missing"]
+__all__ = ["attention", "attention_ref", "attention_varlen", "attention_with_kvcache",
+           "jax_triton_missing"]
