@@ -9,6 +9,7 @@ here; `test_triton_path_arguments` checks its launch arguments by running the sa
 kernels through Triton's interpreter in place of jax_triton.
 """
 
+import functools
 import inspect
 import sys
 import types
@@ -144,9 +145,11 @@ def test_learnable_sink(case):
     q, k, v, do, dlse = make_inputs(case)
     sink = jnp.asarray(np.linspace(-1.0, 4.0, case[3]))
 
-    def values_and_grads_sink(fn, q, k, v, sink):
-        (o, lse), vjp = jax.vjp(fn, q, k, v, sink)
-        return (o, lse, *vjp((do.astype(o.dtype), dlse.astype(lse.dtype))))
+    def values_and_grads_sink(fn, q, k, v, sink):  # forward and backward in one compile
+        def run(q, k, v, sink):
+            (o, lse), vjp = jax.vjp(fn, q, k, v, sink)
+            return (o, lse, *vjp((do.astype(o.dtype), dlse.astype(lse.dtype))))
+        return jax.jit(run)(q, k, v, sink)
     ref = lambda q, k, v, s: lj.attention_ref(q, k, v, causal=causal,  # noqa: E731
                                               learnable_sink=s)
     blockwise = lambda q, k, v, s: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
@@ -193,6 +196,7 @@ def test_attn_mask(case, dims, kind):
     q, k, v, do, dlse = make_inputs(case)
     mask = make_mask(case, dims, kind)
 
+    @functools.partial(jax.jit, static_argnums=0)  # forward and backward in one compile
     def run(fn, q, k, v, mask):
         """o, lse and the cotangents of q, k, v, and of a float mask."""
         if kind == "bool":
@@ -336,9 +340,7 @@ def test_segment_ids(case, q_lengths, kv_lengths, window):
     q, k, v, do, dlse = make_inputs(case)
 
     def run(fn, q, k, v):
-        (o, lse), vjp = jax.vjp(fn, q, k, v)
-        dl = jnp.where(jnp.isinf(lse), 0.0, dlse).astype(lse.dtype)  # rows that see no key
-        return (o, lse, *vjp((do.astype(o.dtype), dl)))
+        return values_and_grads(lambda q, k, v: fn(q, k, v), q, k, v, do, dlse)
     ref = lambda q, k, v: lj.attention_ref(q, k, v, causal=causal, attn_mask=mask,  # noqa: E731
                                            window_size=window)
     blockwise = lambda q, k, v: lj.attention(q, k, v, causal=causal, return_lse=True,  # noqa: E731
