@@ -143,6 +143,22 @@ def check_rotary(rotary_cos, rotary_sin, is_float_matrix, kind, has_new_keys, he
     return True
 
 
+def check_offsets(name, offsets, total, max_len):
+    """Packed sequences' offsets (a list of ints, cu_seqlens' values): from 0 to total (None:
+    any end), non-decreasing, no sequence longer than max_len."""
+    max_name = name.replace("cu_seqlens", "max_seqlen")
+    if offsets[0] != 0 or (total is not None and offsets[-1] != total):
+        raise ValueError(f"{name} must start at 0 and end at the number of tokens "
+                         f"({'any' if total is None else total}), got {offsets[0]} ... "
+                         f"{offsets[-1]}")
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing")
+    if lengths and max(lengths) > max_len:
+        raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence "
+                         f"({max(lengths)})")
+
+
 def check_softcap(softcap):
     """softcap: a finite real >= 0 (0: no softcap)."""
     check_real("softcap", softcap, "a float >= 0")

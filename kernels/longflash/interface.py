@@ -19,7 +19,7 @@ import torch
 
 from . import blockwise
 from ._common import (FP8_DTYPES, Options, check_alibi_shape, check_attn_mask_shape,
-                      check_bools, check_learnable_sink, check_real, check_shapes,
+                      check_bools, check_learnable_sink, check_offsets, check_real, check_shapes,
                       check_softcap, check_window_size, define_op, empty_outputs, paged_rows,
                       resolve_softmax_scale, with_learnable_sink)
 
@@ -130,17 +130,7 @@ def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             raise TypeError(f"{max_name} must be an int >= 0, got {max_len!r}")
         if torch.compiler.is_compiling():
             continue  # the checks below read the tensor's values: skipped inside a graph
-        offsets = cu.tolist()
-        if offsets[0] != 0 or (total is not None and offsets[-1] != total):
-            raise ValueError(f"{name} must start at 0 and end at the number of tokens "
-                             f"({'any' if total is None else total}), got {offsets[0]} ... "
-                             f"{offsets[-1]}")
-        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-        if any(n < 0 for n in lengths):
-            raise ValueError(f"{name} must be non-decreasing")
-        if lengths and max(lengths) > max_len:
-            raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence "
-                             f"({max(lengths)})")
+        check_offsets(name, cu.tolist(), total, max_len)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {cu_seqlens_q.numel() - 1} and "

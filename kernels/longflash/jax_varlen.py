@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._common import check_offsets
 from .jax import (_attention_jit, _check_inputs, _check_sink, _check_slopes, _dropout_seed,
                   _with_sink, BLOCK_M, BLOCK_N)
 
@@ -86,16 +87,7 @@ def _check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total
             raise TypeError(f"{max_name} must be an int >= 0, got {max_len!r}")
         if isinstance(cu, jax.core.Tracer):
             continue  # traced offsets: their values are not known here
-        offsets = np.asarray(cu)
-        if offsets[0] != 0 or offsets[-1] != total:
-            raise ValueError(f"{name} must start at 0 and end at the number of tokens "
-                             f"({total}), got {offsets[0]} ... {offsets[-1]}")
-        lengths = np.diff(offsets)
-        if (lengths < 0).any():
-            raise ValueError(f"{name} must be non-decreasing")
-        if lengths.size and lengths.max() > max_len:
-            raise ValueError(f"{max_name} = {max_len} is smaller than the longest sequence "
-                             f"({lengths.max()})")
+        check_offsets(name, np.asarray(cu).tolist(), total, max_len)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {cu_seqlens_q.shape[0] - 1} and "
