@@ -2,6 +2,7 @@
 
     python notebooks/run_notebooks.py notebooks/io_complexity.ipynb notebooks/scaling.ipynb
     python notebooks/run_notebooks.py --out-dir /tmp/nb notebooks/speedup.ipynb   # keep the repo's
+    python notebooks/run_notebooks.py --device-class h200 notebooks/speedup.ipynb  # one class
 
 Used by `make figures`. Each notebook runs with notebooks/ as its working directory, reads
 results/ and writes figures/ and paper/generated/; a failing cell stops the run.
@@ -191,6 +192,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+")
     parser.add_argument("--out-dir", help="save executed notebooks here instead of in place")
+    parser.add_argument("--device-class", action="append", metavar="CLASS",
+                        help="run the per-device notebooks for this device class only (repeat "
+                        "for several; default: every class with results), e.g. h200 after a "
+                        "GPU window, the CPU's figures and macros left as they are")
     parser.add_argument("--exec-cells", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.exec_cells:  # run_plain's child
@@ -206,6 +211,8 @@ def main():
         devices = plotting.device_classes(rq) if rq else [None]
         if rq and not devices:
             raise SystemExit(f"{notebook_path}: no results in results/{rq}/")
+        if rq and args.device_class:
+            devices = [d for d in devices if d in args.device_class]
         for device in devices:
             stem = os.path.splitext(os.path.basename(notebook_path))[0]
             name = stem if device in (None, "cpu") else f"{stem}.{device}"

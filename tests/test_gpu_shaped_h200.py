@@ -82,7 +82,7 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
     gpu_scaling.write(res, pieces=("exactness",))
     assert set(rows["part"]) == {"ceiling", "decode", "batch", "long", "prefill", "shared_prefix"}
     gen, fig, out = gpu_shaped.run_notebooks(tmp_path, ["speedup", "scaling"], copy_figures=True,
-                                             timeout=1200)
+                                             timeout=1200, classes=["h100", TAG])
     devices = gpu_shaped.macros(gen / "devices.tex")
     assert devices["GpuSpeedup"] == "HOneZeroZero"
     assert devices["GpuSpeedupAll"] == f"HOneZeroZero,{PREFIX}"

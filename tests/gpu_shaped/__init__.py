@@ -71,9 +71,10 @@ def copy_cpu_results(rq, results_dir):
                     ignore=shutil.ignore_patterns(*(f"{c}.*" for c in committed_gpu_classes())))
 
 
-def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900):
+def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900, classes=None):
     """notebooks/run_notebooks.py on `notebooks` (names, e.g. "speedup") over the results the
-    caller wrote into tmp_path/results, for every device class found there, writing into
+    caller wrote into tmp_path/results, for every device class found there (or those of
+    `classes`: the CPU's macros are the committed ones, its run is CI's `make figures`), writing into
     scratch folders: tmp_path/generated (a copy of paper/generated: the committed CPU macros)
     and tmp_path/figures (a copy of figures/ with copy_figures, else new). Returns (generated,
     figures, the run's stdout); fails the test with its output if the run fails."""
@@ -90,9 +91,12 @@ def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900):
     env.pop("LONGFLASH_DEVICES", None)
     out = subprocess.run([sys.executable, os.path.join("notebooks", "run_notebooks.py"),
                           "--out-dir", str(tmp_path / "nb"),
+                          *(f"--device-class={c}" for c in classes or ()),
                           *(os.path.join("notebooks", f"{n}.ipynb") for n in notebooks)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ran = set(re.findall(r"for device class (\S+)", out.stdout))
+    assert not classes or ran <= set(classes), ran  # --device-class left the others alone
     return gen, fig, out.stdout
 
 
