@@ -137,6 +137,20 @@ def _fake_row(t):
                 status="ok")
 
 
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """For the tests of the sweep's order and bookkeeping: no kernel runs (the untimed calls
+    that set the autotuner's choice, the call timed again) and every call row is made up; the
+    quick sweep above runs them all."""
+    monkeypatch.setattr(tuning, "pass_fn", lambda *a: lambda: None)
+    for name in tuning.KERNELS.values():  # as after a call: the interpreter's tile, no candidate
+        monkeypatch.setattr(getattr(ft, name), "best_config", ft._config(ft._INTERPRET_CONFIG),
+                            raising=False)
+    monkeypatch.setattr(tuning, "time_ms", lambda fn, device: (1.0, 0.5, 2.0))
+    monkeypatch.setattr(tuning, "call_rows", lambda b, make_fn, device: [
+        tuning._row(b, "call", "auto", "time_ms", 2.0)])
+
+
 def test_budget_stops_starting_targets(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "QUICK_TARGETS", tuning.QUICK_TARGETS * 2)
     calls = []
@@ -147,7 +161,7 @@ def test_budget_stops_starting_targets(tmp_path, monkeypatch):
 
 
 def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monkeypatch,
-                                                                 capsys):
+                                                                 capsys, no_kernels):
     """Past the budget the first target's calls still run (a run measures something), no
     candidate does; a budget that runs out within a kernel's candidates stops before the
     next one and the log names those not run: a step's timeout then never kills a sweep with
@@ -165,7 +179,6 @@ def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monke
         time.sleep(0.3)
         return [tuning._row(b, kernel, tuning.config_name(cfg), "time_ms", 1.0)]
     monkeypatch.setattr(tuning, "candidate_rows", slow)
-    monkeypatch.setattr(tuning, "pass_fn", lambda *a: lambda: None)  # the untimed calls
     t = tuning.Target(32, False, 48, 1, 2, ("fwd",))
     capsys.readouterr()
     rows = [r for batch in tuning.sweep_target(t, "cpu", torch.float16, (40, 56),
@@ -176,7 +189,8 @@ def test_budget_stops_starting_candidates_and_the_log_names_them(tmp_path, monke
     assert f"budget spent: not run: fwd {', '.join(names[1:])}" in capsys.readouterr().out
 
 
-def test_lead_trials_come_first_at_every_target_and_nothing_runs_twice(tmp_path, monkeypatch):
+def test_lead_trials_come_first_at_every_target_and_nothing_runs_twice(tmp_path, monkeypatch,
+                                                                      no_kernels):
     """After every target's calls, every target's lead candidates (the autotuner's choice and
     the first LEAD_TRIALS trials of each kernel: the largest predicted gains), then the
     others; each candidate once."""
@@ -189,8 +203,6 @@ def test_lead_trials_come_first_at_every_target_and_nothing_runs_twice(tmp_path,
         measured.append((t_.seqlen, kernel, tuning.config_name(cfg)))
         return [tuning._row(b, kernel, tuning.config_name(cfg), "time_ms", 1.0)]
     monkeypatch.setattr(tuning, "candidate_rows", fake)
-    monkeypatch.setattr(tuning, "call_rows", lambda b, make_fn, device: [
-        tuning._row(b, "call", "auto", "time_ms", 2.0)])
     tuning.main(["--quick", "--out", str(tmp_path / "t.csv")])
     assert len(measured) == len(set(measured))
 
@@ -205,7 +217,7 @@ def test_lead_trials_come_first_at_every_target_and_nothing_runs_twice(tmp_path,
     assert measured[len(lead):] == [m for m in rest if m not in lead]
 
 
-def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
+def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch, no_kernels):
     t = tuning.QUICK_TARGETS[0]
     out = tmp_path / "t.csv"
     measured = []
@@ -214,8 +226,6 @@ def test_resume_measures_only_what_the_file_lacks(tmp_path, monkeypatch):
         measured.append((kernel, tuning.config_name(cfg)))
         return [tuning._row(b, kernel, tuning.config_name(cfg), "time_ms", 1.0)]
     monkeypatch.setattr(tuning, "candidate_rows", fake)
-    monkeypatch.setattr(tuning, "call_rows", lambda b, make_fn, device: [
-        tuning._row(b, "call", "auto", "time_ms", 2.0)])
     argv = ["--quick", "--targets", "0", "--out", str(out)]
     tuning.main(argv)
     first = list(measured)
