@@ -146,6 +146,15 @@ def tiny_gpt(**overrides):
     return GPT(GPTConfig(**dict(dict(n_layer=2, n_head=4, n_head_kv=2, n_embd=64), **overrides)))
 
 
+def on_backend(model, backend):
+    """model, its attention modules set to run on `backend` ("auto": Triton's interpreter in
+    this suite, seconds a call)."""
+    for m in model.modules():
+        if isinstance(m, MultiheadSelfAttention):
+            m.backend = backend
+    return model
+
+
 @pytest.mark.parametrize("attn_impl", ["longflash", "sdpa"])
 def test_gpt_matches_reference(attn_impl):
     model = tiny_gpt()
@@ -164,7 +173,7 @@ def test_gpt_initial_loss_is_uniform_over_bytes():
 
 def test_gpt_checkpointing_gives_the_same_gradients():
     idx = torch.randint(0, 256, (2, 50))
-    plain, ckpt = tiny_gpt(), tiny_gpt(checkpoint=True)
+    plain, ckpt = (on_backend(tiny_gpt(checkpoint=c), "torch") for c in (False, True))
     loss_fn = lambda out: cross_entropy(out[0], idx)  # noqa: E731
     _, grads = outputs_and_grads(plain, idx, loss_fn)
     _, grads_ckpt = outputs_and_grads(ckpt, idx, loss_fn)
@@ -196,10 +205,7 @@ def test_gpt_with_kv_cache_gives_the_full_forward_logits(backend, sinks):
     """A prompt into a fresh KV cache, then one token at a time, gives the logits of one
     forward pass over the whole sequence (rotary positions, GQA, causal alignment, and
     attention sinks in both)."""
-    model = random_sinks(tiny_gpt(attn_sinks=sinks)).eval()
-    for m in model.modules():
-        if isinstance(m, MultiheadSelfAttention):
-            m.backend = backend
+    model = on_backend(random_sinks(tiny_gpt(attn_sinks=sinks)).eval(), backend)
     idx = torch.randint(0, 256, (2, 13))
     full = model(idx)[0]
     cache = model.new_kv_cache(2, 16)
@@ -219,10 +225,7 @@ def test_gpt_with_a_float8_kv_cache(backend, cache_dtype):
     steps stay within 0.05 of one full forward pass (the quantization's effect, 0.009 for
     e4m3 and 0.021 for e5m2 here; a scale lost on the way to the attention moves them by
     more than 1), and generate takes the cache's dtype."""
-    model = tiny_gpt().eval()
-    for m in model.modules():
-        if isinstance(m, MultiheadSelfAttention):
-            m.backend = backend
+    model = on_backend(tiny_gpt().eval(), backend)
     idx = torch.randint(0, 256, (2, 13))
     full = model(idx)[0]
     cache = model.new_kv_cache(2, 16, cache_dtype, 1 / 64, torch.tensor(1 / 64))
@@ -247,8 +250,8 @@ def test_gpt_with_a_float8_kv_cache(backend, cache_dtype):
 def test_gpt_generate():
     """Greedy generation over the KV cache picks what recomputing the whole sequence at each
     step picks; sampling is reproducible with a generator, stays in the top_k tokens, and
-    keeps the prompt."""
-    model = tiny_gpt().eval()
+    keeps the prompt. (The kernels' steps: test_gpt_with_kv_cache_gives_the_full_forward_logits.)"""
+    model = on_backend(tiny_gpt().eval(), "torch")
     prompt = torch.randint(0, 256, (2, 5))
     recomputed = prompt
     for _ in range(6):
