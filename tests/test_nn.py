@@ -147,11 +147,11 @@ def tiny_gpt(**overrides):
 
 
 def on_backend(model, backend):
-    """model, its attention modules set to run on `backend` ("auto": Triton's interpreter in
-    this suite, seconds a call)."""
+    """model, its attention modules set to run on `backend`, with and without a KV cache
+    ("auto" is Triton's interpreter in this suite: seconds a call)."""
     for m in model.modules():
         if isinstance(m, MultiheadSelfAttention):
-            m.backend = backend
+            m.attn, m.backend = attention_function(m.attn_impl, backend), backend
     return model
 
 
