@@ -409,25 +409,42 @@ def test_steps_rest_are_those_an_earlier_run_did_not_finish(tmp_path):
         "scaling_exact"]
 
 
-def _collected(select):
-    """The GPU tests of tests/test_gpu.py that -k select picks (collected, not run)."""
+# One process collects for every -k expression (importing torch and the suite once, not per
+# expression): pytest.main on the same file again finds its modules imported.
+_COLLECT = """import sys, pytest
+for select in sys.argv[1:]:
+    print("== select", flush=True)
+    pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                 *(["-k", select] if select else []), "tests/test_gpu.py"])
+"""
+
+
+def _collected(*selects):
+    """Per -k expression of `selects` ("": none), the GPU tests of tests/test_gpu.py it picks
+    (collected, not run), as names without the file."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                          "-p", "no:cacheprovider", "-m", "gpu", "-k", select,
-                          "tests/test_gpu.py"], capture_output=True, text=True, cwd=gc.ROOT,
-                         timeout=120)
-    return [ln.split("::")[1] for ln in out.stdout.splitlines() if "::" in ln]
+    out = subprocess.run([sys.executable, "-c", _COLLECT, *selects], capture_output=True,
+                         text=True, cwd=gc.ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    runs = out.stdout.split("== select\n")[1:]
+    assert len(runs) == len(selects), out.stdout[-2000:]
+    return [[ln.split("::")[1] for ln in run.splitlines() if "::" in ln] for run in runs]
+
+
+def _select(stage, name):
+    """The -k expression of a stage's pytest step."""
+    argv = _argv(stage, False, name)
+    return argv[argv.index("-k") + 1]
 
 
 def test_stage5_splits_stage3s_late_tests_exact_first():
     """Stage 5's pytest_exact and pytest_compile are stage 3's pytest_late, once each: the
     float64 checks of the kernels first, torch.compile's tests last."""
-    def select(stage, name):
-        argv = _argv(stage, False, name)
-        return argv[argv.index("-k") + 1]
-    exact, rest = (_collected(select(5, n)) for n in ("pytest_exact", "pytest_compile"))
-    assert sorted(exact + rest) == sorted(_collected(select(3, "pytest_late")))
+    exact, rest, late = _collected(_select(5, "pytest_exact"), _select(5, "pytest_compile"),
+                                   _select(3, "pytest_late"))
+    assert exact and rest
+    assert sorted(exact + rest) == sorted(late)
     assert not set(exact) & set(rest)
     for name in ("test_variants_gpu", "test_learnable_sink_gpu", "test_varlen_gpu",
                  "test_paged_varlen_gpu", "test_headdim_v_gpu", "test_kvcache_headdim_v_gpu"):
@@ -589,25 +606,13 @@ def test_print_command_fills_in_the_commit(monkeypatch):
 def test_pytest_steps_run_every_gpu_test_once():
     """Stage 1's pytest_configs and pytest and stage 3's pytest_late select each GPU test of
     tests/test_gpu.py exactly once (their -k expressions, collected without running)."""
-    import subprocess
-    import sys
-
-    def collected(stage, name):
-        argv = _argv(stage, False, name)
-        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                              "-p", "no:cacheprovider", "-m", "gpu", "-k",
-                              argv[argv.index("-k") + 1], "tests/test_gpu.py"],
-                             capture_output=True, text=True, cwd=gc.ROOT, timeout=120)
-        return [ln for ln in out.stdout.splitlines() if "::" in ln]
-    picked = [t for stage, name in ((1, "pytest_configs"), (1, "pytest"), (3, "pytest_late"))
-              for t in collected(stage, name)]
+    configs, stage1, late, every = _collected(
+        _select(1, "pytest_configs"), _select(1, "pytest"), _select(3, "pytest_late"), "")
+    picked = configs + stage1 + late
     assert len(picked) == len(set(picked))
-    assert any("test_triton_gpu" in t for t in collected(1, "pytest"))
-    assert any("test_headdim_v_gpu" in t for t in collected(3, "pytest_late"))
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                          "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
-                         capture_output=True, text=True, cwd=gc.ROOT, timeout=120)
-    assert sorted(picked) == sorted(ln for ln in out.stdout.splitlines() if "::" in ln)
+    assert any("test_triton_gpu" in t for t in stage1)
+    assert any("test_headdim_v_gpu" in t for t in late)
+    assert sorted(picked) == sorted(every)
 
 
 @needs_triton
