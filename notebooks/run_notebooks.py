@@ -213,6 +213,9 @@ def main():
             raise SystemExit(f"{notebook_path}: no results in results/{rq}/")
         if rq and args.device_class:
             devices = [d for d in devices if d in args.device_class]
+            if not devices:
+                print(f"{notebook_path}: no results/{rq}/ file of device class "
+                      f"{', '.join(args.device_class)}: not run", flush=True)
         for device in devices:
             stem = os.path.splitext(os.path.basename(notebook_path))[0]
             name = stem if device in (None, "cpu") else f"{stem}.{device}"
