@@ -127,7 +127,8 @@ class MultiheadSelfAttention(nn.Module):
             first), as in gpt-oss: one more logit in every row's softmax, attending to no value
             (`learnable_sink` of longflash.attention). Not with attn_impl="sdpa".
         attn_impl: "longflash" (default), "sdpa" or "standard" (see the module docstring).
-        backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash".
+        backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash";
+            setting `module.backend` later switches both paths (with and without a KV cache).
     forward(x, kv_cache=None): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim).
         With a KVCache (inference, attn_impl "longflash"), x holds the tokens after the cached
         ones: their keys and values are appended and they attend to every cached token, at
@@ -162,6 +163,15 @@ class MultiheadSelfAttention(nn.Module):
                                   bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
+
+    @property
+    def backend(self):
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend):  # the attention without a cache follows it as the cached one does
+        self._backend = backend
+        self.attn = attention_function(self.attn_impl, backend)
 
     def forward(self, x, kv_cache=None):
         batch, seqlen, _ = x.shape
