@@ -30,7 +30,8 @@ NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/sca
              notebooks/codegen.ipynb
 
 .PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
-        scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check codegen-check-triton36 triton36-env test-triton36
+        scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check \
+        codegen-check-triton36 triton36-env test-triton36
 # The suite runs on the machine's cores, at most TEST_WORKERS processes, with pytest-xdist (in
 # the test extra; worksteal: idle workers take queued tests from busy ones) where it is
 # installed, else in one process.

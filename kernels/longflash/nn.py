@@ -148,7 +148,6 @@ class MultiheadSelfAttention(nn.Module):
                              f"({num_heads})")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.attn = attention_function(attn_impl, backend)  # raises on a bad attn_impl
         if sinks and attn_impl == "sdpa":
             raise ValueError("sinks=True needs attn_impl 'longflash' or 'standard': PyTorch's "
                              "scaled_dot_product_attention has no attention sinks")
@@ -157,7 +156,8 @@ class MultiheadSelfAttention(nn.Module):
         if rotary and self.headdim % 2:
             raise ValueError(f"rotary needs an even head dim, got {self.headdim}")
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
-        self.dropout, self.attn_impl, self.backend = dropout, attn_impl, backend
+        self.dropout, self.attn_impl = dropout, attn_impl
+        self.backend = backend  # sets self.attn; raises on a bad attn_impl
         factory = dict(device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_heads_kv) * self.headdim,
                                   bias=bias, **factory)

@@ -74,8 +74,8 @@ def copy_cpu_results(rq, results_dir):
 def run_notebooks(tmp_path, notebooks, copy_figures=False, timeout=900, classes=None):
     """notebooks/run_notebooks.py on `notebooks` (names, e.g. "speedup") over the results the
     caller wrote into tmp_path/results, for every device class found there (or those of
-    `classes`: the CPU's macros are the committed ones, its run is CI's `make figures`), writing into
-    scratch folders: tmp_path/generated (a copy of paper/generated: the committed CPU macros)
+    `classes`: the CPU's macros are the committed ones, its run is CI's `make figures`),
+    writing into scratch folders: tmp_path/generated (a copy of paper/generated: the committed CPU macros)
     and tmp_path/figures (a copy of figures/ with copy_figures, else new). Returns (generated,
     figures, the run's stdout); fails the test with its output if the run fails."""
     gen, fig = tmp_path / "generated", tmp_path / "figures"
