@@ -24,8 +24,8 @@ import torch.distributed as dist
 from conftest import check_close, needs_triton
 from experiments.scaling import project, spawn_ranks
 from longflash import _common, attention_ref, attention_varlen_ref
-from longflash.parallel import _Ring, _rank_chunks, _step_blocks, _step_plan, _steps, \
-    ring_attention, shard_sequence, unshard_sequence
+from longflash.parallel import _Ring, _lane_srcs, _lanes, _rank_chunks, _step_blocks, \
+    _step_plan, ring_attention, shard_sequence, unshard_sequence
 from test_correctness import make_inputs
 
 WORLD_SIZES = [1, 2, 4]
@@ -97,6 +97,7 @@ CASES += [
     Case(True, "contiguous", 4, 2, window=(7, -1)),
     Case(False, "zigzag", 4, 4, window=(2, 6)),
     Case(False, "contiguous", 6, 2, window=(11, 0), softcap=2.0),
+    Case(False, "contiguous", 4, 2, window=(2, 3), with_lse_grad=True),  # a neighbour each way
     Case(True, "zigzag", 6, 2, dtype=torch.bfloat16, window=(4, -1), softcap=5.0),
     # packed sequences over the global sequence (cu_seqlens): each token within its document
     Case(True, "zigzag", 6, 2, packed=True, with_lse_grad=True),
@@ -361,8 +362,10 @@ def test_window_plan(world_size, layout, causal, window):
     for rank in range(world_size):
         ring = _Ring(None, rank, world_size, layout, None, None)
         to_global = lambda r, x: _rank_chunks(ring, r)[x // chunk] * chunk + x % chunk  # noqa: E731
-        for step in range(_steps(ring, causal, window, seqlen)):  # the ring may stop early
-            src = (rank - step) % world_size
+        lanes = _lanes(ring, causal, window, seqlen)  # the shards may stop early
+        srcs = [src for step in range(max(last for _, last in lanes) + 1)
+                for _, src in _lane_srcs(ring, lanes, step)]
+        for src in srcs:
             for block in _step_blocks(ring, src, causal, window, seqlen):
                 rows, cols = range(seqlen)[block.rows], range(seqlen)[block.cols]
                 assert not block.causal and rows and cols
@@ -373,21 +376,28 @@ def test_window_plan(world_size, layout, causal, window):
     assert len(seen) == len(set(seen)) and set(seen) == expected
 
 
-@pytest.mark.parametrize("layout, causal, window, world_size, steps", [
-    ("contiguous", True, (3, -1), 4, 2),    # within a chunk of 5: this one and the one before
-    ("contiguous", True, (7, -1), 4, 3),    # reaches two chunks back
-    ("contiguous", True, (7, -1), 2, 2),
-    ("contiguous", False, (2, 2), 4, 4),    # both sides: the next rank's keys come round last
-    ("zigzag", True, (3, -1), 4, 4),        # chunk 2P-1-r needs 2P-2-r, on the next rank
-    ("contiguous", True, (-1, -1), 4, 4),   # no window: the whole ring
+@pytest.mark.parametrize("layout, causal, window, world_size, lanes", [
+    ("contiguous", True, (3, -1), 4, ((1, 1),)),    # within a chunk of 5: the one before
+    ("contiguous", True, (7, -1), 4, ((1, 2),)),    # reaches two chunks back
+    ("contiguous", True, (7, -1), 2, ((1, 1),)),
+    ("contiguous", False, (2, 2), 4, ((1, 1), (-1, 1))),  # both sides: a neighbour each way
+    ("contiguous", False, (2, 2), 3, ((1, 2),)),    # two transfers either way: forward
+    ("contiguous", False, (0, 2), 4, ((1, 0), (-1, 1))),  # only the next rank's keys
+    ("zigzag", True, (3, -1), 4, ((1, 1), (-1, 1))),  # chunk 2P-1-r needs 2P-2-r, on rank r+1
+    ("zigzag", True, (3, -1), 8, ((1, 1), (-1, 1))),  # the whole ring (7 transfers) before
+    ("zigzag", True, (3, -1), 2, ((1, 1),)),
+    ("zigzag", True, (9, -1), 8, ((1, 2), (-1, 2))),  # two chunks back, each way
+    ("zigzag", True, (2, -1), 1, ((1, 0),)),
+    ("contiguous", True, (-1, -1), 4, ((1, 3),)),   # no window: the whole ring forward
+    ("zigzag", False, (-1, -1), 8, ((1, 7),)),
 ])
-def test_window_steps(layout, causal, window, world_size, steps):
-    """The ring stops where no rank's window reaches the shard in hand any more; every
-    visible pair is still computed (test_window_plan over those steps, and the distributed
-    cases against float64)."""
+def test_window_lanes(layout, causal, window, world_size, lanes):
+    """The shards travel only as far as some rank's window reaches them, each way round the
+    ring where that takes fewer transfers; every visible pair is still computed
+    (test_window_plan over those lanes, and the distributed cases against float64)."""
     ring = _Ring(None, 0, world_size, layout, None, None)
     seqlen = 5 * (2 if layout == "zigzag" else 1)
-    assert _steps(ring, causal, window, seqlen) == steps
+    assert _lanes(ring, causal, window, seqlen) == lanes
 
 
 # ----------------------------------------------------------------------------- the experiment

@@ -17,7 +17,7 @@ more than two key/value shards, so per-rank memory is O(seqlen / P).
         block's exact share of the softmax, so attention_backward(do, q, k, v, o, lse) gives
         the block's term of dq and the exact dk, dv of the shard in hand; no per-step output
         is stored. dk, dv (float32) travel with k, v and are back with their owner after P
-        steps.
+        steps. (A window may need fewer steps, and lanes both ways round the ring: _lanes.)
 
 Layouts. The global sequence is cut into chunks of equal length:
     "contiguous": P chunks, rank r holds chunk r. Causal work is unbalanced: the last rank
@@ -43,9 +43,11 @@ here. Tested with gloo process groups of 1, 2 and 4 ranks on CPU (tests/test_par
 the blockwise path, and the Triton kernels interpreted at 2 ranks); not yet run with NCCL on
 several GPUs. Sliding windows: each step computes the chunk pairs
 the window reaches, each as one call whose rows, keys and window are cut to the pair's
-distance (_window_span), and the shards stop travelling after the last step at which any
-rank's window reaches them (_steps; a short window over the contiguous layout: two steps,
-then dK/dV go straight back to their owners); softcap applies per score, block by block.
+distance (_window_span), and the shards travel only as far as some rank's window reaches
+them, each way round the ring at once where that takes fewer transfers (_lanes: a short
+causal window, two steps, one transfer forward over the contiguous layout, one each way
+over zigzag; then dK/dV go straight back to their owners); softcap applies per score,
+block by block.
 Packed sequences
 (cu_seqlens over the global sequence, batch 1): each block runs as one attention_varlen call
 over the documents both shards hold, a document's rows against its keys (_packed_block).
@@ -243,20 +245,52 @@ def _calls(ring, src, causal, window, seqlen, docs, device):
     return [b for b in blocks if b is not None]
 
 
-def _steps(ring, causal, window, seqlen):
-    """How many ring steps compute something on some rank: every step without a window; with
-    one, up to the last step at which any rank's window reaches the shard in hand (the
-    same number on every rank: a function of the ring's shape and the options alone). The
-    shards stop travelling there (a window within a chunk, contiguous layout: 2 steps)."""
+def _lanes(ring, causal, window, seqlen):
+    """The ring's lanes, ((direction, last step), ...), the same on every rank (a function of
+    the ring's shape and the options alone). The forward lane (direction +1): at step t = 0 ..
+    last, rank r holds the shard of rank r - t, received from r - 1. With a window, maybe also
+    a backward lane (-1): at step t = 1 .. last, the shard of rank r + t, received from r + 1,
+    at the same steps as the forward lane's (both directions of each link busy at once).
+
+    Without a window: the whole ring forward, ((1, P - 1),). With one: the fewest transfers of
+    a shard that bring every rank each shard its window reaches (ties: the forward lane
+    longer), after which the shards stop travelling. A causal window within a chunk: one step
+    forward over the contiguous layout; one each way over zigzag, whose second chunk 2P-1-r
+    needs chunk 2P-2-r, held by rank r + 1 (one way only: the whole ring)."""
+    world_size = ring.world_size
     if window == (-1, -1):
-        return ring.world_size
-    last = 0
-    for rank in range(ring.world_size):
-        on_rank = ring._replace(rank=rank)
-        for step in range(last + 1, ring.world_size):
-            if _step_blocks(on_rank, (rank - step) % ring.world_size, causal, window, seqlen):
-                last = step
-    return last + 1
+        return ((1, world_size - 1),)
+    needed = {step for rank in range(world_size) for step in range(1, world_size)
+              if _step_blocks(ring._replace(rank=rank), (rank - step) % world_size, causal,
+                              window, seqlen)}
+
+    def backward_steps(forward):  # what the forward lane's first `forward` steps leave
+        return max((world_size - s for s in needed if s > forward), default=0)
+
+    forward = min(range(world_size), key=lambda f: (f + backward_steps(f), -f))
+    backward = backward_steps(forward)
+    return ((1, forward),) + (((-1, backward),) if backward else ())
+
+
+def _lane_srcs(ring, lanes, step):
+    """(direction, src) of each lane that computes at this step: the rank whose shard it
+    holds. The backward lane starts at step 1 (its step 0 is the forward lane's: this rank's
+    own shard)."""
+    return [(direction, (ring.rank - direction * step) % ring.world_size)
+            for direction, last in lanes if step <= last and (direction == 1 or step > 0)]
+
+
+def _post_shards(ring, lanes, held, step):
+    """Each lane's next shard, posted before this step's compute, which the transfer overlaps:
+    {direction: (received, requests)}."""
+    return {direction: _exchange(ring, *held[direction], shift=direction)
+            for direction, last in lanes if step < last}
+
+
+def _next_shards(held, posted):
+    for direction, (received, requests) in posted.items():
+        _wait(requests)
+        held[direction] = received
 
 
 def _window_span(offset, window_left, window_right, chunk):
@@ -307,27 +341,26 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
     o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
     lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()  # sent as they are
-    steps = _steps(ring, causal, window, k.shape[1])
-    for step in range(steps):
-        last = step == steps - 1
-        if not last:  # posted before the compute, so the transfer overlaps it
-            (k_next, v_next), requests = _exchange(ring, k, v)
-        for b in _calls(ring, (ring.rank - step) % ring.world_size, causal, window,
-                        k.shape[1], docs, q.device):
-            packed = bool(b.varlen)
-            o_blk, lse_blk = torch.ops.longflash.attention_forward(
-                _take(q, b.rows, 1, packed), _take(k, b.cols, 1, packed),
-                _take(v, b.cols, 1, packed), b.causal, softmax_scale, backend, b.window_left,
-                b.window_right, None, softcap, *((0.0, None, *b.varlen) if packed else ()))
-            if packed:  # rows gathered: merged, then written back
-                o_rows, lse_rows = o[:, b.rows], lse[:, :, b.rows]
-                _merge_(o_rows, lse_rows, o_blk[None], lse_blk[None])
-                o[:, b.rows], lse[:, :, b.rows] = o_rows, lse_rows
-            else:
-                _merge_(o[:, b.rows], lse[:, :, b.rows], o_blk, lse_blk)
-        if not last:
-            _wait(requests)
-            k, v = k_next, v_next
+    lanes = _lanes(ring, causal, window, k.shape[1])
+    held = {direction: (k, v) for direction, _ in lanes}  # the shard in hand in each lane
+    for step in range(max(last for _, last in lanes) + 1):
+        posted = _post_shards(ring, lanes, held, step)
+        for direction, src in _lane_srcs(ring, lanes, step):
+            k_in, v_in = held[direction]
+            for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device):
+                packed = bool(b.varlen)
+                o_blk, lse_blk = torch.ops.longflash.attention_forward(
+                    _take(q, b.rows, 1, packed), _take(k_in, b.cols, 1, packed),
+                    _take(v_in, b.cols, 1, packed), b.causal, softmax_scale, backend,
+                    b.window_left, b.window_right, None, softcap,
+                    *((0.0, None, *b.varlen) if packed else ()))
+                if packed:  # rows gathered: merged, then written back
+                    o_rows, lse_rows = o[:, b.rows], lse[:, :, b.rows]
+                    _merge_(o_rows, lse_rows, o_blk[None], lse_blk[None])
+                    o[:, b.rows], lse[:, :, b.rows] = o_rows, lse_rows
+                else:
+                    _merge_(o[:, b.rows], lse[:, :, b.rows], o_blk, lse_blk)
+        _next_shards(held, posted)
     return o.to(q.dtype), lse
 
 
@@ -336,44 +369,48 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()
-    # dk, dv of the shard in hand travel around the ring with it, in float32: each rank adds
-    # its block's term, so a low-precision sum would round once per rank.
-    dkv_next = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v)]
-    dkv_requests = []
-    steps = _steps(ring, causal, window, k.shape[1])
-    for step in range(steps):
-        last = step == steps - 1
-        if not last:
-            (k_next, v_next), kv_requests = _exchange(ring, k, v)
-        blocks = _calls(ring, (ring.rank - step) % ring.world_size, causal, window, k.shape[1],
-                        docs, q.device)
-        grads = []
-        for b in blocks:
-            rows, packed = b.rows, bool(b.varlen)
-            rows_of = lambda x: _take(x, rows, 1, packed)  # noqa: E731
-            dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
-                rows_of(do), rows_of(q), _take(k, b.cols, 1, packed), _take(v, b.cols, 1, packed),
-                rows_of(o), _take(lse, rows, 2, packed),
-                None if dlse is None else _take(dlse, rows, 2, packed), b.causal, softmax_scale,
-                backend, b.window_left, b.window_right, None, softcap,
-                *((0.0, None, *b.varlen) if packed else ()))
-            if packed:  # (rows, H, D) of batch 1
-                dq_blk, dk_blk, dv_blk = dq_blk[None], dk_blk[None], dv_blk[None]
-            dq[:, rows] += dq_blk
-            grads.append((b.cols, dk_blk, dv_blk))
-        _wait(dkv_requests)
-        dk, dv = dkv_next
-        for cols, dk_blk, dv_blk in grads:
-            dk[:, cols] += dk_blk
-            dv[:, cols] += dv_blk
-        # to the next rank; after the last step, to the shard's owner, steps - 1 ranks back
-        # (the next one when the shards went the whole ring)
-        dkv_next, dkv_requests = _exchange(ring, dk, dv, shift=-step if last else 1)
-        if not last:
-            _wait(kv_requests)
-            k, v = k_next, v_next
-    _wait(dkv_requests)
-    dk, dv = dkv_next
+    lanes = _lanes(ring, causal, window, k.shape[1])
+    held = {direction: (k, v) for direction, _ in lanes}
+    # dk, dv of the shard in hand travel along its lane with it, in float32 (each rank adds
+    # its blocks' terms: a low-precision sum would round once per rank), back to the shard's
+    # owner after the lane's last step. Each lane's first accumulators start here, at zero:
+    # {direction: ((dk, dv), requests)}.
+    travelling = {direction: ([torch.zeros(x.shape, dtype=acc, device=x.device)
+                               for x in (k, v)], []) for direction, _ in lanes}
+    for step in range(max(last for _, last in lanes) + 1):
+        posted = _post_shards(ring, lanes, held, step)
+        for direction, src in _lane_srcs(ring, lanes, step):
+            k_in, v_in = held[direction]
+            grads = []
+            for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device):
+                rows, packed = b.rows, bool(b.varlen)
+                rows_of = lambda x: _take(x, rows, 1, packed)  # noqa: E731
+                dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
+                    rows_of(do), rows_of(q), _take(k_in, b.cols, 1, packed),
+                    _take(v_in, b.cols, 1, packed), rows_of(o), _take(lse, rows, 2, packed),
+                    None if dlse is None else _take(dlse, rows, 2, packed), b.causal,
+                    softmax_scale, backend, b.window_left, b.window_right, None, softcap,
+                    *((0.0, None, *b.varlen) if packed else ()))
+                if packed:  # (rows, H, D) of batch 1
+                    dq_blk, dk_blk, dv_blk = dq_blk[None], dk_blk[None], dv_blk[None]
+                dq[:, rows] += dq_blk
+                grads.append((b.cols, dk_blk, dv_blk))
+            (dk, dv), requests = travelling[direction]
+            _wait(requests)
+            for cols, dk_blk, dv_blk in grads:
+                dk[:, cols] += dk_blk
+                dv[:, cols] += dv_blk
+            # on along the lane; after its last step, back to the shard's owner, src (the next
+            # rank when the shards went the whole ring)
+            shift = -direction * step if step == dict(lanes)[direction] else direction
+            travelling[direction] = _exchange(ring, dk, dv, shift=shift)
+        _next_shards(held, posted)
+    for _, requests in travelling.values():  # each lane's share of dk, dv, back home
+        _wait(requests)
+    (dk, dv), *others = [dkv for dkv, _ in travelling.values()]
+    for dk_lane, dv_lane in others:
+        dk += dk_lane
+        dv += dv_lane
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -486,10 +523,11 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
     return_lse, backend: as in `longflash.attention` (backend runs each block).
     window_size: (left, right) over the global sequence, as in `longflash.attention` (sliding
         window; with causal, right is 0); needs seqlen_q == seqlen_k. Each step computes only
-        the chunk pairs the window reaches, and the ring stops after the last step that
-        computes something on some rank (a causal window within a chunk, contiguous layout:
-        two steps; zigzag needs the whole ring, its second chunk's predecessor coming from the
-        next rank).
+        the chunk pairs the window reaches, and a shard travels only as far as some rank's
+        window reaches it, sent both ways round the ring at once where that takes fewer
+        transfers: a causal window within a chunk takes two steps and one transfer of each
+        shard over the contiguous layout, two (one each way) over zigzag, whose second chunk's
+        predecessor is on the next rank; a two-sided window, one each way.
     softcap: as in `longflash.attention` (each block's scores capped as they are computed).
     Returns o: (batch, seqlen_q / P, nheads, headdim of v), this rank's shard of the output, and if
         return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
