@@ -29,7 +29,7 @@ export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH
 NOTEBOOKS := notebooks/speedup.ipynb notebooks/io_complexity.ipynb notebooks/scaling.ipynb notebooks/long_context_training.ipynb \
              notebooks/codegen.ipynb
 
-.PHONY: test reproduce experiments demo env figures paper latex speedup io-complexity variants \
+.PHONY: test-oldest test reproduce experiments demo env figures paper latex speedup io-complexity variants \
         scaling long-context gpu gpu-dry gpu-image-check codegen codegen-check \
         codegen-check-triton36 triton36-env test-triton36
 # The suite runs on the machine's cores, at most TEST_WORKERS processes, with pytest-xdist (in
@@ -173,6 +173,26 @@ test-triton36: $(TRITON36)/.installed
 		$(TRITON36)/bin/python -m pip install --quiet pytest hypothesis
 	PYTHONPATH=kernels:. TRITON_INTERPRET=1 $(TRITON36)/bin/python -m pytest -q \
 		-p no:cacheprovider tests/test_kvcache.py tests/test_paged_varlen.py -k "(fp8 or float8) and triton"
+
+# The oldest stack the library supports: torch==2.4.1 and the triton==3.0.0 it pins (with
+# NumPy < 2, which Triton 3.0's interpreter needs). The Triton kernels need triton >= 3.4
+# (_common.MIN_TRITON), so their tests skip and the library's tests run on the PyTorch path
+# (about 2 minutes on a 2-core CPU; not in CI: PyPI's torch 2.4.1 is a CUDA build, a 3 GB
+# download). The experiments, notebooks and README examples are tested on the pinned stack.
+OLDEST := .venv-oldest
+LIBRARY_TESTS := test_api test_correctness test_variants test_attn_mask test_headdim_v \
+	test_learnable_sink test_kvcache test_paged_varlen test_cascade test_flash_attn_compat \
+	test_compile test_memory test_nn test_parallel
+test-oldest: $(OLDEST)/.installed
+	PYTHONPATH=kernels:. $(OLDEST)/bin/python -m pytest -q -n auto -p no:cacheprovider \
+		-k "not scaling_experiment" $(LIBRARY_TESTS:%=tests/%.py)
+
+$(OLDEST)/.installed:
+	python3 -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet torch==2.4.1 "numpy<2" "pandas<2.3" pytest \
+		pytest-xdist hypothesis
+	touch $@
 
 # triton==3.6.0's check alone (CI's: the GPU machines' Triton; tests/test_codegen.py compiles
 # the kernels that matter most with this environment's Triton).

@@ -1,7 +1,8 @@
 """Test set-up: Triton runs under its interpreter when there is no GPU, outputs are
 NaN-poisoned, and `check_close` implements the tolerance rule of ARCHITECTURE.md. Without
-Triton (macOS, Windows: no wheels), the tests of the Triton kernels are skipped (HAS_TRITON,
-`needs_triton`) and the rest run on the PyTorch path."""
+Triton (macOS, Windows: no wheels), or with one older than the kernels need
+(_common.MIN_TRITON), the tests of the Triton kernels are skipped (HAS_TRITON, `needs_triton`)
+and the rest run on the PyTorch path."""
 
 import importlib.util
 import os
@@ -11,18 +12,21 @@ import sys
 import pytest
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if not torch.cuda.is_available() and HAS_TRITON:
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     # Must be set before longflash (and so Triton's JIT) is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import longflash._common  # noqa: E402
+from longflash import interface  # noqa: E402
 from longflash.reference import error_bound  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# The Triton kernels can run (interpreted without a GPU): a triton package, new enough.
+HAS_TRITON = interface._TRITON_PROBLEM is None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
 # a module that tests the Triton kernels themselves: `pytestmark = needs_triton`
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (Linux only)")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=f"the Triton kernels need "
+                                  f"{interface._TRITON_PROBLEM}")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -38,6 +42,20 @@ def run_uninterpreted(*argv, timeout=600, **env):
                          timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
+
+def torch_sdpa(query, key, value, enable_gqa=False, **kwargs):
+    """PyTorch's scaled_dot_product_attention, the SDPA drop-in's yardstick, as torch >= 2.5
+    computes it on torch 2.4 too: enable_gqa (which 2.4 lacks) as key and value heads repeated
+    for each query head of their group, and 0 for a row a boolean mask leaves no key."""
+    if enable_gqa:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = (x.repeat_interleave(group, dim=-3) for x in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, **kwargs)
+    mask = kwargs.get("attn_mask")
+    if mask is not None and mask.dtype == torch.bool:  # a row that sees no key: 0, as from
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # torch 2.5 on (2.4: NaN)
+    return out
+
 
 # Under pytest-xdist (make test) each worker takes its share of the cores for torch's threads;
 # each taking all of them oversubscribes the machine.

@@ -1,5 +1,6 @@
 """The public API: bad input, the SDPA drop-in, backend choice, torch.compile."""
 
+import types
 from unittest import mock
 
 import pytest
@@ -7,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import longflash
-from longflash import interface
+from longflash import _common, interface
 from longflash.reference import attention_ref
-from conftest import INTERPRET, needs_triton
+from conftest import INTERPRET, needs_triton, torch_sdpa
 
 
 def qkv(b=2, nq=9, nk=11, h=4, hkv=2, d=16, dtype=torch.float32):
@@ -46,8 +47,8 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("args, kwargs, exc, words", [b[1:] for b in BAD_INPUTS],
                          ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input(args, kwargs, exc, words, monkeypatch):
-    if kwargs.get("backend") == "triton" and not interface._HAS_TRITON:
-        pytest.skip("backend='triton' without Triton installed: test_triton_not_installed")
+    if kwargs.get("backend") == "triton" and interface._TRITON_PROBLEM:
+        pytest.skip("backend='triton' without a usable Triton: test_triton_not_installed")
     # Nothing may run before the error: make both implementations explode if called.
     def boom(*a, **k):
         raise AssertionError("work started before validation")
@@ -61,10 +62,40 @@ def test_bad_input(args, kwargs, exc, words, monkeypatch):
 def test_triton_not_installed(monkeypatch):
     """Without the triton package (macOS, Windows), backend='triton' says so and names the
     alternative; 'auto' takes the PyTorch path."""
-    monkeypatch.setattr(interface, "_HAS_TRITON", False)
-    with pytest.raises(ValueError, match="needs the triton package; use backend='torch'"):
+    monkeypatch.setattr(interface, "_TRITON_PROBLEM", "the triton package (Linux only)")
+    with pytest.raises(ValueError, match=r"needs the triton package \(Linux only\); use "
+                                         r"backend='torch'"):
         longflash.attention(*qkv(), backend="triton")
     assert interface._resolve_backend("auto", torch.empty(1)) == "torch"
+
+
+@pytest.mark.parametrize("version, problem", [
+    ("3.0.0", "triton >= 3.4 (found triton 3.0.0"),  # torch 2.4's: the kernels do not compile
+    ("3.3.1", "triton >= 3.4 (found triton 3.3.1"),
+    ("3.4.0", None), ("3.6.0", None), ("3.10.0+git1234abcd", None), ("4.0.0rc1", None),
+    (None, "the triton package"),
+])
+def test_triton_too_old(version, problem, monkeypatch):
+    """The kernels need _common.MIN_TRITON: an older Triton (torch 2.4-2.7 pin 3.0-3.3) is as
+    none for them. backend='triton' raises, naming the version; 'auto' runs CUDA tensors on the
+    PyTorch path with a warning that says why (not silently)."""
+    import importlib.metadata
+    import importlib.util
+    if version is None:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    else:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    found = _common.triton_problem()
+    assert found == problem if problem is None else found.startswith(problem), found
+    if problem is None:
+        return
+    monkeypatch.setattr(interface, "_TRITON_PROBLEM", found)
+    with pytest.raises(ValueError, match=r"backend='triton' needs .*; use backend='torch'"):
+        longflash.attention(*qkv(), backend="triton")
+    cuda_q = types.SimpleNamespace(is_cuda=True, dtype=torch.float16)  # what it reads of q
+    with pytest.warns(UserWarning, match=r"Triton kernels need .*PyTorch path"):
+        assert interface._resolve_backend("auto", cuda_q) == "torch"
 
 
 @needs_triton
@@ -90,7 +121,7 @@ def test_bf16_under_interpreter(monkeypatch):
 ])
 def test_auto_backend_on_cpu(dtype, interpret, expected, monkeypatch):
     monkeypatch.setattr(interface, "_TRITON_INTERPRET", interpret)
-    expected = expected if interface._HAS_TRITON else "torch"  # no Triton: always the PyTorch path
+    expected = "torch" if interface._TRITON_PROBLEM else expected  # no Triton: the PyTorch path
     assert interface._resolve_backend("auto", torch.empty(1, dtype=dtype)) == expected
 
 
@@ -108,7 +139,7 @@ def test_sdpa_matches_pytorch(nq, nk, is_causal, gqa):
     value = torch.randn(2, hkv, nk, 24, dtype=torch.float64, generator=gen, requires_grad=True)
     kwargs = dict(is_causal=is_causal, scale=0.3, enable_gqa=gqa)
     out = longflash.scaled_dot_product_attention(query, key, value, **kwargs)
-    ref = F.scaled_dot_product_attention(query, key, value, **kwargs)
+    ref = torch_sdpa(query, key, value, **kwargs)
     torch.testing.assert_close(out, ref)
     do = torch.randn_like(ref)
     for g, g_ref in zip(torch.autograd.grad(out, (query, key, value), do),

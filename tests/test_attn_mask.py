@@ -8,7 +8,7 @@ import torch
 
 import longflash
 from longflash import attention_ref
-from conftest import INTERPRET, check_with_grads, needs_triton
+from conftest import INTERPRET, check_with_grads, needs_triton, torch_sdpa
 from test_correctness import make_inputs
 from test_variants import check_variant, use_tiles
 
@@ -107,8 +107,7 @@ def test_sdpa_attn_mask_matches_pytorch(mask_shape, kind):
     if kind == "bool" and mask.shape[-2] > 1:
         mask[..., 3, :] = False  # a row that sees no key: 0 in both
     ours = longflash.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                              enable_gqa=True)
+    theirs = torch_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
 
 

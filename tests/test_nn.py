@@ -182,6 +182,9 @@ def test_gpt_checkpointing_gives_the_same_gradients():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5),
+                    reason="torch 2.4's inductor fails on this block whatever its attention "
+                           "(sdpa and standard too): 'Invalid NaN comparison' in its value ranges")
 def test_gpt_block_compiles_fullgraph_with_inductor():
     torch.manual_seed(0)
     block = Block(GPTConfig(n_head=4, n_head_kv=2, n_embd=64))  # attn_impl="longflash"

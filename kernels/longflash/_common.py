@@ -177,6 +177,39 @@ def resolve_softmax_scale(softmax_scale, headdim):
     return float(softmax_scale)
 
 
+# The oldest Triton that compiles the kernels (tests/compile_for_gpu.py and
+# compile_decode_for_gpu.py for sm_80 and sm_90 with triton==3.4.0). 3.0-3.3 have no
+# tl.make_tensor_descriptor, which Triton's dependency finder looks up at every launch (the TMA
+# branches untaken or not); with it stubbed out, 3.0-3.2 reject the kernels' starred arguments
+# and 3.3 a chained boolean operator.
+MIN_TRITON = (3, 4)
+
+
+def triton_problem():
+    """None if the Triton kernels can run here, else what stops them: no triton package (macOS,
+    Windows), or one older than MIN_TRITON. Read from the package's metadata (the "triton"
+    distribution, or PyTorch's nightly "pytorch-triton"), without importing it."""
+    import importlib.metadata
+    import importlib.util
+    import re
+
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package (Linux only)"
+    for name in ("triton", "pytorch-triton"):
+        try:
+            version = importlib.metadata.version(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    else:
+        return None  # a triton without metadata (a source tree on the path): trusted
+    found = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if found < MIN_TRITON:
+        return (f"triton >= {'.'.join(map(str, MIN_TRITON))} (found triton {version}; "
+                f"torch >= 2.8 comes with one)")
+    return None
+
+
 def fix_triton_interpreter():
     """Let TRITON_INTERPRET=1 run what the kernels use. The interpreter only: compiled kernels
     never pass through here.
@@ -281,12 +314,23 @@ def visible(i, j, seqlen_q, seqlen_k, window_left, window_right):
     return ok
 
 
+def as_bytes(x):
+    """x, or a float8 tensor's uint8 view (the same bytes), to index: torch 2.4 has no indexing
+    kernels for float8 on CPU; moving bytes is exact on every version."""
+    return x.view(torch.uint8) if x.dtype in FP8_DTYPES else x
+
+
+def take(x, *index):
+    """x[index], a copy (differentiable), float8 moved as bytes (as_bytes)."""
+    return x.view(torch.uint8)[index].view(x.dtype) if x.dtype in FP8_DTYPES else x[index]
+
+
 def paged_rows(pages, block_table, b, pos):
     """Rows at key positions pos of sequences b (broadcasting index tensors, or ints) of a
     paged tensor (num_pages, page_size, ...): key n of sequence b lives in page
     block_table[b, n // page_size], slot n % page_size. A copy."""
     page_size = pages.shape[1]
-    return pages[block_table[b, pos // page_size].long(), pos % page_size]
+    return take(pages, block_table[b, pos // page_size].long(), pos % page_size)
 
 
 def _floor(x, block):

@@ -11,8 +11,8 @@ not custom_op, whose Python layers took about half of a training call's host tim
 in the H100's profiles (PERFLOG "The ops without custom_op's layers").
 """
 
-import importlib.util
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -21,11 +21,13 @@ from . import blockwise
 from ._common import (FP8_DTYPES, Options, check_alibi_shape, check_attn_mask_shape,
                       check_bools, check_learnable_sink, check_offsets, check_real, check_shapes,
                       check_softcap, check_window_size, define_op, empty_outputs, paged_rows,
-                      resolve_softmax_scale, with_learnable_sink)
+                      resolve_softmax_scale, triton_problem, with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+# None, or what keeps the Triton kernels from running here: no triton package, or too old a
+# one (_common.triton_problem). Then every call runs the PyTorch path.
+_TRITON_PROBLEM = triton_problem()
 # Read once at import: Triton itself decides at import time whether to interpret.
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -203,16 +205,21 @@ def _paged_forward(q, k, v, args, block_table, k_descale, v_descale):
 
 
 def _resolve_backend(backend, q):
-    """'auto' -> Triton for CUDA tensors and under TRITON_INTERPRET=1, else the PyTorch path."""
+    """'auto' -> Triton for CUDA tensors and under TRITON_INTERPRET=1 (given a Triton the kernels
+    compile with: _TRITON_PROBLEM), else the PyTorch path."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     interpretable = _TRITON_INTERPRET and q.dtype != torch.bfloat16  # no bf16 tl.dot there
     if backend == "auto":
-        usable = _HAS_TRITON and ((q.is_cuda and not _TRITON_INTERPRET) or interpretable)
+        if _TRITON_PROBLEM and q.is_cuda and not torch.compiler.is_compiling():
+            # not silently: the PyTorch path is much slower there
+            warnings.warn(f"longflash's Triton kernels need {_TRITON_PROBLEM}: CUDA tensors run "
+                          f"on its PyTorch path (exact, linear memory, slower)", stacklevel=4)
+        usable = not _TRITON_PROBLEM and ((q.is_cuda and not _TRITON_INTERPRET) or interpretable)
         return "triton" if usable and q.dtype != torch.float64 else "torch"
     if backend == "triton":
-        if not _HAS_TRITON:
-            raise ValueError("backend='triton' needs the triton package; use backend='torch'")
+        if _TRITON_PROBLEM:
+            raise ValueError(f"backend='triton' needs {_TRITON_PROBLEM}; use backend='torch'")
         if q.dtype == torch.float64:
             raise TypeError("backend='triton' does not support torch.float64; use "
                             "backend='torch' or float32")
@@ -426,7 +433,8 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
         softmax_scale: default 1 / sqrt(headdim).
         return_lse: also return the log-sum-exp of each row (gradients flow through it).
         backend: "auto" (Triton for CUDA tensors and under TRITON_INTERPRET=1, except bfloat16
-            under the interpreter; the blockwise PyTorch path otherwise), "triton" or "torch".
+            under the interpreter; the blockwise PyTorch path otherwise, and, with a warning, for
+            CUDA tensors where triton >= 3.4 is missing), "triton" or "torch".
     Keyword-only, as in FlashAttention-2's flash_attn_func:
         window_size: (left, right), -1 meaning unbounded: query i sees key j iff
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. With causal,

@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, check_bools,
-                      check_rotary, define_op, empty_outputs, paged_rows)
+from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, as_bytes,
+                      check_bools, check_rotary, define_op, empty_outputs, paged_rows, take)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -52,7 +52,7 @@ def _gather(cache, block_table, b, pos):
     (B, S, BN, nheads_kv, headdim), a copy. A contiguous cache is (batch, capacity, Hkv, D); a
     paged one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages)."""
     if block_table is None:
-        return cache[b, pos]
+        return take(cache, b, pos)
     return paged_rows(cache, block_table, b, pos)
 
 
@@ -444,11 +444,10 @@ def _append(cache, new, seqlens, block_table):
     else:
         pos = seqlens[:, None] + torch.arange(seqlen_new, device=new.device)  # (B, Nnew)
     b = torch.arange(batch, device=new.device)[:, None].expand_as(pos)
-    if block_table is None:
-        cache.index_put_((b, pos), new)
-    else:
+    if block_table is not None:
         page_size = cache.shape[1]
-        cache.index_put_((block_table[b, pos // page_size].long(), pos % page_size), new)
+        b, pos = block_table[b, pos // page_size].long(), pos % page_size
+    as_bytes(cache).index_put_((b, pos), as_bytes(new))
 
 
 def _rows_as_pages(q, cache_batch_idx, block_table):
