@@ -63,7 +63,7 @@ from jax import lax
 from ._common import (LN2, LOG2E, PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B,
                       check_alibi_shape, check_attn_mask_shape, check_bools, check_real,
                       check_shapes, check_softcap, check_window_size, key_range, query_range,
-                      resolve_softmax_scale, visible)
+                      resolve_softmax_scale, triton_problem, visible)
 
 # Tiles for a CPU, where each tile is one batched matmul. Under jit the loops run compiled
 # (no per-tile Python as in blockwise.py, hence not its 256 x 256): 64-256 rows and 128-256
@@ -141,6 +141,8 @@ def jax_triton_missing():
     NVIDIA backend), and its triton_call must bind kernel parameters by name (out_type=,
     newer than 0.3.1: the kernels' outputs sit between their inputs, which 0.3.1's
     positional call cannot express)."""
+    if triton_problem():  # the kernels' own requirement (_common.MIN_TRITON)
+        return f"the Triton kernels need {triton_problem()}"
     try:
         import jax_triton
         import triton
