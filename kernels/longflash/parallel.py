@@ -57,6 +57,7 @@ backward is not captured by torch.compile (a torch.autograd.Function with commun
 inside).
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -257,9 +258,14 @@ def _lanes(ring, causal, window, seqlen):
     longer), after which the shards stop travelling. A causal window within a chunk: one step
     forward over the contiguous layout; one each way over zigzag, whose second chunk 2P-1-r
     needs chunk 2P-2-r, held by rank r + 1 (one way only: the whole ring)."""
-    world_size = ring.world_size
     if window == (-1, -1):
-        return ((1, world_size - 1),)
+        return ((1, ring.world_size - 1),)
+    return _window_lanes(ring.world_size, ring.layout, causal, window, seqlen)
+
+
+@functools.lru_cache(maxsize=64)  # O(P^2) chunk pairs, the same at every layer and step
+def _window_lanes(world_size, layout, causal, window, seqlen):
+    ring = _Ring(None, 0, world_size, layout, None, None)
     needed = {step for rank in range(world_size) for step in range(1, world_size)
               if _step_blocks(ring._replace(rank=rank), (rank - step) % world_size, causal,
                               window, seqlen)}
