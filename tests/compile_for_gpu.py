@@ -19,7 +19,6 @@ compute capability with the ptxas that ships with Triton. Must run without
 TRITON_INTERPRET=1. Used by tests/test_compile.py.
 """
 
-import inspect
 import sys
 
 import triton
@@ -38,12 +37,8 @@ def compile_kernel(kernel, pointers, constexprs, target, **options):
                  for name in fn.arg_names}
     signature.update({name: "fp32" for name in ("qk_scale", "softmax_scale", "softcap", "dropout_p")
                       if name in signature})
-    if "constexprs" in inspect.signature(ASTSource).parameters:  # Triton >= 3.3
-        src = ASTSource(fn=fn, signature=signature,
-                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    else:  # Triton 3.0-3.2: the constexprs by name, apart from the signature
-        src = ASTSource(fn=fn, constants=constexprs,
-                        signature={k: v for k, v in signature.items() if v != "constexpr"})
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=target, options=options or None)
 
 

@@ -43,6 +43,7 @@ def run_uninterpreted(*argv, timeout=600, **env):
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 
+
 def torch_sdpa(query, key, value, enable_gqa=False, **kwargs):
     """PyTorch's scaled_dot_product_attention, the SDPA drop-in's yardstick, as torch >= 2.5
     computes it on torch 2.4 too: enable_gqa (which 2.4 lacks) as key and value heads repeated

@@ -322,7 +322,7 @@ def as_bytes(x):
 
 def take(x, *index):
     """x[index], a copy (differentiable), float8 moved as bytes (as_bytes)."""
-    return x.view(torch.uint8)[index].view(x.dtype) if x.dtype in FP8_DTYPES else x[index]
+    return as_bytes(x)[index].view(x.dtype) if x.dtype in FP8_DTYPES else x[index]
 
 
 def paged_rows(pages, block_table, b, pos):
