@@ -5,9 +5,9 @@
 "all" turns on every compile-time feature (softcap, ALiBi, dropout, packed sequences, and for
 the forward's pointer loads paged keys). On
 capability 9 and above the kernels are compiled with pointer loads and with TMA copies
-(USE_TMA), as the autotuner may launch either there (dK/dV also in two passes, SPLIT, and
-adding dQ by atomics, ATOMIC_DQ, alone and in dK's pass, and the forward software-pipelined,
-PIPELINE: the tuning sweep's trials), and on
+(USE_TMA), as the autotuner may launch either there (with TMA copies also dK/dV in two passes,
+SPLIT, and adding dQ by atomics, ATOMIC_DQ, alone and in dK's pass, and the forward
+software-pipelined, PIPELINE: the tuning sweep's trials, which are all TMA tiles), and on
 capability 9 in 16-bit types also
 warp-specialized (WARP_SPECIALIZE: forward, dK/dV, dQ), with and without the masks that
 FULL_TILES drops.
@@ -59,12 +59,13 @@ def compile_all(capability, dtype, features, headdim):
         meta["USE_TMA"] = tma
         meta["WARP_SPECIALIZE"] = meta["FULL_TILES"] = False
         compile_kernel(flash_triton._attn_fwd, fwd, dict(meta, PAGED=on and not tma), target)
-        compile_kernel(flash_triton._attn_fwd, fwd, dict(meta, PAGED=on and not tma,
-                                                         PIPELINE=True), target)
         compile_kernel(flash_triton._attn_bwd_dkdv, grads, meta, target)
-        for trial in (dict(SPLIT=True), dict(ATOMIC_DQ=True), dict(SPLIT=True, ATOMIC_DQ=True)):
-            compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(meta, **trial), target)
         compile_kernel(flash_triton._attn_bwd_dq, grads, meta, target)
+        if tma:  # the tuning sweep's trials (tuning.TRIALS), every one a TMA tile
+            compile_kernel(flash_triton._attn_fwd, fwd, dict(meta, PAGED=False, PIPELINE=True),
+                           target)
+            for trial in (dict(SPLIT=True), dict(ATOMIC_DQ=True), dict(SPLIT=True, ATOMIC_DQ=True)):
+                compile_kernel(flash_triton._attn_bwd_dkdv, grads, dict(meta, **trial), target)
     if capability == 90 and dtype != "float32":  # the warp-specialized candidates, masked
         # and not (FULL_TILES, never with packed sequences)
         for full_tiles in (False,) if on else (False, True):
