@@ -24,7 +24,7 @@ import torch.distributed as dist
 from conftest import check_close, needs_triton
 from experiments.scaling import project, spawn_ranks
 from longflash import _common, attention_ref, attention_varlen_ref
-from longflash.parallel import _Ring, _lane_srcs, _lanes, _rank_chunks, _step_blocks, \
+from longflash.parallel import _Ring, _calls, _lane_srcs, _lanes, _rank_chunks, \
     _step_plan, ring_attention, shard_sequence, unshard_sequence
 from test_correctness import make_inputs
 
@@ -68,11 +68,16 @@ class Case:
         """Packed cases: document offsets over the global sequence, else None."""
         if not self.packed:
             return None
-        seqlen, offsets = self.shape(world_size)[1], [0]
-        for n in itertools.cycle(DOC_LENGTHS):
-            offsets.append(min(offsets[-1] + n, seqlen))
-            if offsets[-1] == seqlen:
-                return torch.tensor(offsets, dtype=torch.int32)
+        return torch.tensor(doc_offsets(self.shape(world_size)[1]), dtype=torch.int32)
+
+
+def doc_offsets(seqlen):
+    """Offsets of documents of DOC_LENGTHS' lengths, in turn, over seqlen tokens."""
+    offsets = [0]
+    for n in itertools.cycle(DOC_LENGTHS):
+        offsets.append(min(offsets[-1] + n, seqlen))
+        if offsets[-1] == seqlen:
+            return offsets
 
 
 # Documents of packed cases (chunks of 5 tokens): within a chunk, across one boundary, across
@@ -104,6 +109,11 @@ CASES += [
     Case(True, "contiguous", 4, 1, packed=True),
     Case(False, "zigzag", 4, 4, packed=True, softcap=3.0),
     Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, packed=True, with_sink=True),
+    # packed sequences under a sliding window: shorter than a chunk, longer, both sides
+    Case(True, "zigzag", 4, 2, packed=True, window=(3, -1), with_lse_grad=True),
+    Case(True, "contiguous", 6, 2, packed=True, window=(7, -1)),
+    Case(False, "zigzag", 4, 4, packed=True, window=(2, 6), softcap=3.0),
+    Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, packed=True, window=(4, -1), with_sink=True),
 ]
 
 
@@ -174,8 +184,6 @@ def _errors(rank):
         "cu_seqlens_short": lambda: ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 4])),
         "cu_seqlens_differ": lambda: ring_attention(
             x, x, x, backend="torch", cu_seqlens=torch.tensor([0, 3 + rank, 8])),
-        "cu_seqlens_with_window": lambda: ring_attention(
-            x, x, x, window_size=(2, 0), cu_seqlens=torch.tensor([0, 8])),
         "cu_seqlens_batch_2": lambda: ring_attention(
             *[torch.randn(2, 4, 2, 8)] * 3, cu_seqlens=torch.tensor([0, 8])),
     }
@@ -275,7 +283,6 @@ EXPECTED_ERRORS = {
     "unshard_shapes_differ": ("ValueError", "shape differs across ranks"),
     "cu_seqlens_short": ("ValueError", "cu_seqlens must go from 0 to the global seqlen 8"),
     "cu_seqlens_differ": ("ValueError", "cu_seqlens differs across ranks"),
-    "cu_seqlens_with_window": ("NotImplementedError", "both cu_seqlens and window_size"),
     "cu_seqlens_batch_2": ("ValueError", "needs batch 1"),
 }
 
@@ -342,22 +349,44 @@ def _kernel_sees(i, j, n_rows, n_keys, window_left, window_right):
         (window_right < 0 or j <= diag + window_right)
 
 
+def _block_pairs(block, seqlen):
+    """The (row, key) pairs of the local shards that one call of a ring step computes, under
+    the kernels' window rule (per sequence of a packed call)."""
+    if not block.varlen:
+        runs = [(range(seqlen)[block.rows], range(seqlen)[block.cols])]
+    else:
+        rows, cols = block.rows.tolist(), block.cols.tolist()
+        cu_q, cu_k = (cu.tolist() for cu in block.varlen[:2])
+        runs = [(rows[a:b], cols[c:d]) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    assert all(rows and cols for rows, cols in runs)
+    right = 0 if block.causal else block.window_right  # causal: the diagonal's right side
+    return [(x, y) for rows, cols in runs for i, x in enumerate(rows) for j, y in enumerate(cols)
+            if _kernel_sees(i, j, len(rows), len(cols), block.window_left, right)]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("causal, window", [(True, (0, -1)), (True, (3, -1)), (True, (4, -1)),
                                             (True, (9, -1)), (True, (30, -1)), (False, (2, 6)),
-                                            (False, (0, 4)), (False, (5, 0)), (False, (11, 13))])
+                                            (False, (0, 4)), (False, (5, 0)), (False, (11, 13)),
+                                            (True, (-1, -1)), (False, (-1, -1))])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_window_plan(world_size, layout, causal, window):
+def test_window_plan(world_size, layout, causal, window, packed):
     """With a sliding window, the ring's calls over the steps it takes (their rows and keys,
     each under the kernels' window rule) see every (query, key) pair of the global sequence
     that the window shows exactly once, and no other: windows shorter than a chunk (5
-    tokens), longer than several, on one side, on both, and one key wide."""
+    tokens), longer than several, on one side, on both, and one key wide; no window (causal
+    or not: _step_plan's calls over the whole ring) too; packed: documents
+    of DOC_LENGTHS over the global sequence, each token seeing its own document's only."""
     chunk, per_rank = 5, (2 if layout == "zigzag" else 1)
     seqlen = chunk * per_rank  # tokens per rank
     left, right = window[0], 0 if causal else window[1]
     n = seqlen * world_size
-    expected = {(i, j) for i in range(n) for j in range(n)
-                if (left < 0 or j >= i - left) and (right < 0 or j <= i + right)}
+    offsets = doc_offsets(n) if packed else [0, n]
+    docs = tuple(zip(offsets, offsets[1:]))
+    doc_of = [d for d, (a, b) in enumerate(docs) for _ in range(a, b)]
+    expected = {(i, j) for i in range(n) for j in range(n) if doc_of[i] == doc_of[j]
+                and (left < 0 or j >= i - left) and (right < 0 or j <= i + right)}
     seen = []
     for rank in range(world_size):
         ring = _Ring(None, rank, world_size, layout, None, None)
@@ -366,13 +395,10 @@ def test_window_plan(world_size, layout, causal, window):
         srcs = [src for step in range(max(last for _, last in lanes) + 1)
                 for _, src in _lane_srcs(ring, lanes, step)]
         for src in srcs:
-            for block in _step_blocks(ring, src, causal, window, seqlen):
-                rows, cols = range(seqlen)[block.rows], range(seqlen)[block.cols]
-                assert not block.causal and rows and cols
+            for block in _calls(ring, src, causal, window, seqlen, docs if packed else None,
+                                "cpu"):
                 seen += [(to_global(rank, x), to_global(src, y))
-                         for i, x in enumerate(rows) for j, y in enumerate(cols)
-                         if _kernel_sees(i, j, len(rows), len(cols), block.window_left,
-                                         block.window_right)]
+                         for x, y in _block_pairs(block, seqlen)]
     assert len(seen) == len(set(seen)) and set(seen) == expected
 
 

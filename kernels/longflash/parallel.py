@@ -50,9 +50,12 @@ over zigzag; then dK/dV go straight back to their owners); softcap applies per s
 block by block.
 Packed sequences
 (cu_seqlens over the global sequence, batch 1): each block runs as one attention_varlen call
-over the documents both shards hold, a document's rows against its keys (_packed_block).
+over the documents both shards hold, a document's rows against its keys (_packed_block);
+with a window, per pair of chunks, the documents of a chunk against themselves as one
+windowed call, and the one document two chunks can share as one call cut to the window
+(_packed_window_blocks).
 Limits: causal, windows and packed sequences need seqlen_q == seqlen_k (self-attention); no
-ALiBi or dropout, no window with packed sequences; the
+ALiBi or dropout; the
 backward is not captured by torch.compile (a torch.autograd.Function with communication
 inside).
 """
@@ -169,20 +172,29 @@ class _Block(NamedTuple):
     varlen: tuple = ()
 
 
+def _window_sides(causal, window):
+    """The window's (left, right) sides over the global sequence (causal: right 0; < 0:
+    unbounded), or None where there is no window (causal alone is _step_plan's)."""
+    if window[0] < 0 and (causal or window[1] < 0):
+        return None
+    return window[0], 0 if causal else window[1]
+
+
 def _step_blocks(ring, src, causal, window, seqlen):
     """The calls this rank makes against the k/v shard of rank src. Without a window,
     _step_plan's one call (or none). With one, a call per pair of chunks (this rank's
     queries, src's keys) that the window lets see each other, its rows and keys cut to
     those the window reaches and its window moved to the chunks' distance (_window_span)."""
-    window_left, window_right = window[0], 0 if causal else window[1]
-    if window_left < 0 and window_right < 0:
+    sides = _window_sides(causal, window)
+    if sides is None:
         plan = _step_plan(ring, src, causal, seqlen)
         return [] if plan is None else [_Block(*plan)]
+    window_left, window_right = sides
     chunk = seqlen // _chunks_per_rank(ring.layout)
     blocks = []
     for x, a in enumerate(_rank_chunks(ring, ring.rank)):
         for y, b in enumerate(_rank_chunks(ring, src)):
-            span = _window_span((a - b) * chunk, window_left, window_right, chunk)
+            span = _window_span((a - b) * chunk, window_left, window_right, chunk, chunk)
             if span is not None:
                 (r0, r1), (c0, c1), left, right = span
                 blocks.append(_Block(slice(x * chunk + r0, x * chunk + r1),
@@ -237,8 +249,43 @@ def _packed(runs, device):
     return index, cu_seqlens, max(lengths)
 
 
+def _packed_window_blocks(ring, src, window_left, window_right, seqlen, docs, device):
+    """The calls against the k/v shard of rank src with a window over packed sequences, per
+    pair of chunks (this rank's queries, src's keys). A chunk against itself: its documents as
+    one attention_varlen call under the window (each document's rows are its keys there, so
+    each one's bottom-right diagonal is the global one). Two chunks: documents are runs of the
+    sequence, so at most one holds tokens of both; its rows against its keys as one call, cut
+    to what the window reaches over their global distance (_window_span)."""
+    chunk = seqlen // _chunks_per_rank(ring.layout)
+    blocks = []
+    for x, a in enumerate(_rank_chunks(ring, ring.rank)):
+        for y, b in enumerate(_rank_chunks(ring, src)):
+            runs = [(max(start, a * chunk), min(end, (a + 1) * chunk),
+                     max(start, b * chunk), min(end, (b + 1) * chunk)) for start, end in docs]
+            runs = [(qa, qb, ka, kb) for qa, qb, ka, kb in runs if qa < qb and ka < kb]
+            local_q, local_k = (x - a) * chunk, (y - b) * chunk  # global -> local row
+            if a == b and runs:
+                (rows, cu_q, max_q), (cols, cu_k, max_k) = (
+                    _packed([(lo + local_q, hi + local_q) for lo, hi, _, _ in runs], device),
+                    _packed([(lo + local_k, hi + local_k) for _, _, lo, hi in runs], device))
+                blocks.append(_Block(rows, cols, False, window_left, window_right,
+                                     (cu_q, cu_k, max_q, max_k)))
+            elif runs:
+                (qa, qb, ka, kb), = runs
+                span = _window_span(qa - ka, window_left, window_right, qb - qa, kb - ka)
+                if span is not None:
+                    (r0, r1), (c0, c1), left, right = span
+                    blocks.append(_Block(slice(qa + local_q + r0, qa + local_q + r1),
+                                         slice(ka + local_k + c0, ka + local_k + c1), False,
+                                         left, right))
+    return blocks
+
+
 def _calls(ring, src, causal, window, seqlen, docs, device):
     """The blocks of a step (_step_blocks), over packed sequences if docs is not None."""
+    sides = _window_sides(causal, window)
+    if docs is not None and sides is not None:
+        return _packed_window_blocks(ring, src, *sides, seqlen, docs, device)
     blocks = _step_blocks(ring, src, causal, window, seqlen)
     if docs is None:
         return blocks
@@ -299,26 +346,28 @@ def _next_shards(held, posted):
         held[direction] = received
 
 
-def _window_span(offset, window_left, window_right, chunk):
-    """A chunk of queries that starts `offset` tokens after a chunk of keys of the same length
-    sees key j from query i (local indices) iff lo <= j - i <= hi, lo = offset - window_left,
-    hi = offset + window_right (a side < 0 unbounded). As one call with the kernels' window
-    rule: ((first row, end), (first key, end), window_left, window_right), or None if no
-    pair is visible. A window whose lower side lies right of the diagonal (lo > 0) drops the
-    last lo queries, which see no key: the block's diagonal, aligned to its bottom right,
-    moves lo keys right; one whose upper side lies left of it (hi < 0) drops the last -hi
-    keys, which no query sees, moving the diagonal left. (offset is a multiple of chunk: lo
-    > 0 needs offset >= chunk, so hi > last; hi < 0 needs offset <= -chunk, so lo < -last.)"""
-    last = chunk - 1
+def _window_span(offset, window_left, window_right, n_rows, n_keys):
+    """A run of n_rows queries whose first stands `offset` tokens after the first of a run of
+    n_keys keys sees key j from query i (local indices) iff lo <= j - i <= hi, lo = offset -
+    window_left, hi = offset + window_right (a side < 0 unbounded). As one call with the
+    kernels' window rule: ((first row, end), (first key, end), window_left, window_right), or
+    None if no pair is visible. The rows that see no key and the keys that no row sees are
+    cut (a window whose lower side lies right of the diagonal, lo > 0, leaves out the last lo
+    rows and the first lo keys; one whose upper side lies left of it, hi < 0, the first -hi
+    rows and the last -hi keys), so the block's diagonal, aligned to its bottom right, is
+    where the window's sides put it; a side that bounds no pair left is unbounded (-1), so the
+    kernels mask no block for it."""
     lo = -math.inf if window_left < 0 else offset - window_left
     hi = math.inf if window_right < 0 else offset + window_right
-    if lo > last or hi < -last:
+    r0, r1 = max(0, -hi), min(n_rows, n_keys - lo)
+    c0, c1 = max(0, lo), min(n_keys, n_rows + hi)
+    if r0 >= r1 or c0 >= c1:
         return None
-    if lo > 0:
-        return (0, chunk - lo), (0, chunk), 0, -1
-    if hi < 0:
-        return (0, chunk), (0, chunk + hi), -1, 0
-    return (0, chunk), (0, chunk), -1 if lo <= -last else -lo, -1 if hi >= last else hi
+    rows, keys = r1 - r0, c1 - c0
+    lo, hi = lo + r0 - c0, hi + r0 - c0  # in the cut block's indices
+    left = -1 if lo <= 1 - rows else keys - rows - lo
+    right = -1 if hi >= keys - 1 else hi - (keys - rows)
+    return (r0, r1), (c0, c1), left, right
 
 
 # ----------------------------------------------------------------------------- forward / backward
@@ -449,7 +498,7 @@ def _check_seqlen(name, x, ring):
                          f"sequence")
 
 
-def _check_cu_seqlens(cu_seqlens, q, k, window, ring):
+def _check_cu_seqlens(cu_seqlens, q, k, ring):
     """The documents' global (start, end), from a checked cu_seqlens (one read to the host)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or \
             cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
@@ -459,8 +508,6 @@ def _check_cu_seqlens(cu_seqlens, q, k, window, ring):
     if q.shape[0] != 1 or q.shape[1] != k.shape[1]:
         raise ValueError(f"cu_seqlens (packed sequences) needs batch 1 and seqlen_q == seqlen_k, "
                          f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if window != (-1, -1):
-        raise NotImplementedError("ring_attention with both cu_seqlens and window_size")
     offsets = cu_seqlens.tolist()
     total = q.shape[1] * ring.world_size
     decreasing = any(b < a for a, b in zip(offsets, offsets[1:]))
@@ -547,7 +594,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         seqlen_q == seqlen_k. Each token attends within its document only (causal: to the
         document's tokens up to itself). Each block of a step runs as one attention_varlen
         call over the documents both shards hold; a rank that holds no part of a document
-        in hand skips it. Not with window_size.
+        in hand skips it. With window_size, the window applies within each document.
 
     Raises, before any communication: the errors of `longflash.attention`; ValueError for an
     unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
@@ -567,7 +614,7 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         what = "causal=True" if causal else f"window_size={window}"
         raise NotImplementedError(f"ring_attention with {what} needs seqlen_q == seqlen_k "
                                   f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
-    docs = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q, k, window, ring)
+    docs = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q, k, ring)
     _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
                              dtype=_dtype_code(q.dtype), causal=(causal,),
                              softmax_scale=(softmax_scale,), window_size=window,
