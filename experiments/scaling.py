@@ -17,7 +17,8 @@ speed. Writes results/scaling/<device>.csv (device "cpu" or the GPU, e.g. "h100"
 Rows follow experiments/results.py, experiment "scaling", with extra columns: part, layout
 ("zigzag", "contiguous", or "none": one device, no ring), ranks, tokens_per_rank (seqlen =
 ranks * tokens_per_rank), cores, basis ("measured" or "projected"), link, link_bandwidth_gbs,
-link_latency_us; part, layout, ranks and link are key columns (KEY_COLUMNS). Provider
+link_latency_us, window_left (part window); part, layout, ranks, link and window_left are
+key columns (KEY_COLUMNS). Provider
 "longflash" is the ring (ranks = 1: a ring of one, the same computation as
 longflash.attention), "standard" the materializing reference.
 
@@ -48,6 +49,12 @@ Parts and metrics:
               longer (they overlap); forward steps carry k, v (input dtype), backward steps
               also the previous step's dk, dv (float32), and the last dk, dv transfer is
               exposed. Merges and the metadata check are not modelled.
+  window      a causal sliding window of window_left tokens against the whole ring (window_left
+              -1), tokens per rank fixed, ranks window_ranks, both layouts: sent_mb (MiB that
+              a rank hands torch.distributed to send in one forward+backward: key/value
+              shards and the travelling dK/dV, counted at longflash.parallel._exchange; the
+              largest rank's) and time_ms (forward+backward, the slowest rank's median of 5).
+              Column window_left (a key column; empty in the other parts' rows).
   long        one long causal sequence through the ring of `long_ranks` emulated ranks,
               forward, lengths doubling while the time budget lasts (each run is predicted
               at 4x the previous): time_ms (one call, between barriers), peak_mem_mb (per
@@ -75,6 +82,7 @@ import math
 import os
 import tempfile
 import time
+import unittest.mock
 import warnings
 from dataclasses import asdict, dataclass, replace
 
@@ -83,6 +91,7 @@ import torch.distributed as dist
 
 import longflash
 from longflash.reference import error_bound
+from longflash import parallel
 from longflash.parallel import ring_attention, shard_sequence, unshard_sequence
 from experiments.measure import MB, rss_growth_kb, is_oom, peak_memory_mb, time_ms, \
     time_ms_lean
@@ -109,6 +118,9 @@ class Config:
     tokens_per_rank: int = 2048           # memory, weak
     memory_ranks: tuple = (1, 2, 4, 8)
     weak_ranks: tuple = (1, 2, 4)         # > cores: the ranks time-share
+    window_ranks: tuple = (2, 4, 8)       # part window: a causal window of window_left tokens
+    window_tokens_per_rank: int = 1024    # ... (a quarter of a zigzag chunk) against the
+    window_left: int = 128                # ... whole ring
     block_device: str = "cpu"             # blocks and projection: where the blocks are timed,
     block_shape: tuple = (1, 4, 2, 64)    # ... their shape (default: as the gloo ranks',
     block_dtype: str = "float32"          # so that projection and measurement compare)
@@ -130,15 +142,18 @@ class Config:
 FULL = dict(  # a GPU machine with 16 cores: gloo ranks on its CPU, blocks on its GPU with
     # the attention of Llama-3-8B (32 heads, 8 KV heads, headdim 128), bf16, 8K tokens per rank
     exact_ranks=(1, 2, 4, 8, 16), memory_ranks=(1, 2, 4, 8, 16), weak_ranks=(1, 2, 4, 8, 16),
+    window_ranks=(2, 4, 8, 16), window_tokens_per_rank=2048, window_left=256,
     block_device="cuda", block_shape=(1, 32, 8, 128), block_dtype="bfloat16",
     block_tokens_per_rank=8192, long_ranks=16, long_budget_s=480.0, gpu_long_seqlen=2**20)
 QUICK = dict(
     shape=(1, 2, 1, 16), exact_ranks=(1, 2), exact_tokens_per_rank=16, exact_dtypes=("float32",),
     tokens_per_rank=64, memory_ranks=(1, 2), weak_ranks=(1, 2, 4), block_shape=(1, 2, 1, 16),
-    block_tokens_per_rank=64, projection_ranks=(1, 2, 64), long_ranks=2, long_seqlens=(256, 512),
+    block_tokens_per_rank=64, projection_ranks=(1, 2, 64), window_ranks=(2, 4),
+    window_tokens_per_rank=32, window_left=4, long_ranks=2, long_seqlens=(256, 512),
     long_budget_s=30.0, long_check_rows=4)
-PARTS = ("exactness", "memory", "weak", "blocks", "projection", "long")
-KEY_COLUMNS = ("part", "layout", "ranks", "link")  # beside experiments.results.KEY_COLUMNS
+PARTS = ("exactness", "memory", "weak", "blocks", "projection", "window", "long")
+# beside experiments.results.KEY_COLUMNS
+KEY_COLUMNS = ("part", "layout", "ranks", "link", "window_left")
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -231,7 +246,7 @@ def _rank_peak_mb(fn):
 
 def _row(cfg_shape, dtype, part, layout, ranks, tokens_per_rank, mode, metric, value, unit,
          seqlen_q=None, seqlen_k=None, causal=True, provider="longflash", p20=math.nan,
-         p80=math.nan, status="ok", basis="measured", link=None, **extra):
+         p80=math.nan, status="ok", basis="measured", link=None, window_left=None, **extra):
     """One row of the results schema plus this experiment's columns (module docstring)."""
     batch, nheads, nheads_kv, headdim = cfg_shape
     seqlen_q = ranks * tokens_per_rank if seqlen_q is None else seqlen_q
@@ -241,7 +256,7 @@ def _row(cfg_shape, dtype, part, layout, ranks, tokens_per_rank, mode, metric, v
                 nheads_kv=nheads_kv, headdim=headdim, causal=causal, metric=metric, value=value,
                 unit=unit, p20=p20, p80=p80, status=status, part=part, layout=layout,
                 ranks=ranks, tokens_per_rank=tokens_per_rank, cores=usable_cores(),
-                basis=basis, link=link, **extra)
+                basis=basis, link=link, window_left=window_left, **extra)
 
 
 def _inputs(shape, seqlen, dtype, seed, device="cpu", seqlen_k=None):
@@ -328,6 +343,38 @@ def _memory_and_weak(rank, world_size, cfg, parts):
     return rows
 
 
+def _window(rank, world_size, cfg):
+    """Part window: a causal window of cfg.window_left tokens through the ring against the
+    whole ring, both layouts: what each rank sends (counted where the ring posts its
+    transfers) and the time of a forward+backward pass."""
+    rows, T = [], cfg.window_tokens_per_rank
+    q, k, v, do = _inputs(cfg.shape, T, cfg.dtype, seed=2000 + rank)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    sent, exchange = [0], parallel._exchange
+
+    def counted(ring, *tensors, shift=1):
+        if shift % ring.world_size:  # a shift of 0 sends nothing
+            sent[0] += sum(x.numel() * x.element_size() for x in tensors)
+        return exchange(ring, *tensors, shift=shift)
+    for layout in cfg.layouts:
+        for window_left in (-1, cfg.window_left):
+            def fwd_bwd():
+                o = ring_attention(q, k, v, causal=True, layout=layout, backend=CPU_BACKEND,
+                                   window_size=(window_left, -1))
+                torch.autograd.grad(o, (q, k, v), do)
+            sent[0] = 0
+            with unittest.mock.patch.object(parallel, "_exchange", counted):
+                fwd_bwd()  # also the warm-up
+            (sent_mb,) = _max_over_ranks(sent[0] / MB)
+            dist.barrier()
+            med, p20, p80 = _max_over_ranks(*time_ms(fwd_bwd, "cpu", warmup=0, rep=0))  # 1 + 5
+            row = lambda *a, **kw: _row(cfg.shape, cfg.dtype, "window", layout,  # noqa: E731
+                                        world_size, T, "fwd_bwd", *a, window_left=window_left,
+                                        **kw)
+            rows += [row("sent_mb", sent_mb, "MiB"), row("time_ms", med, "ms", p20=p20, p80=p80)]
+    return rows
+
+
 def _long(rank, world_size, cfg):
     rows, start = [], time.perf_counter()
     shape, predicted = cfg.long_shape, 0.0
@@ -391,6 +438,8 @@ def _ranks_worker(rank, world_size, cfg, parts):
         rows += _exactness(rank, world_size, cfg)
     if {"memory", "weak"} & set(parts):
         rows += _memory_and_weak(rank, world_size, cfg, parts)
+    if "window" in parts and world_size in cfg.window_ranks:
+        rows += _window(rank, world_size, cfg)
     return rows
 
 
@@ -611,9 +660,11 @@ def _failed(cfg, parts, world_size, error):
             exactness=(cfg.exact_dtypes, cfg.exact_tokens_per_rank, "fwd", "max_err_o"),
             memory=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "peak_mem_mb"),
             weak=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"),
+            window=((cfg.dtype,), cfg.window_tokens_per_rank, "fwd_bwd", "time_ms"),
             long=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"))[part]
         rows += [_row(cfg.shape, dtype, part, layout, world_size, tokens, mode, metric,
-                      math.nan, "", causal=cfg.causal, status=status, note=note)
+                      math.nan, "", causal=cfg.causal, status=status, note=note,
+                      window_left=cfg.window_left if part == "window" else None)
                  for dtype in dtypes for layout in cfg.layouts]
     return rows
 
@@ -666,7 +717,8 @@ def main():
 
     world_sizes = sorted(set(cfg.exact_ranks if "exactness" in parts else ())
                          | set(cfg.memory_ranks if "memory" in parts else ())
-                         | set(cfg.weak_ranks if "weak" in parts else ()))
+                         | set(cfg.weak_ranks if "weak" in parts else ())
+                         | set(cfg.window_ranks if "window" in parts else ()))
     tflops_rows = []  # weak scaling: flop_efficiency is relative to one rank
     for world_size in world_sizes:
         t0 = time.perf_counter()
@@ -674,7 +726,8 @@ def main():
             rows = spawn_ranks(world_size, _ranks_worker, cfg, parts)
         except Exception as e:  # noqa: BLE001 - recorded as status rows
             log(f"{world_size} ranks failed: {e}")
-            rows = _failed(cfg, [p for p in parts if p in ("exactness", "memory", "weak")],
+            rows = _failed(cfg, [p for p in parts if p in ("exactness", "memory", "weak",
+                                                           "window")],
                            world_size, e)
         log(f"{world_size} ranks: {time.perf_counter() - t0:.0f} s (load average "
             f"{load_average()[0]:.1f} on {usable_cores()} cores)")

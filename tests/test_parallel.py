@@ -456,10 +456,24 @@ def test_scaling_experiment_quick(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     df = pd.read_csv(out)
     assert (df["status"] == "ok").all()
-    assert set(df["part"]) == {"exactness", "memory", "weak", "blocks", "projection", "long"}
+    assert set(df["part"]) == {"exactness", "memory", "weak", "blocks", "projection", "window",
+                               "long"}
     errors = df[df["metric"].str.startswith("max_err") & (df["dtype"] == "float32")]
     assert (errors["value"] < 1e-4).all()
     assert set(df[df["basis"] == "projected"]["part"]) == {"projection"}
+    # Part window's bytes are what the lanes send: k, v forward and backward at each step of
+    # each lane, and the travelling float32 dK, dV after each of its steps (shape of QUICK)
+    sent = df[(df["part"] == "window") & (df["metric"] == "sent_mb")]
+    assert len(sent) == 2 * 2 * 2  # ranks 2 and 4, both layouts, with and without the window
+    for _, r in sent.iterrows():
+        ring = _Ring(None, 0, r["ranks"], r["layout"], None, None)
+        lanes = _lanes(ring, True, (int(r["window_left"]), -1), r["tokens_per_rank"])
+        kv_bytes = 2 * r["tokens_per_rank"] * r["nheads_kv"] * r["headdim"] * 4  # float32
+        transfers = sum(2 * last + last + (direction == 1) for direction, last in lanes)
+        assert r["value"] == transfers * kv_bytes / 2**20, (r["layout"], r["ranks"], lanes)
+    windowed, full = (sent[side].set_index(["layout", "ranks"])["value"]
+                      for side in (sent["window_left"] >= 0, sent["window_left"] < 0))
+    assert (windowed <= full).all() and (windowed[:, 4] < full[:, 4]).all()  # 2 ranks: 1 step
 
 
 # ----------------------------------------------------------------------------- the one-GPU long run
