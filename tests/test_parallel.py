@@ -47,6 +47,7 @@ class Case:
     window: tuple = (-1, -1)     # window_size over the global sequence
     softcap: float = 0.0
     packed: bool = False         # documents of DOC_LENGTHS' lengths (cu_seqlens), batch 1
+    alibi: bool = False          # ALiBi slopes (nheads,) over the global sequence
 
     @property
     def id(self):
@@ -56,7 +57,7 @@ class Case:
                 + (f"-Dv{self.headdim_v}" if self.headdim_v else "")
                 + (f"-w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
                 + (f"-softcap{self.softcap:g}" if self.softcap else "")
-                + ("-packed" if self.packed else ""))
+                + ("-packed" if self.packed else "") + ("-alibi" if self.alibi else ""))
 
     def shape(self, world_size):
         """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
@@ -114,7 +115,21 @@ CASES += [
     Case(True, "contiguous", 6, 2, packed=True, window=(7, -1)),
     Case(False, "zigzag", 4, 4, packed=True, window=(2, 6), softcap=3.0),
     Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, packed=True, window=(4, -1), with_sink=True),
+    # ALiBi over the global sequence: keys before the rows (causal), after them too (not
+    # causal), with a window, packed documents, bf16 with softcap
+    Case(True, "zigzag", 6, 2, alibi=True, with_lse_grad=True),
+    Case(False, "contiguous", 4, 4, alibi=True, with_lse_grad=True),
+    Case(False, "zigzag", 4, 2, alibi=True, window=(6, 3)),
+    Case(True, "contiguous", 4, 1, alibi=True, packed=True, with_sink=True),
+    Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, alibi=True, packed=True, window=(7, -1),
+         softcap=4.0),
 ]
+
+
+def alibi_for(case):
+    """The same (nheads,) ALiBi slopes on every rank, steep enough that far keys are damped
+    (chunks of 5 tokens), or None."""
+    return torch.linspace(0.05, 0.6, case.nheads) if case.alibi else None
 
 
 def sink_for(case):
@@ -155,7 +170,8 @@ def _run_case(case, world_size, backend="torch"):
     sink = sink_for(case)
     o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
                             backend=backend, learnable_sink=sink, window_size=case.window,
-                            softcap=case.softcap, cu_seqlens=case.cu_seqlens(world_size))
+                            softcap=case.softcap, cu_seqlens=case.cu_seqlens(world_size),
+                            alibi_slopes=alibi_for(case))
     dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
     grads = loss_grads(o, lse, shard(do), dlse_local, local + ([sink] if case.with_sink else []))
     unshard = functools.partial(unshard_sequence, layout=case.layout)
@@ -208,11 +224,14 @@ def _worker(rank, world_size):
     return results, errors
 
 
-# The Triton kernels in the ring (under the interpreter on a CPU: small), dense and packed
+# The Triton kernels in the ring (under the interpreter on a CPU: small), dense, packed and
+# with ALiBi (its key term an attn_mask read in place, broadcast over rows)
 TRITON_CASES = [Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
                      headdim=16, with_lse_grad=True),
                 Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
-                     headdim=16, packed=True, with_lse_grad=True)]
+                     headdim=16, packed=True, with_lse_grad=True),
+                Case(False, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
+                     headdim=16, alibi=True, with_lse_grad=True)]
 
 
 def _triton_worker(rank, world_size):
@@ -242,7 +261,8 @@ def test_matches_reference(ring_runs, world_size, case):
 
 @needs_triton
 def test_triton_kernels_in_the_ring():
-    """Two ranks running each block on the Triton kernels (interpreted), dense and packed."""
+    """Two ranks running each block on the Triton kernels (interpreted), dense, packed and with
+    ALiBi."""
     got = spawn_ranks(2, _triton_worker, timeout_s=300)
     for case in TRITON_CASES:
         check_against_reference(got[case.id], case, 2)
@@ -256,7 +276,8 @@ def check_against_reference(got, case, world_size):
 
     def reference(*inputs, upcast):
         kw = dict(causal=case.causal, upcast=upcast, window_size=case.window,
-                  softcap=case.softcap, learnable_sink=inputs[3] if case.with_sink else None)
+                  softcap=case.softcap, learnable_sink=inputs[3] if case.with_sink else None,
+                  alibi_slopes=alibi_for(case))
         if case.packed:  # batch 1: each document on its own
             cu = case.cu_seqlens(world_size)
             o, lse = attention_varlen_ref(*(x[0] for x in inputs[:3]), cu, cu, **kw)
@@ -349,6 +370,24 @@ def _kernel_sees(i, j, n_rows, n_keys, window_left, window_right):
         (window_right < 0 or j <= diag + window_right)
 
 
+def _check_positions(block, seqlen, row_at, key_at):
+    """A call of an ALiBi ring: its rows and keys (of each sequence) are runs of the global
+    sequence, and q_pos, k_pos are their first positions where keys and rows differ."""
+    if block.varlen:
+        rows, cols = block.rows.tolist(), block.cols.tolist()
+        cu_q, cu_k = (cu.tolist() for cu in block.varlen[:2])
+        runs = [(rows[a:b], cols[c:d]) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    else:
+        runs = [(range(seqlen)[block.rows], range(seqlen)[block.cols])]
+    for rows, cols in runs:
+        p, s = [row_at(x) for x in rows], [key_at(y) for y in cols]
+        assert p == list(range(p[0], p[0] + len(p))) and s == list(range(s[0], s[0] + len(s)))
+        if block.q_pos < 0:
+            assert p == s
+        else:
+            assert (block.q_pos, block.k_pos) == (p[0], s[0]) and (s[-1] < p[0] or p[-1] < s[0])
+
+
 def _block_pairs(block, seqlen):
     """The (row, key) pairs of the local shards that one call of a ring step computes, under
     the kernels' window rule (per sequence of a packed call)."""
@@ -364,6 +403,7 @@ def _block_pairs(block, seqlen):
             if _kernel_sees(i, j, len(rows), len(cols), block.window_left, right)]
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("causal, window", [(True, (0, -1)), (True, (3, -1)), (True, (4, -1)),
                                             (True, (9, -1)), (True, (30, -1)), (False, (2, 6)),
@@ -371,12 +411,14 @@ def _block_pairs(block, seqlen):
                                             (True, (-1, -1)), (False, (-1, -1))])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_window_plan(world_size, layout, causal, window, packed):
+def test_window_plan(world_size, layout, causal, window, packed, alibi):
     """With a sliding window, the ring's calls over the steps it takes (their rows and keys,
     each under the kernels' window rule) see every (query, key) pair of the global sequence
     that the window shows exactly once, and no other: windows shorter than a chunk (5
     tokens), longer than several, on one side, on both, and one key wide; no window (causal
-    or not: _step_plan's calls over the whole ring) too; packed: documents
+    or not: _step_plan's calls over the whole ring) too; alibi: a call per pair of chunks,
+    each with rows and keys that are runs of the global sequence, its q_pos and k_pos theirs
+    where they differ (all keys before or all after the rows), else the same runs; packed: documents
     of DOC_LENGTHS over the global sequence, each token seeing its own document's only."""
     chunk, per_rank = 5, (2 if layout == "zigzag" else 1)
     seqlen = chunk * per_rank  # tokens per rank
@@ -396,9 +438,12 @@ def test_window_plan(world_size, layout, causal, window, packed):
                 for _, src in _lane_srcs(ring, lanes, step)]
         for src in srcs:
             for block in _calls(ring, src, causal, window, seqlen, docs if packed else None,
-                                "cpu"):
+                                "cpu", alibi):
                 seen += [(to_global(rank, x), to_global(src, y))
                          for x, y in _block_pairs(block, seqlen)]
+                if alibi:
+                    _check_positions(block, seqlen, lambda x: to_global(rank, x),
+                                     lambda y: to_global(src, y))
     assert len(seen) == len(set(seen)) and set(seen) == expected
 
 

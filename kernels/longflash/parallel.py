@@ -54,8 +54,12 @@ over the documents both shards hold, a document's rows against its keys (_packed
 with a window, per pair of chunks, the documents of a chunk against themselves as one
 windowed call, and the one document two chunks can share as one call cut to the window
 (_packed_window_blocks).
+ALiBi over the global sequence: a call per pair of chunks; where its keys are its rows (a chunk
+against itself) the kernels' ALiBi, else, keys all before or all after the rows, ALiBi split
+into a key term passed as the call's attn_mask and a row term added to its lse
+(_alibi_terms).
 Limits: causal, windows and packed sequences need seqlen_q == seqlen_k (self-attention); no
-ALiBi or dropout; the
+dropout; the
 backward is not captured by torch.compile (a torch.autograd.Function with communication
 inside).
 """
@@ -163,29 +167,35 @@ class _Block(NamedTuple):
     shard and of the shard in hand) and its mask (window sides < 0: unbounded; the kernels'
     rule, the diagonal aligned to the bottom right of the block). Packed sequences: rows and
     cols are index tensors (batch 1) and varlen the call's (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k), one sequence per document that both sides hold."""
+    max_seqlen_q, max_seqlen_k), one sequence per document that both sides hold. q_pos,
+    k_pos: the global positions of the first row and the first key of a call per pair of
+    chunks whose keys all precede or all follow its rows (two chunks; ALiBi, _alibi_terms); -1
+    where rows and keys are the same positions (a chunk against itself) or not a pair."""
     rows: object
     cols: object
     causal: bool
     window_left: int = -1
     window_right: int = -1
     varlen: tuple = ()
+    q_pos: int = -1
+    k_pos: int = -1
 
 
-def _window_sides(causal, window):
+def _window_sides(causal, window, pairs=False):
     """The window's (left, right) sides over the global sequence (causal: right 0; < 0:
-    unbounded), or None where there is no window (causal alone is _step_plan's)."""
-    if window[0] < 0 and (causal or window[1] < 0):
+    unbounded), or None where there is no window (causal alone is _step_plan's) unless pairs
+    (ALiBi: a call per pair of chunks all the same)."""
+    if window[0] < 0 and (causal or window[1] < 0) and not pairs:
         return None
     return window[0], 0 if causal else window[1]
 
 
-def _step_blocks(ring, src, causal, window, seqlen):
-    """The calls this rank makes against the k/v shard of rank src. Without a window,
-    _step_plan's one call (or none). With one, a call per pair of chunks (this rank's
+def _step_blocks(ring, src, causal, window, seqlen, pairs=False):
+    """The calls this rank makes against the k/v shard of rank src. Without a window (and not
+    pairs), _step_plan's one call (or none). With one, a call per pair of chunks (this rank's
     queries, src's keys) that the window lets see each other, its rows and keys cut to
     those the window reaches and its window moved to the chunks' distance (_window_span)."""
-    sides = _window_sides(causal, window)
+    sides = _window_sides(causal, window, pairs)
     if sides is None:
         plan = _step_plan(ring, src, causal, seqlen)
         return [] if plan is None else [_Block(*plan)]
@@ -197,8 +207,10 @@ def _step_blocks(ring, src, causal, window, seqlen):
             span = _window_span((a - b) * chunk, window_left, window_right, chunk, chunk)
             if span is not None:
                 (r0, r1), (c0, c1), left, right = span
+                pos = (a * chunk + r0, b * chunk + c0) if a != b else (-1, -1)
                 blocks.append(_Block(slice(x * chunk + r0, x * chunk + r1),
-                                     slice(y * chunk + c0, y * chunk + c1), False, left, right))
+                                     slice(y * chunk + c0, y * chunk + c1), False, left, right,
+                                     (), *pos))
     return blocks
 
 
@@ -277,16 +289,18 @@ def _packed_window_blocks(ring, src, window_left, window_right, seqlen, docs, de
                     (r0, r1), (c0, c1), left, right = span
                     blocks.append(_Block(slice(qa + local_q + r0, qa + local_q + r1),
                                          slice(ka + local_k + c0, ka + local_k + c1), False,
-                                         left, right))
+                                         left, right, (), qa + r0, ka + c0))
     return blocks
 
 
-def _calls(ring, src, causal, window, seqlen, docs, device):
-    """The blocks of a step (_step_blocks), over packed sequences if docs is not None."""
-    sides = _window_sides(causal, window)
+def _calls(ring, src, causal, window, seqlen, docs, device, alibi=False):
+    """The blocks of a step (_step_blocks), over packed sequences if docs is not None; with
+    alibi, a call per pair of chunks (ALiBi needs each call's rows and keys to be runs of the
+    global sequence)."""
+    sides = _window_sides(causal, window, pairs=alibi)
     if docs is not None and sides is not None:
         return _packed_window_blocks(ring, src, *sides, seqlen, docs, device)
-    blocks = _step_blocks(ring, src, causal, window, seqlen)
+    blocks = _step_blocks(ring, src, causal, window, seqlen, pairs=alibi)
     if docs is None:
         return blocks
     blocks = [_packed_block(ring, src, b, docs, seqlen, device) for b in blocks]
@@ -372,6 +386,31 @@ def _window_span(offset, window_left, window_right, n_rows, n_keys):
 
 # ----------------------------------------------------------------------------- forward / backward
 
+def _alibi_terms(slopes, block, n_rows, n_keys, dtype):
+    """ALiBi's bias -slope * |p - s| of a call whose keys (global positions s) all precede or
+    all follow its rows (positions p), the kernels' ALiBi being aligned to a block's bottom
+    right, as a row term plus a key term: with r the key nearest the rows, |p - s| = |p - r| +
+    |r - s|. The key term is passed as an attn_mask (batch or 1, nheads, 1, n_keys), read in
+    place; the row term (batch or 1, nheads, n_rows), the same for every key of a row, leaves
+    the row's softmax alone and is added to its lse (forward) or taken from the final lse
+    (backward). The key term is 0 at the nearest key and falls away from it, so the keys that
+    weigh most carry the least rounding."""
+    p = block.q_pos + torch.arange(n_rows, device=slopes.device, dtype=dtype)
+    s = block.k_pos + torch.arange(n_keys, device=slopes.device, dtype=dtype)
+    r = s[-1] if block.k_pos < block.q_pos else s[0]
+    slopes = slopes.to(dtype).reshape(-1, slopes.shape[-1], 1)  # (batch or 1, nheads, 1)
+    return -slopes * (p - r).abs(), (-slopes * (r - s).abs())[:, :, None, :]
+
+
+def _alibi_of(alibi_slopes, block, n_rows, n_keys, dtype):
+    """(the call's alibi_slopes, its attn_mask, the row term) for one block: the kernels'
+    ALiBi where rows and keys are the same positions, else _alibi_terms."""
+    if alibi_slopes is None or block.q_pos < 0:
+        return alibi_slopes, None, None
+    row, key = _alibi_terms(alibi_slopes, block, n_rows, n_keys, dtype)
+    return None, key, row
+
+
 def _merge_(o, lse, o_blk, lse_blk):
     """In place: (o, lse) <- attention over the keys behind (o, lse) and behind (o_blk, lse_blk).
 
@@ -390,7 +429,8 @@ def _take(x, index, dim, varlen):
     return x[0] if varlen else x
 
 
-def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs):
+def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs,
+                  alibi_slopes):
     batch, seqlen_q, nheads, _ = q.shape
     acc = accumulator_dtype(q.dtype)
     o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
@@ -402,13 +442,18 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
         posted = _post_shards(ring, lanes, held, step)
         for direction, src in _lane_srcs(ring, lanes, step):
             k_in, v_in = held[direction]
-            for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device):
+            for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device,
+                            alibi_slopes is not None):
                 packed = bool(b.varlen)
+                q_blk, k_blk = _take(q, b.rows, 1, packed), _take(k_in, b.cols, 1, packed)
+                alibi, key_bias, row_bias = _alibi_of(alibi_slopes, b, q_blk.shape[-3],
+                                                      k_blk.shape[-3], acc)
                 o_blk, lse_blk = torch.ops.longflash.attention_forward(
-                    _take(q, b.rows, 1, packed), _take(k_in, b.cols, 1, packed),
-                    _take(v_in, b.cols, 1, packed), b.causal, softmax_scale, backend,
-                    b.window_left, b.window_right, None, softcap,
-                    *((0.0, None, *b.varlen) if packed else ()))
+                    q_blk, k_blk, _take(v_in, b.cols, 1, packed), b.causal, softmax_scale,
+                    backend, b.window_left, b.window_right, alibi, softcap,
+                    *((0.0, None, *b.varlen) if packed else ()), attn_mask=key_bias)
+                if row_bias is not None:
+                    lse_blk = lse_blk + row_bias
                 if packed:  # rows gathered: merged, then written back
                     o_rows, lse_rows = o[:, b.rows], lse[:, :, b.rows]
                     _merge_(o_rows, lse_rows, o_blk[None], lse_blk[None])
@@ -420,7 +465,7 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
 
 
 def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ring, window,
-                   softcap, docs):
+                   softcap, docs, alibi_slopes):
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()
@@ -437,15 +482,21 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
         for direction, src in _lane_srcs(ring, lanes, step):
             k_in, v_in = held[direction]
             grads = []
-            for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device):
+            for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device,
+                            alibi_slopes is not None):
                 rows, packed = b.rows, bool(b.varlen)
                 rows_of = lambda x: _take(x, rows, 1, packed)  # noqa: E731
+                q_blk, k_blk, lse_blk = rows_of(q), _take(k_in, b.cols, 1, packed), \
+                    _take(lse, rows, 2, packed)
+                alibi, key_bias, row_bias = _alibi_of(alibi_slopes, b, q_blk.shape[-3],
+                                                      k_blk.shape[-3], acc)
+                if row_bias is not None:  # the final lse less this block's row term
+                    lse_blk = lse_blk - row_bias
                 dq_blk, dk_blk, dv_blk, _ = torch.ops.longflash.attention_backward(
-                    rows_of(do), rows_of(q), _take(k_in, b.cols, 1, packed),
-                    _take(v_in, b.cols, 1, packed), rows_of(o), _take(lse, rows, 2, packed),
-                    None if dlse is None else _take(dlse, rows, 2, packed), b.causal,
-                    softmax_scale, backend, b.window_left, b.window_right, None, softcap,
-                    *((0.0, None, *b.varlen) if packed else ()))
+                    rows_of(do), q_blk, k_blk, _take(v_in, b.cols, 1, packed), rows_of(o),
+                    lse_blk, None if dlse is None else _take(dlse, rows, 2, packed), b.causal,
+                    softmax_scale, backend, b.window_left, b.window_right, alibi, softcap,
+                    *((0.0, None, *b.varlen) if packed else ()), attn_mask=key_bias)
                 if packed:  # (rows, H, D) of batch 1
                     dq_blk, dk_blk, dv_blk = dq_blk[None], dk_blk[None], dv_blk[None]
                 dq[:, rows] += dq_blk
@@ -471,11 +522,12 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs):
+    def forward(ctx, q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs,
+                alibi_slopes):
         o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap,
-                               docs)
+                               docs, alibi_slopes)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, softmax_scale, backend, ring, window, softcap, docs)
+        ctx.args = (causal, softmax_scale, backend, ring, window, softcap, docs, alibi_slopes)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not a zero one
         return o, lse
 
@@ -484,7 +536,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do = torch.zeros_like(o) if do is None else do
         dq, dk, dv = _ring_backward(do, dlse, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- checks
@@ -526,6 +578,16 @@ def _fingerprint(docs):
     return (float(len(docs)), float(sum(i * (b - a) for i, (a, b) in enumerate(docs))))
 
 
+def _slopes_fingerprint(slopes):
+    """Three numbers that differ when two ranks' ALiBi slopes differ (one read to the host;
+    always three, as every rank's all_gather must be of one size)."""
+    if slopes is None:
+        return (0.0, 0.0, 0.0)
+    x = slopes.detach().double().flatten()
+    weights = torch.arange(1, len(x) + 1, dtype=torch.float64, device=x.device)
+    return (float(len(x)), *(float(t) for t in torch.stack([x.sum(), (x * weights).sum()])))
+
+
 def _dtype_code(dtype):
     return (_DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES),)
 
@@ -560,7 +622,7 @@ def _check_same_on_all_ranks(ring, device, **meta):
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
                    return_lse=False, backend="auto", *, window_size=(-1, -1), softcap=0.0,
-                   learnable_sink=None, cu_seqlens=None):
+                   alibi_slopes=None, learnable_sink=None, cu_seqlens=None):
     """Exact attention over a sequence sharded across the ranks of a process group.
 
     Call it on every rank of group with this rank's shards (see `shard_sequence`):
@@ -582,6 +644,10 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         shard over the contiguous layout, two (one each way) over zigzag, whose second chunk's
         predecessor is on the next rank; a two-sided window, one each way.
     softcap: as in `longflash.attention` (each block's scores capped as they are computed).
+    alibi_slopes: (nheads,) or (batch, nheads) float32, the same on every rank, as in
+        `longflash.attention`: -slope * |i - j| over the global sequence's positions (needs
+        seqlen_q == seqlen_k). Each step then computes a call per pair of chunks (not the one
+        rectangle of the causal plan).
     Returns o: (batch, seqlen_q / P, nheads, headdim of v), this rank's shard of the output, and if
         return_lse, lse: (batch, nheads, seqlen_q / P), float32 (float64 for float64 inputs).
     Differentiable in q, k, v (and through lse); the backward runs the ring again.
@@ -598,20 +664,22 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
 
     Raises, before any communication: the errors of `longflash.attention`; ValueError for an
     unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
-    NotImplementedError for causal or a window with seqlen_q != seqlen_k; cu_seqlens: the
+    NotImplementedError for causal, a window or ALiBi with seqlen_q != seqlen_k; cu_seqlens: the
     errors above (TypeError / ValueError naming it). Then, on every rank, ValueError if
-    shapes, dtype, causal, softmax_scale, window_size, softcap, layout, backend or cu_seqlens
-    differ between ranks (checked with one all_gather of a few numbers).
+    shapes, dtype, causal, softmax_scale, window_size, softcap, alibi_slopes, layout, backend or
+    cu_seqlens differ between ranks (checked with one all_gather of a few numbers).
     """
     ring = _ring(group, layout)
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend,
                                            window_size=window_size, softcap=softcap,
+                                           alibi_slopes=alibi_slopes,
                                            learnable_sink=learnable_sink)
     window = tuple(int(x) for x in window_size)
     _check_seqlen("q", q, ring)
     _check_seqlen("k", k, ring)
-    if (causal or window != (-1, -1)) and q.shape[1] != k.shape[1]:
-        what = "causal=True" if causal else f"window_size={window}"
+    if (causal or window != (-1, -1) or alibi_slopes is not None) and q.shape[1] != k.shape[1]:
+        what = ("causal=True" if causal else f"window_size={window}" if window != (-1, -1)
+                else "alibi_slopes")
         raise NotImplementedError(f"ring_attention with {what} needs seqlen_q == seqlen_k "
                                   f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
     docs = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q, k, ring)
@@ -620,9 +688,10 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
                              softmax_scale=(softmax_scale,), window_size=window,
                              softcap=(float(softcap),), layout=(LAYOUTS.index(layout),),
                              backend=(("triton", "torch").index(backend),),
-                             cu_seqlens=_fingerprint(docs))
+                             cu_seqlens=_fingerprint(docs),
+                             alibi_slopes=_slopes_fingerprint(alibi_slopes))
     o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring, window,
-                                  float(softcap), docs)
+                                  float(softcap), docs, alibi_slopes)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
