@@ -292,3 +292,48 @@ def test_kv_cache_errors():
         model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
     with pytest.raises(ValueError, match="k_descale dequantizes a float8 cache"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 1, k_descale=0.5)
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+def _ring_gpt_worker(rank, world_size, idx, targets):
+    """attn_impl="ring" on this rank's shard of idx and targets: the logits gathered, the mean of
+    the ranks' losses and of their gradients (what DDP would apply)."""
+    import torch.distributed as dist
+    from longflash.parallel import shard_sequence, unshard_sequence
+    model = with_impl(tiny_gpt(), "ring")
+    logits, loss = model(shard_sequence(idx), shard_sequence(targets))
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for x in [loss.detach(), *grads.values()]:
+        dist.all_reduce(x)
+        x /= world_size
+    return dict(logits=unshard_sequence(logits.detach()), loss=loss.detach(), grads=grads)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt_trains_with_context_parallelism(world_size):
+    """GPT with attn_impl="ring" on gloo ranks, each given its zigzag shard of the tokens
+    (rotary embeddings at the shard's global positions), gives the whole sequence's logits,
+    loss and gradients (the ranks' mean), checked as test_gpt_matches_reference checks."""
+    from experiments.scaling import spawn_ranks
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 256, (1, 40), generator=gen) for _ in range(2))
+    got = spawn_ranks(world_size, _ring_gpt_worker, idx, targets, timeout_s=120)
+    model = tiny_gpt()
+    outs = [outputs_and_grads(m, idx, lambda out: cross_entropy(out[0], targets))
+            for m in (with_impl(model, "standard"), with_impl(model, "standard").double())]
+    (logits_lowp, grads_lowp), (logits_ref, grads_ref) = outs
+    check_close("logits", got["logits"], logits_lowp, logits_ref)
+    loss_lowp, loss_ref = (cross_entropy(x, targets) for x in (logits_lowp, logits_ref))
+    check_close("loss", got["loss"], loss_lowp, loss_ref)
+    for name, grad in got["grads"].items():
+        check_close(f"grad {name}", grad, grads_lowp[name], grads_ref[name])
+
+
+def test_ring_has_no_attention_dropout():
+    """Refused before any communication (no process group is needed to see it)."""
+    ring = attention_function("ring", backend="torch")
+    x = torch.randn(1, 8, 2, 16)
+    with pytest.raises(NotImplementedError, match="attn_impl='ring' has no attention dropout"):
+        ring(x, x, x, True, 0.1)

@@ -72,12 +72,17 @@ def test_shared_prefix_example():
     assert got == dict(o=[8, 1, 32, 128], appended=True)
 
 
-def test_gpt_example():
+def test_gpt_example(tmp_path):
+    """The context-parallel part on a group of one rank (gloo): the ring of one."""
     prelude = ("import torch\ngen = torch.Generator().manual_seed(0)\n"
-               "idx, targets = (torch.randint(0, 256, (2, 32), generator=gen) for _ in range(2))")
+               "idx, targets = (torch.randint(0, 256, (2, 32), generator=gen) for _ in range(2))\n"
+               "import torch.distributed as dist\n"
+               f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
+               "world_size=1)")
     got = run(example("from longflash.models import GPT"), prelude,
-              dict(logits="list(logits.shape)", loss="loss.dim()", out="list(out.shape)"))
-    assert got == dict(logits=[2, 32, 256], loss=0, out=[2, 32 + 100])
+              dict(logits="list(logits.shape)", loss="loss.dim()", out="list(out.shape)",
+                   grad="cp.wte.weight.grad is not None"))
+    assert got == dict(logits=[2, 32, 256], loss=0, out=[2, 32 + 100], grad=True)
 
 
 def test_jax_example():

@@ -5,10 +5,14 @@
     y = attn(x)                              # x, y: (batch, seqlen, embed_dim)
 
 `attn_impl` picks the attention function, so one model can be run with each of the three
-that the experiments compare:
+that the experiments compare, or across the ranks of a process group:
     "longflash"  longflash.attention (Triton on CUDA, the blockwise path on CPU): O(N) memory
     "sdpa"       torch.nn.functional.scaled_dot_product_attention (PyTorch's own backends)
     "standard"   longflash.attention_ref: materializes the (seqlen x seqlen) matrix
+    "ring"       longflash.parallel.ring_attention (context parallelism): x is this rank's
+                 shard of the sequence (longflash.parallel.shard_sequence, zigzag layout, the
+                 default process group), rotary embeddings at the shard's global positions
+                 (shard_positions); every rank of the group calls the module on its shard
 
 Rotary position embeddings (Su et al., RoFormer) use the half-split layout of GPT-NeoX and
 Llama: dimension i of the first half pairs with dimension i of the second half.
@@ -24,18 +28,21 @@ from torch import nn
 
 from .interface import attention
 from .kvcache import attention_with_kvcache
+from .parallel import ring_attention, shard_positions
 from .reference import attention_ref
 
-ATTN_IMPLEMENTATIONS = ("longflash", "sdpa", "standard")
+ATTN_IMPLEMENTATIONS = ("longflash", "sdpa", "standard", "ring")
 
 
-def rotary_cos_sin(seqlen, headdim, base=10000.0, device=None):
+def rotary_cos_sin(seqlen, headdim, base=10000.0, device=None, positions=None):
     """cos, sin of the rotary angles: each (seqlen, headdim // 2), float32.
 
-    Position p and frequency i give the angle p * base^(-2i / headdim)."""
+    Position p and frequency i give the angle p * base^(-2i / headdim); positions: (seqlen,)
+    the tokens' positions (default 0 .. seqlen - 1; a ring shard's: shard_positions)."""
     inv_freq = base ** (-torch.arange(0, headdim // 2, device=device, dtype=torch.float32)
                         * 2 / headdim)
-    angles = torch.outer(torch.arange(seqlen, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(seqlen, device=device) if positions is None else positions
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -73,6 +80,14 @@ def attention_function(attn_impl, backend="auto"):
             return attention_ref(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed,
                                  upcast=False, learnable_sink=learnable_sink)[0]
         return standard
+    if attn_impl == "ring":
+        def ring(q, k, v, causal, dropout_p, learnable_sink=None):
+            if dropout_p > 0:
+                raise NotImplementedError("attn_impl='ring' has no attention dropout: set "
+                                          "dropout=0 or call model.eval()")
+            return ring_attention(q, k, v, causal=causal, backend=backend,
+                                  learnable_sink=learnable_sink)
+        return ring
     if attn_impl == "sdpa":
         def sdpa(q, k, v, causal, dropout_p):
             group = q.shape[2] // k.shape[2]
@@ -126,7 +141,8 @@ class MultiheadSelfAttention(nn.Module):
         sinks: a learned attention sink per query head (`self.sinks`, (num_heads,), zeros at
             first), as in gpt-oss: one more logit in every row's softmax, attending to no value
             (`learnable_sink` of longflash.attention). Not with attn_impl="sdpa".
-        attn_impl: "longflash" (default), "sdpa" or "standard" (see the module docstring).
+        attn_impl: "longflash" (default), "sdpa", "standard" or "ring" (see the module
+            docstring).
         backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash";
             setting `module.backend` later switches both paths (with and without a KV cache).
     forward(x, kv_cache=None): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim).
@@ -182,7 +198,10 @@ class MultiheadSelfAttention(nn.Module):
             o = self._attend_cached(q, k, v, kv_cache)
             return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
         if self.rotary:
-            cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device)
+            positions = shard_positions(seqlen, device=x.device) if self.attn_impl == "ring" \
+                else None  # a ring shard's tokens sit at their global positions
+            cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device,
+                                      positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sink = {} if self.sinks is None else dict(learnable_sink=self.sinks)
         o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0, **sink)

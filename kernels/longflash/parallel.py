@@ -712,6 +712,21 @@ def shard_sequence(x, layout="zigzag", group=None):
     return torch.cat([chunks[i] for i in _rank_chunks(ring, ring.rank)], dim=1)
 
 
+def shard_positions(seqlen_local, layout="zigzag", group=None, device=None):
+    """(seqlen_local,) int64: the global positions of the tokens of this rank's shard
+    (`shard_sequence`'s), in order: what position-dependent code on the shard needs (rotary
+    embeddings, position ids), since with zigzag a shard is two runs of the sequence.
+    ValueError if seqlen_local is not a multiple of the layout's chunks per rank."""
+    ring = _ring(group, layout)
+    per_rank = _chunks_per_rank(layout)
+    if seqlen_local % per_rank:
+        raise ValueError(f"seqlen_local must be a multiple of {per_rank} (layout {layout!r}), "
+                         f"got {seqlen_local}")
+    chunk = seqlen_local // per_rank
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in _rank_chunks(ring, ring.rank)])
+
+
 def unshard_sequence(x_local, layout="zigzag", group=None):
     """The full (batch, seqlen, ...) tensor, on every rank, from each rank's (batch, seqlen / P,
     ...) shard: the inverse of `shard_sequence` (one all_gather; not differentiable).

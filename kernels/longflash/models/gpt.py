@@ -9,6 +9,10 @@ Pre-norm blocks (LayerNorm, self-attention, LayerNorm, 4x GELU MLP), rotary posi
 (so no maximum context is baked into the weights), tied input/output embeddings, byte-level
 vocabulary by default. `attn_impl` is "longflash", "sdpa" or "standard" (materialized); the
 rest of the model is identical, so differences in memory or loss come from attention alone.
+"ring" trains with context parallelism: every rank of the default process group passes its
+shard of idx and of targets (longflash.parallel.shard_sequence, zigzag), the loss is the mean
+over its tokens, and the ranks' gradients are averaged (as DDP does) to give the gradient of
+the whole sequence's loss.
 `checkpoint=True` recomputes each block in the backward pass (activation checkpointing).
 `generate` samples with a KV cache (longflash.nn.KVCache per block): the prompt once, then one
 decoding step (attention_with_kvcache) per new token.
@@ -34,7 +38,7 @@ class GPTConfig:
     n_embd: int = 256
     dropout: float = 0.0           # residual and attention dropout
     bias: bool = False             # biases in Linear and LayerNorm
-    attn_impl: str = "longflash"   # "longflash" | "sdpa" | "standard"
+    attn_impl: str = "longflash"   # "longflash" | "sdpa" | "standard" | "ring"
     checkpoint: bool = False       # activation checkpointing per block
     attn_sinks: bool = False       # a learned attention sink per head (gpt-oss)
 
