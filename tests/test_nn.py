@@ -331,6 +331,53 @@ def test_gpt_trains_with_context_parallelism(world_size):
         check_close(f"grad {name}", grad, grads_lowp[name], grads_ref[name])
 
 
+def _ring_groups_worker(rank, world_size, idx, targets):
+    """Data x context parallelism: ranks (0, 1) and (2, 3) are two context-parallel groups,
+    each running one sequence (idx[g]) in the contiguous layout; each rank returns its group's
+    logits and the group's mean loss and gradients."""
+    import torch.distributed as dist
+    from longflash.parallel import shard_sequence, unshard_sequence
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    g = rank // 2
+    shard = lambda x: shard_sequence(x, layout="contiguous", group=groups[g])  # noqa: E731
+    torch.manual_seed(0)
+    model = on_backend(GPT(GPTConfig(n_layer=2, n_head=4, n_head_kv=2, n_embd=64,
+                                     attn_impl="ring", ring_layout="contiguous"),
+                           ring_group=groups[g]), "torch")
+    logits, loss = model(shard(idx[g:g + 1]), shard(targets[g:g + 1]))
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for x in [loss.detach(), *grads.values()]:
+        dist.all_reduce(x, group=groups[g])
+        x /= 2
+    out = dict(logits=unshard_sequence(logits.detach(), layout="contiguous", group=groups[g]),
+               loss=loss.detach(), grads=grads)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, out)
+    return gathered
+
+
+def test_gpt_context_parallel_groups():
+    """Two context-parallel groups of two ranks (ring_group, ring_layout="contiguous"), each
+    over its own sequence: each gives that sequence's logits, loss and gradients."""
+    from experiments.scaling import spawn_ranks
+    gen = torch.Generator().manual_seed(2)
+    idx, targets = (torch.randint(0, 256, (2, 24), generator=gen) for _ in range(2))
+    got = spawn_ranks(4, _ring_groups_worker, idx, targets, timeout_s=120)
+    model = tiny_gpt()
+    for g in range(2):
+        seq, tgt = idx[g:g + 1], targets[g:g + 1]
+        (logits_lowp, grads_lowp), (logits_ref, grads_ref) = (
+            outputs_and_grads(m, seq, lambda out: cross_entropy(out[0], tgt))
+            for m in (with_impl(model, "standard"), with_impl(model, "standard").double()))
+        for rank in (2 * g, 2 * g + 1):
+            check_close(f"logits, group {g}", got[rank]["logits"], logits_lowp, logits_ref)
+            loss_lowp, loss_ref = (cross_entropy(x, tgt) for x in (logits_lowp, logits_ref))
+            check_close(f"loss, group {g}", got[rank]["loss"], loss_lowp, loss_ref)
+            for name, grad in got[rank]["grads"].items():
+                check_close(f"grad {name}, group {g}", grad, grads_lowp[name], grads_ref[name])
+
+
 def test_ring_has_no_attention_dropout():
     """Refused before any communication (no process group is needed to see it)."""
     ring = attention_function("ring", backend="torch")

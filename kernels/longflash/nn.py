@@ -10,9 +10,10 @@ that the experiments compare, or across the ranks of a process group:
     "sdpa"       torch.nn.functional.scaled_dot_product_attention (PyTorch's own backends)
     "standard"   longflash.attention_ref: materializes the (seqlen x seqlen) matrix
     "ring"       longflash.parallel.ring_attention (context parallelism): x is this rank's
-                 shard of the sequence (longflash.parallel.shard_sequence, zigzag layout, the
-                 default process group), rotary embeddings at the shard's global positions
-                 (shard_positions); every rank of the group calls the module on its shard
+                 shard of the sequence (longflash.parallel.shard_sequence, over ring_group,
+                 default the default process group, in ring_layout, default zigzag), rotary
+                 embeddings at the shard's global positions (shard_positions); every rank of
+                 the group calls the module on its shard
 
 Rotary position embeddings (Su et al., RoFormer) use the half-split layout of GPT-NeoX and
 Llama: dimension i of the first half pairs with dimension i of the second half.
@@ -66,10 +67,10 @@ def apply_rotary(x, cos, sin, interleaved=False):
     return torch.cat([rotated, x[..., rotary_dim:]], dim=-1).to(dtype)
 
 
-def attention_function(attn_impl, backend="auto"):
+def attention_function(attn_impl, backend="auto", group=None, layout="zigzag"):
     """The attention of `attn_impl`, as f(q, k, v, causal, dropout_p, learnable_sink=None) on
     (batch, seqlen, nheads, headdim) tensors; k, v may have fewer heads (GQA). "sdpa" takes no
-    learnable_sink."""
+    learnable_sink. group, layout: "ring"'s process group (None: the default) and layout."""
     if attn_impl == "longflash":
         return lambda q, k, v, causal, dropout_p, learnable_sink=None: attention(
             q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
@@ -85,8 +86,8 @@ def attention_function(attn_impl, backend="auto"):
             if dropout_p > 0:
                 raise NotImplementedError("attn_impl='ring' has no attention dropout: set "
                                           "dropout=0 or call model.eval()")
-            return ring_attention(q, k, v, causal=causal, backend=backend,
-                                  learnable_sink=learnable_sink)
+            return ring_attention(q, k, v, causal=causal, backend=backend, group=group,
+                                  layout=layout, learnable_sink=learnable_sink)
         return ring
     if attn_impl == "sdpa":
         def sdpa(q, k, v, causal, dropout_p):
@@ -145,6 +146,9 @@ class MultiheadSelfAttention(nn.Module):
             docstring).
         backend: longflash's backend ("auto", "triton", "torch") when attn_impl="longflash";
             setting `module.backend` later switches both paths (with and without a KV cache).
+        ring_group, ring_layout: attn_impl="ring" only: the process group whose ranks hold the
+            sequence's shards (None: the default group; under data x context parallelism, the
+            context-parallel group) and its layout ("zigzag" or "contiguous").
     forward(x, kv_cache=None): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim).
         With a KVCache (inference, attn_impl "longflash"), x holds the tokens after the cached
         ones: their keys and values are appended and they attend to every cached token, at
@@ -153,7 +157,8 @@ class MultiheadSelfAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, causal=True, bias=False,
                  rotary=False, rotary_base=10000.0, dropout=0.0, attn_impl="longflash",
-                 backend="auto", device=None, dtype=None, sinks=False):
+                 backend="auto", device=None, dtype=None, sinks=False, ring_group=None,
+                 ring_layout="zigzag"):
         super().__init__()
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
         if num_heads < 1 or embed_dim % num_heads:
@@ -173,6 +178,7 @@ class MultiheadSelfAttention(nn.Module):
             raise ValueError(f"rotary needs an even head dim, got {self.headdim}")
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.dropout, self.attn_impl = dropout, attn_impl
+        self.ring_group, self.ring_layout = ring_group, ring_layout
         self.backend = backend  # sets self.attn; raises on a bad attn_impl
         factory = dict(device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_heads_kv) * self.headdim,
@@ -187,7 +193,7 @@ class MultiheadSelfAttention(nn.Module):
     @backend.setter
     def backend(self, backend):  # the attention without a cache follows it as the cached one does
         self._backend = backend
-        self.attn = attention_function(self.attn_impl, backend)
+        self.attn = attention_function(self.attn_impl, backend, self.ring_group, self.ring_layout)
 
     def forward(self, x, kv_cache=None):
         batch, seqlen, _ = x.shape
@@ -198,8 +204,8 @@ class MultiheadSelfAttention(nn.Module):
             o = self._attend_cached(q, k, v, kv_cache)
             return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
         if self.rotary:
-            positions = shard_positions(seqlen, device=x.device) if self.attn_impl == "ring" \
-                else None  # a ring shard's tokens sit at their global positions
+            positions = shard_positions(seqlen, self.ring_layout, self.ring_group, x.device) \
+                if self.attn_impl == "ring" else None  # a ring shard's: its global positions
             cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device,
                                       positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -9,8 +9,9 @@ Pre-norm blocks (LayerNorm, self-attention, LayerNorm, 4x GELU MLP), rotary posi
 (so no maximum context is baked into the weights), tied input/output embeddings, byte-level
 vocabulary by default. `attn_impl` is "longflash", "sdpa" or "standard" (materialized); the
 rest of the model is identical, so differences in memory or loss come from attention alone.
-"ring" trains with context parallelism: every rank of the default process group passes its
-shard of idx and of targets (longflash.parallel.shard_sequence, zigzag), the loss is the mean
+"ring" trains with context parallelism: every rank of the process group (`GPT(config,
+ring_group)`, default the default group) passes its shard of idx and of targets
+(longflash.parallel.shard_sequence, in config.ring_layout), the loss is the mean
 over its tokens, and the ranks' gradients are averaged (as DDP does) to give the gradient of
 the whole sequence's loss.
 `checkpoint=True` recomputes each block in the backward pass (activation checkpointing).
@@ -41,6 +42,7 @@ class GPTConfig:
     attn_impl: str = "longflash"   # "longflash" | "sdpa" | "standard" | "ring"
     checkpoint: bool = False       # activation checkpointing per block
     attn_sinks: bool = False       # a learned attention sink per head (gpt-oss)
+    ring_layout: str = "zigzag"    # attn_impl "ring": how the sequence is sharded
 
 
 class MLP(nn.Module):
@@ -55,13 +57,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, ring_group=None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = MultiheadSelfAttention(config.n_embd, config.n_head, config.n_head_kv,
                                            causal=True, bias=config.bias, rotary=True,
                                            dropout=config.dropout, attn_impl=config.attn_impl,
-                                           sinks=config.attn_sinks)
+                                           sinks=config.attn_sinks, ring_group=ring_group,
+                                           ring_layout=config.ring_layout)
         self.dropout = nn.Dropout(config.dropout)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
@@ -72,12 +75,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config):
+    """GPT(config, ring_group=None): ring_group, with attn_impl "ring", the process group that
+    holds the sequence's shards (None: the default group)."""
+
+    def __init__(self, config, ring_group=None):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, ring_group) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
