@@ -344,6 +344,7 @@ def _ring_groups_worker(rank, world_size, idx, targets):
     model = on_backend(GPT(GPTConfig(n_layer=2, n_head=4, n_head_kv=2, n_embd=64,
                                      attn_impl="ring", ring_layout="contiguous"),
                            ring_group=groups[g]), "torch")
+    model = copy.deepcopy(model)  # a copy shares the group (a process group cannot be copied)
     logits, loss = model(shard(idx[g:g + 1]), shard(targets[g:g + 1]))
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}

@@ -102,6 +102,17 @@ def attention_function(attn_impl, backend="auto", group=None, layout="zigzag"):
     raise ValueError(f"attn_impl must be one of {ATTN_IMPLEMENTATIONS}, got {attn_impl!r}")
 
 
+class _Shared:
+    """A value that copies of a module share (copy.deepcopy: an EMA copy, say): a process group
+    cannot be copied."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class KVCache:
     """One attention layer's keys and values for generation: k, v (batch, capacity, nheads_kv,
     headdim), the first `seqlen` positions filled (the same number for every sequence), and
@@ -178,7 +189,7 @@ class MultiheadSelfAttention(nn.Module):
             raise ValueError(f"rotary needs an even head dim, got {self.headdim}")
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.dropout, self.attn_impl = dropout, attn_impl
-        self.ring_group, self.ring_layout = ring_group, ring_layout
+        self._ring_group, self.ring_layout = _Shared(ring_group), ring_layout
         self.backend = backend  # sets self.attn; raises on a bad attn_impl
         factory = dict(device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(embed_dim, (num_heads + 2 * num_heads_kv) * self.headdim,
@@ -189,6 +200,10 @@ class MultiheadSelfAttention(nn.Module):
     @property
     def backend(self):
         return self._backend
+
+    @property
+    def ring_group(self):
+        return self._ring_group.value
 
     @backend.setter
     def backend(self, backend):  # the attention without a cache follows it as the cached one does
