@@ -370,16 +370,20 @@ def _kernel_sees(i, j, n_rows, n_keys, window_left, window_right):
         (window_right < 0 or j <= diag + window_right)
 
 
+def _block_runs(block, seqlen):
+    """[(local rows, local keys)] of one call of a ring step: one pair, or one per sequence of
+    a packed call."""
+    if not block.varlen:
+        return [(range(seqlen)[block.rows], range(seqlen)[block.cols])]
+    rows, cols = block.rows.tolist(), block.cols.tolist()
+    cu_q, cu_k = (cu.tolist() for cu in block.varlen[:2])
+    return [(rows[a:b], cols[c:d]) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+
+
 def _check_positions(block, seqlen, row_at, key_at):
     """A call of an ALiBi ring: its rows and keys (of each sequence) are runs of the global
     sequence, and q_pos, k_pos are their first positions where keys and rows differ."""
-    if block.varlen:
-        rows, cols = block.rows.tolist(), block.cols.tolist()
-        cu_q, cu_k = (cu.tolist() for cu in block.varlen[:2])
-        runs = [(rows[a:b], cols[c:d]) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
-    else:
-        runs = [(range(seqlen)[block.rows], range(seqlen)[block.cols])]
-    for rows, cols in runs:
+    for rows, cols in _block_runs(block, seqlen):
         p, s = [row_at(x) for x in rows], [key_at(y) for y in cols]
         assert p == list(range(p[0], p[0] + len(p))) and s == list(range(s[0], s[0] + len(s)))
         if block.q_pos < 0:
@@ -391,12 +395,7 @@ def _check_positions(block, seqlen, row_at, key_at):
 def _block_pairs(block, seqlen):
     """The (row, key) pairs of the local shards that one call of a ring step computes, under
     the kernels' window rule (per sequence of a packed call)."""
-    if not block.varlen:
-        runs = [(range(seqlen)[block.rows], range(seqlen)[block.cols])]
-    else:
-        rows, cols = block.rows.tolist(), block.cols.tolist()
-        cu_q, cu_k = (cu.tolist() for cu in block.varlen[:2])
-        runs = [(rows[a:b], cols[c:d]) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    runs = _block_runs(block, seqlen)
     assert all(rows and cols for rows, cols in runs)
     right = 0 if block.causal else block.window_right  # causal: the diagonal's right side
     return [(x, y) for rows, cols in runs for i, x in enumerate(rows) for j, y in enumerate(cols)
