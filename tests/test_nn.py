@@ -379,9 +379,47 @@ def test_gpt_context_parallel_groups():
                 check_close(f"grad {name}, group {g}", grad, grads_lowp[name], grads_ref[name])
 
 
-def test_ring_has_no_attention_dropout():
-    """Refused before any communication (no process group is needed to see it)."""
-    ring = attention_function("ring", backend="torch")
-    x = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="attn_impl='ring' has no attention dropout"):
-        ring(x, x, x, True, 0.1)
+def _dropout_module(attn_impl):
+    torch.manual_seed(0)
+    return MultiheadSelfAttention(64, 4, 2, rotary=True, dropout=0.3, attn_impl=attn_impl,
+                                  backend="torch")
+
+
+def _ring_dropout_worker(rank, world_size, x, do):
+    """The module with attention dropout on this rank's zigzag shard, every rank's generator
+    in another state but the first's (whose draw is the seed): the output and input gradient
+    gathered, the parameters' gradients summed (the loss is the sum of the ranks')."""
+    import torch.distributed as dist
+    from longflash.parallel import shard_sequence, unshard_sequence
+    module = _dropout_module("ring")
+    x_local = shard_sequence(x).requires_grad_()
+    torch.manual_seed(7 + rank)
+    o = module(x_local)
+    (o * shard_sequence(do)).sum().backward()
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+    return dict(o=unshard_sequence(o.detach()), input=unshard_sequence(x_local.grad), **grads)
+
+
+def test_attention_dropout_with_context_parallelism():
+    """attn_impl="ring" in training mode with attention dropout, on 2 gloo ranks: the whole
+    sequence's output and gradients of attention with that dropout (the standard
+    implementation, float64, with the seed rank 0 draws), checked as the other cases are."""
+    from experiments.scaling import spawn_ranks
+    gen = torch.Generator().manual_seed(4)
+    x, do = (torch.randn(1, 24, 64, generator=gen) for _ in range(2))
+    got = spawn_ranks(2, _ring_dropout_worker, x, do, timeout_s=120)
+    outs = []
+    for dtype in (torch.float32, torch.float64):
+        module = _dropout_module("standard").to(dtype)
+        torch.manual_seed(7)  # rank 0's state: "standard" draws its seed as the ring does
+        out, grads = outputs_and_grads(module, x.to(dtype), lambda o: (o * do.to(o.dtype)).sum())
+        outs.append((out, grads))
+    (o_lowp, grads_lowp), (o_ref, grads_ref) = outs
+    check_close("o", got["o"], o_lowp, o_ref)
+    for name in grads_ref:
+        check_close(f"grad {name}", got[name], grads_lowp[name], grads_ref[name])
+    torch.manual_seed(8)  # another seed's dropout is not the ring's
+    other = outputs_and_grads(_dropout_module("standard"), x, lambda o: o.sum())[0]
+    assert (got["o"] - other).abs().max() > 0.1

@@ -48,6 +48,7 @@ class Case:
     softcap: float = 0.0
     packed: bool = False         # documents of DOC_LENGTHS' lengths (cu_seqlens), batch 1
     alibi: bool = False          # ALiBi slopes (nheads,) over the global sequence
+    dropout: float = 0.0         # dropout_p, with seed DROPOUT_SEED, over the global sequence
 
     @property
     def id(self):
@@ -57,7 +58,8 @@ class Case:
                 + (f"-Dv{self.headdim_v}" if self.headdim_v else "")
                 + (f"-w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
                 + (f"-softcap{self.softcap:g}" if self.softcap else "")
-                + ("-packed" if self.packed else "") + ("-alibi" if self.alibi else ""))
+                + ("-packed" if self.packed else "") + ("-alibi" if self.alibi else "")
+                + (f"-dropout{self.dropout:g}" if self.dropout else ""))
 
     def shape(self, world_size):
         """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim), as in test_correctness."""
@@ -123,7 +125,17 @@ CASES += [
     Case(True, "contiguous", 4, 1, alibi=True, packed=True, with_sink=True),
     Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, alibi=True, packed=True, window=(7, -1),
          softcap=4.0),
+    # dropout over the global sequence: the mask one device draws for the whole sequence,
+    # whatever the ranks and layout (causal, not, a window, ALiBi, bf16 with a sink)
+    Case(True, "zigzag", 6, 2, dropout=0.3, with_lse_grad=True),
+    Case(False, "contiguous", 4, 4, dropout=0.5),
+    Case(True, "contiguous", 4, 2, dropout=0.2, window=(7, -1), softcap=3.0),
+    Case(False, "zigzag", 4, 1, dropout=0.25, alibi=True, window=(6, 3)),
+    Case(True, "zigzag", 4, 2, dtype=torch.bfloat16, dropout=0.1, with_sink=True),
 ]
+
+
+DROPOUT_SEED = 2**40 + 7  # both 32-bit halves of the key in use
 
 
 def alibi_for(case):
@@ -163,7 +175,7 @@ def _seq_last(lse):
     return lse.transpose(1, 2)  # (batch, nheads, seqlen) <-> (batch, seqlen, nheads)
 
 
-def _run_case(case, world_size, backend="torch"):
+def _run_case(case, world_size, backend="torch", seed=DROPOUT_SEED):
     q, k, v, do, dlse = full_inputs(case, world_size)
     shard = functools.partial(shard_sequence, layout=case.layout)
     local = [shard(x.detach()).requires_grad_() for x in (q, k, v)]
@@ -171,7 +183,8 @@ def _run_case(case, world_size, backend="torch"):
     o, lse = ring_attention(*local, causal=case.causal, layout=case.layout, return_lse=True,
                             backend=backend, learnable_sink=sink, window_size=case.window,
                             softcap=case.softcap, cu_seqlens=case.cu_seqlens(world_size),
-                            alibi_slopes=alibi_for(case))
+                            alibi_slopes=alibi_for(case), dropout_p=case.dropout,
+                            seed=seed if case.dropout else None)
     dlse_local = None if dlse is None else _seq_last(shard(_seq_last(dlse)))
     grads = loss_grads(o, lse, shard(do), dlse_local, local + ([sink] if case.with_sink else []))
     unshard = functools.partial(unshard_sequence, layout=case.layout)
@@ -202,6 +215,14 @@ def _errors(rank):
             x, x, x, backend="torch", cu_seqlens=torch.tensor([0, 3 + rank, 8])),
         "cu_seqlens_batch_2": lambda: ring_attention(
             *[torch.randn(2, 4, 2, 8)] * 3, cu_seqlens=torch.tensor([0, 8])),
+        "dropout_seqlen_q_neq_k": lambda: ring_attention(x[:, :2], x, x, dropout_p=0.1),
+        "dropout_packed": lambda: ring_attention(x, x, x, dropout_p=0.1,
+                                                 cu_seqlens=torch.tensor([0, 3, 8])),
+        "dropout_differs": lambda: ring_attention(x, x, x, dropout_p=0.1 * (1 + rank), seed=3,
+                                                  backend="torch"),
+        "seed_differs": lambda: ring_attention(x, x, x, dropout_p=0.1, seed=2**33 * rank + 5,
+                                               backend="torch"),
+        "seed_not_int": lambda: ring_attention(x, x, x, dropout_p=0.1, seed=0.5),
     }
     # A group this rank is not in: every rank must create it, only rank 0 is a member.
     only_rank0 = dist.new_group([0])
@@ -224,14 +245,17 @@ def _worker(rank, world_size):
     return results, errors
 
 
-# The Triton kernels in the ring (under the interpreter on a CPU: small), dense, packed and
-# with ALiBi (its key term an attn_mask read in place, broadcast over rows)
+# The Triton kernels in the ring (under the interpreter on a CPU: small), dense, packed, with
+# ALiBi (its key term an attn_mask read in place, broadcast over rows) and with dropout (the
+# kernels' counter offset to each call's global rows and keys)
 TRITON_CASES = [Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
                      headdim=16, with_lse_grad=True),
                 Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
                      headdim=16, packed=True, with_lse_grad=True),
                 Case(False, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
-                     headdim=16, alibi=True, with_lse_grad=True)]
+                     headdim=16, alibi=True, with_lse_grad=True),
+                Case(True, "zigzag", 4, 2, dtype=torch.float16, chunk_q=4, chunk_k=4,
+                     headdim=16, dropout=0.3, with_lse_grad=True)]
 
 
 def _triton_worker(rank, world_size):
@@ -259,16 +283,35 @@ def test_matches_reference(ring_runs, world_size, case):
     check_against_reference(ring_runs(world_size)[0][case.id], case, world_size)
 
 
+DRAWN_SEED_CASE = Case(True, "zigzag", 4, 2, dropout=0.4, with_lse_grad=True)
+
+
+def _drawn_seed_worker(rank, world_size):
+    """Dropout without a seed, each rank's generator in another state: the group's first
+    rank's draw is everyone's."""
+    torch.manual_seed(100 + rank)
+    return _run_case(DRAWN_SEED_CASE, world_size, seed=None)
+
+
+def test_dropout_seed_drawn_on_the_first_rank():
+    got = spawn_ranks(2, _drawn_seed_worker, timeout_s=120)
+    torch.manual_seed(100)  # rank 0's generator: its draw, as longflash.attention makes it
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    check_against_reference(got, DRAWN_SEED_CASE, 2, seed=seed)
+    with pytest.raises(AssertionError):  # another seed's mask: not the result
+        check_against_reference(got, DRAWN_SEED_CASE, 2, seed=seed + 1)
+
+
 @needs_triton
 def test_triton_kernels_in_the_ring():
-    """Two ranks running each block on the Triton kernels (interpreted), dense, packed and with
-    ALiBi."""
+    """Two ranks running each block on the Triton kernels (interpreted), dense, packed, with
+    ALiBi and with dropout."""
     got = spawn_ranks(2, _triton_worker, timeout_s=300)
     for case in TRITON_CASES:
         check_against_reference(got[case.id], case, 2)
 
 
-def check_against_reference(got, case, world_size):
+def check_against_reference(got, case, world_size, seed=DROPOUT_SEED):
     q, k, v, do, dlse = full_inputs(case, world_size)
 
     sink = sink_for(case)
@@ -277,7 +320,7 @@ def check_against_reference(got, case, world_size):
     def reference(*inputs, upcast):
         kw = dict(causal=case.causal, upcast=upcast, window_size=case.window,
                   softcap=case.softcap, learnable_sink=inputs[3] if case.with_sink else None,
-                  alibi_slopes=alibi_for(case))
+                  alibi_slopes=alibi_for(case), dropout_p=case.dropout, seed=seed)
         if case.packed:  # batch 1: each document on its own
             cu = case.cu_seqlens(world_size)
             o, lse = attention_varlen_ref(*(x[0] for x in inputs[:3]), cu, cu, **kw)
@@ -305,6 +348,11 @@ EXPECTED_ERRORS = {
     "cu_seqlens_short": ("ValueError", "cu_seqlens must go from 0 to the global seqlen 8"),
     "cu_seqlens_differ": ("ValueError", "cu_seqlens differs across ranks"),
     "cu_seqlens_batch_2": ("ValueError", "needs batch 1"),
+    "dropout_seqlen_q_neq_k": ("NotImplementedError", "dropout_p needs seqlen_q == seqlen_k"),
+    "dropout_packed": ("NotImplementedError", "no dropout over packed sequences"),
+    "dropout_differs": ("ValueError", "dropout_p differs across ranks"),
+    "seed_differs": ("ValueError", "seed differs across ranks"),
+    "seed_not_int": ("TypeError", "seed must be an int"),
 }
 
 
@@ -381,15 +429,19 @@ def _block_runs(block, seqlen):
 
 
 def _check_positions(block, seqlen, row_at, key_at):
-    """A call of an ALiBi ring: its rows and keys (of each sequence) are runs of the global
-    sequence, and q_pos, k_pos are their first positions where keys and rows differ."""
+    """A call of a ring per pair of chunks (ALiBi, dropout): its rows and keys (of each
+    sequence) are runs of the global sequence, q_pos and k_pos their first positions (packed
+    calls of a chunk against itself: -1), and where the chunks differ (apart) all keys lie
+    before or all after the rows, else rows and keys are the same positions."""
     for rows, cols in _block_runs(block, seqlen):
         p, s = [row_at(x) for x in rows], [key_at(y) for y in cols]
         assert p == list(range(p[0], p[0] + len(p))) and s == list(range(s[0], s[0] + len(s)))
-        if block.q_pos < 0:
-            assert p == s
+        if block.apart:
+            assert s[-1] < p[0] or p[-1] < s[0]
         else:
-            assert (block.q_pos, block.k_pos) == (p[0], s[0]) and (s[-1] < p[0] or p[-1] < s[0])
+            assert p == s
+        if block.q_pos >= 0 or not block.varlen:
+            assert (block.q_pos, block.k_pos) == (p[0], s[0])
 
 
 def _block_pairs(block, seqlen):

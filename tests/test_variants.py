@@ -239,6 +239,43 @@ def test_dropout_zero_is_bit_identical(backend):
                        longflash.attention(q, k, v, backend=backend))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_of_a_block_counts_from_its_offsets(backend):
+    """The ops' (3,) seed, (seed, first row, first key) (ring attention's calls): a call over
+    rows r0.. and keys c0.. of a larger attention drops what that attention drops there. Its
+    output, lse and gradients are those of the whole attention's rows r0:r1 with the keys
+    outside c0:c1 masked, against float64, forward and backward; counted from 0 they are not."""
+    (r0, r1), (c0, c1), seed, p = (9, 30), (7, 40), 2**35 + 3, 0.3
+    q, k, v, _ = make_inputs((2, 37, 45, 4, 2, 16), torch.float16)
+    do = torch.randn(2, r1 - r0, 4, 16, dtype=torch.float64).to(q.dtype)
+    keys = torch.zeros(45, dtype=torch.bool)
+    keys[c0:c1] = True
+
+    def reference(q, k, v, upcast):
+        o, lse = attention_ref(q, k, v, dropout_p=p, seed=seed, upcast=upcast, attn_mask=keys)
+        o, lse = o[:, r0:r1], lse[:, :, r0:r1]
+        return (o, lse, *torch.autograd.grad((o * do.to(o.dtype)).sum(), (q, k, v)))
+    lowp = reference(q, k, v, False)
+    ref = reference(*[x.detach().double().requires_grad_() for x in (q, k, v)], True)
+
+    def block(row0, col0):
+        blk = [x.detach()[:, a:b].contiguous() for x, (a, b) in
+               zip((q, k, v), ((r0, r1), (c0, c1), (c0, c1)))]
+        args = (False, 0.25, backend, -1, -1, None, 0.0, p, torch.tensor([seed, row0, col0]))
+        o, lse = torch.ops.longflash.attention_forward(*blk, *args)
+        dq, dk, dv, _ = torch.ops.longflash.attention_backward(do, *blk, o, lse, None, *args)
+        return o, lse, dq, dk, dv
+    got = block(r0, c0)
+    for name, x, low, r in zip(("o", "lse", "dq", "dk", "dv"), got, lowp, ref):
+        if name in ("dk", "dv"):
+            low, r = low[:, c0:c1], r[:, c0:c1]
+        elif name == "dq":
+            low, r = low[:, r0:r1], r[:, r0:r1]
+        check_close(name, x, low, r)
+    with pytest.raises(AssertionError):  # the counter from the block's own (0, 0)
+        check_close("o", block(0, 0)[0], lowp[0], ref[0])
+
+
 def test_sdpa_dropout():
     q, k, v, _ = make_inputs((1, 21, 21, 2, 2, 16), torch.float32)
     torch.manual_seed(0)

@@ -415,6 +415,9 @@ class Options(NamedTuple):
     window_left, window_right: -1 is unbounded; causal arrives as window_right = 0.
     alibi_slopes: (batch, nheads) float32 or None (a (nheads,) input is broadcast).
     softcap: 0 for none. dropout_p: 0 for none; seed: the dropout stream (an int).
+    dropout_row0, dropout_col0: added to the query and key indices of the dropout counter
+    (dropout_uniform), so that a call over a block of a larger attention (a ring's) drops what
+    that attention drops there (packed sequences: each sequence's indices alike).
     cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 for packed sequences, else None.
     block_table: (batch, max_pages) int32 or None; if given (packed queries only), k and v are
     paged (num_pages, page_size, nheads_kv, headdim), read in place through it (`paged_rows`),
@@ -446,6 +449,8 @@ class Options(NamedTuple):
     attn_mask_grad: Optional[torch.Tensor] = None
     k_descale: Optional[torch.Tensor] = None
     v_descale: Optional[torch.Tensor] = None
+    dropout_row0: int = 0
+    dropout_col0: int = 0
 
     @property
     def varlen(self):

@@ -121,7 +121,8 @@ def _dropout_scale(p, tile, opts):
     b = torch.arange(tile.batch_start, tile.batch_start + batch, device=p.device)
     h = torch.arange(nheads, device=p.device).view(nheads_kv, group)
     bh = (b[:, None, None] * nheads + h)[..., None, None]  # (B, Hkv, G, 1, 1)
-    keep = dropout_uniform(opts.seed, bh, tile.i, tile.j) >= opts.dropout_p
+    keep = dropout_uniform(opts.seed, bh, tile.i + opts.dropout_row0,
+                           tile.j + opts.dropout_col0) >= opts.dropout_p
     return keep.to(p.dtype) / (1.0 - opts.dropout_p)
 
 

@@ -454,11 +454,12 @@ def _bias(BIAS, rows, cols, n_rows, n_cols, stride_r, stride_c, BIAS_KIND: tl.co
 
 
 @triton.jit
-def _dropout_scale(seed_lo, seed_hi, bh, i, j, dropout_p):
+def _dropout_scale(seed_lo, seed_hi, drop_row0, drop_col0, bh, i, j, dropout_p):
     """keep / (1 - dropout_p) per (i, j), keep drawn as _common.dropout_uniform (Philox-4x32-10
-    with counter (j, i, bh, 0) and key (seed_lo, seed_hi))."""
-    c0 = (j + i * 0).to(tl.uint32)
-    c1 = (i + j * 0).to(tl.uint32)
+    with counter (drop_col0 + j, drop_row0 + i, bh, 0) and key (seed_lo, seed_hi)): the
+    offsets place a call's rows and keys in a larger attention (Options.dropout_row0)."""
+    c0 = (j + drop_col0 + i * 0).to(tl.uint32)
+    c1 = (i + drop_row0 + j * 0).to(tl.uint32)
     c2 = c0 * 0 + tl.cast(bh, tl.uint32)
     c3 = c0 * 0
     k0 = tl.cast(seed_lo, tl.uint32)
@@ -660,9 +661,9 @@ def _attn_fwd_qk(q, K, stride_kn, TABLE, stride_kp, page_size, start_n, seqlen_k
 
 @triton.jit
 def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_size, offs_m,
-                     start_n, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-                     qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
-                     stride_bn, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     start_n, bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
+                     window_left, window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
+                     bias, stride_bm, stride_bn, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                      HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr,
@@ -690,7 +691,8 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        p = p * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+        p = p * _dropout_scale(seed_lo, seed_hi, drop_row0, drop_col0, bh, offs_m[:, None],
+                               offs_n[None, :], dropout_p)
     # -- update output accumulator --
     v = _load_kv(V, TABLE, start_n, stride_vn, stride_vp, page_size, seqlen_k, HEAD_DIM_V,
                  BLOCK_N, BLOCK_DV, not MASKED, USE_TMA, PAGED).to(DTYPE)
@@ -701,13 +703,13 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
-                    page_size, start_m, lo, hi, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
-                    window_left, window_right, qk_scale, softcap, softmax_scale, slope,
-                    dropout_p, bias, stride_bm, stride_bn, MASKED: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                    page_size, start_m, lo, hi, bh, seed_lo, seed_hi, drop_row0, drop_col0,
+                    seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
+                    softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn,
+                    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                     WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr, PIPELINE: tl.constexpr,
                     BIAS_KIND: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m, a step (_attn_fwd_qk, then
@@ -721,8 +723,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     offs_m = start_m + tl.arange(0, BLOCK_M)
     qk_args = (q, K, stride_kn, TABLE, stride_kp, page_size)  # no constexpr in a tuple
     up_args = (V, stride_vn, TABLE, stride_vp, page_size, offs_m)
-    rest = (bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn)
+    rest = (bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
+            window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
+            stride_bn)
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
@@ -759,10 +762,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     return acc, l_i, m_i
 
 
-# The dropout seed's halves: a new seed per call (per training step) must not compile anew.
-# Triton specializes integer arguments on their value (1) and divisibility (by 16), so a seed
-# left to it would compile each kernel again for each of four such classes as they appear.
-_SEED = ["seed_lo", "seed_hi"]
+# The dropout seed's halves and offsets: a new seed per call (per training step), or another
+# block's offsets (a ring's), must not compile anew. Triton specializes integer arguments on
+# their value (1) and divisibility (by 16), so a seed left to it would compile each kernel
+# again for each of four such classes as they appear.
+_SEED = ["seed_lo", "seed_hi", "drop_row0", "drop_col0"]
 
 
 @_autotune("fwd")
@@ -774,10 +778,10 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               stride_lb, stride_lh, stride_ab, stride_ah, stride_tb, page_size,
               nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok, window_left,
               window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo, seed_hi,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-              IS_VARLEN: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              drop_row0, drop_col0, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PAGED: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
               FULL_TILES: tl.constexpr, PIPELINE: tl.constexpr = False,
               BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
@@ -830,8 +834,9 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, TABLE, stride_kb, stride_vb, page_size, start_m)
-    rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn)
+    rest = (off_bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
+            window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
+            stride_bn)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                     HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
@@ -900,12 +905,13 @@ def _load_head_tile(tiles, start, g, stride, n_rows, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, offs_n, start_m,
-                        g, bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-                        qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
-                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                        g, bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
+                        window_left, window_right, qk_scale, softcap, softmax_scale, slope,
+                        dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                        HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                        USE_TMA: tl.constexpr,
                         GROUPED: tl.constexpr, PASS: tl.constexpr = 0, DQ_ACC=None,
                         stride_dqn=0, ATOMIC_DQ: tl.constexpr = False, bias=None, stride_bm=0,
                         stride_bn=0, BIAS_KIND: tl.constexpr = 0):
@@ -936,7 +942,8 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
     if PASS != 1:
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
     if HAS_DROPOUT:
-        scaleT = _dropout_scale(seed_lo, seed_hi, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+        scaleT = _dropout_scale(seed_lo, seed_hi, drop_row0, drop_col0, bh, offs_m[None, :],
+                                offs_n[:, None], dropout_p)
         if PASS != 2:
             dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         if PASS != 1:
@@ -961,9 +968,9 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, start_n, lo, hi,
-                         bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-                         qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
-                         stride_bn, MASKED: tl.constexpr,
+                         bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
+                         window_left, window_right, qk_scale, softcap, softmax_scale, slope,
+                         dropout_p, bias, stride_bm, stride_bn, MASKED: tl.constexpr,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -975,13 +982,13 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     for start_m in range(lo, hi, BLOCK_M):
         dk, dv = _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
-                                     offs_n, start_m, 0, bh, seed_lo, seed_hi, seqlen_q, seqlen_k,
-                                     window_left, window_right, qk_scale, softcap, softmax_scale,
-                                     slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
-                                     HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                                     BLOCK_M, INPUT_PRECISION, USE_TMA, False, PASS, DQ_ACC,
-                                     stride_dqn, ATOMIC_DQ, bias, stride_bm, stride_bn,
-                                     BIAS_KIND)
+                                     offs_n, start_m, 0, bh, seed_lo, seed_hi, drop_row0,
+                                     drop_col0, seqlen_q, seqlen_k, window_left, window_right,
+                                     qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED,
+                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
+                                     HEAD_DIM_V, BLOCK_DV, BLOCK_M, INPUT_PRECISION, USE_TMA,
+                                     False, PASS, DQ_ACC, stride_dqn, ATOMIC_DQ, bias, stride_bm,
+                                     stride_bn, BIAS_KIND)
     return dk, dv
 
 
@@ -990,10 +997,10 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
                          stride_qh, stride_dob, stride_don, stride_doh, stride_lb, stride_lh,
                          stride_ab, stride_ah, stride_dqb, stride_dqn, stride_dqh, off_b, off_hk,
                          q_start, start_n, lo, mid_lo, mid_hi, hi,
-                         nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                         window_right, qk_scale, softcap, softmax_scale, dropout_p, bias,
-                         stride_bh, stride_bm, stride_bn, HAS_SOFTCAP: tl.constexpr,
-                         HAS_ALIBI: tl.constexpr,
+                         nheads, group_size, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q,
+                         seqlen_k, window_left, window_right, qk_scale, softcap, softmax_scale,
+                         dropout_p, bias, stride_bh, stride_bm, stride_bn,
+                         HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1021,9 +1028,9 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
         if BIAS_KIND != 0:
             bias_h = bias + off_h * stride_bh
         args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
-        rest = (off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias_h,
-                stride_bm, stride_bn)
+        rest = (off_b * nheads + off_h, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
+                window_left, window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
+                bias_h, stride_bm, stride_bn)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
@@ -1042,12 +1049,12 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
 @triton.jit
 def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_qh, stride_don,
                       stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size, bh, seed_lo,
-                      seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                      softmax_scale, dropout_p, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                      HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr):
+                      seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left, window_right,
+                      qk_scale, softcap, softmax_scale, dropout_p, MASKED: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                      HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Query blocks [lo, hi) of every query head g of the group (Q, DO, LSE, Delta, ALIBI and bh
     at the group's first head) for key block start_n, warp-specialized (Hopper): one loop over
     (g, query block), every block masked if MASKED (not FULL_TILES), q and dO by TMA copies
@@ -1071,10 +1078,11 @@ def _attn_bwd_dkdv_ws(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, stride_qn, stride_
         dk, dv = _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE + g * stride_lh,
                                      Delta + g * stride_lh, stride_qn, stride_don, offs_n,
                                      lo + (i - g * blocks) * BLOCK_M, g, bh + g, seed_lo, seed_hi,
-                                     seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                                     softcap, softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP,
-                                     HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
-                                     BLOCK_DV, BLOCK_M, INPUT_PRECISION, True, True)
+                                     drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
+                                     window_right, qk_scale, softcap, softmax_scale, slope,
+                                     dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M,
+                                     INPUT_PRECISION, True, True)
     return dk, dv
 
 
@@ -1089,7 +1097,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                    stride_lb, stride_lh, stride_ab, stride_ah,
                    nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok,
                    atomic_dq, window_left, window_right, qk_scale, softmax_scale, softcap,
-                   dropout_p, seed_lo, seed_hi,
+                   dropout_p, seed_lo, seed_hi, drop_row0, drop_col0,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -1123,8 +1131,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
     heads = (Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_qb, stride_qn, stride_qh, stride_dob,
              stride_don, stride_doh, stride_lb, stride_lh, stride_ab, stride_ah, stride_dqb,
              stride_dqn, stride_dqh, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi,
-             nheads, group_size, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right,
-             qk_scale, softcap, softmax_scale, dropout_p, bias, stride_bh, stride_bm, stride_bn)
+             nheads, group_size, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
+             window_left, window_right, qk_scale, softcap, softmax_scale, dropout_p, bias,
+             stride_bh, stride_bm, stride_bn)
     if SPLIT:  # program_id(2): 0 accumulates dV alone, 1 dK alone
         if tl.program_id(2) == 0:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
@@ -1151,10 +1160,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                 Delta + off_b * stride_lb + off_h * stride_lh + q_start,
                 ALIBI + off_b * stride_ab + off_h * stride_ah, stride_qn, stride_qh, stride_don,
                 stride_doh, stride_lh, stride_ah, start_n, lo, hi, group_size,
-                off_b * nheads + off_h, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left,
-                window_right, qk_scale, softcap, softmax_scale, dropout_p, not FULL_TILES,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
-                BLOCK_M, BLOCK_N, INPUT_PRECISION)
+                off_b * nheads + off_h, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
+                window_left, window_right, qk_scale, softcap, softmax_scale, dropout_p,
+                not FULL_TILES, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION)
         else:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
@@ -1168,9 +1177,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
 
 @triton.jit
 def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh,
-                      seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                      softcap, softmax_scale, slope, dropout_p, MASKED: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                      seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
+                      window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
+                      MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                       HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, bias=None,
@@ -1196,8 +1205,8 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
     # -- dS = p * (dP - delta), through dropout and softcap; dQ += dS k --
     dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
     if HAS_DROPOUT:
-        dp = dp * _dropout_scale(seed_lo, seed_hi, bh, offs_m[:, None], offs_n[None, :],
-                                 dropout_p)
+        dp = dp * _dropout_scale(seed_lo, seed_hi, drop_row0, drop_col0, bh, offs_m[:, None],
+                                 offs_n[None, :], dropout_p)
     ds = p * (dp - delta[:, None])
     if BIAS_GRAD:
         rows, cols = offs_m[:, None], offs_n[None, :]
@@ -1211,9 +1220,9 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, lo, hi, bh,
-                       seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                       softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn,
-                       dbias, stride_dbm, MASKED: tl.constexpr,
+                       seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
+                       window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias,
+                       stride_bm, stride_bn, dbias, stride_dbm, MASKED: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -1227,18 +1236,18 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             dq = _attn_bwd_dq_step(
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
-                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, bias,
-                stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
+                seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left, window_right,
+                qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION,
+                USE_TMA, bias, stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq = _attn_bwd_dq_step(
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
-                seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, bias,
-                stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
+                seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left, window_right,
+                qk_scale, softcap, softmax_scale, slope, dropout_p, MASKED, HAS_SOFTCAP, HAS_ALIBI,
+                HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION,
+                USE_TMA, bias, stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
     return dq
 
 
@@ -1251,7 +1260,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  stride_dqb, stride_dqn, stride_dqh, stride_lb, stride_lh, stride_ab, stride_ah,
                  nheads, group_size, seqlen_q, seqlen_k, seqlen_bucket, tma_ok, ws_ok,
                  window_left, window_right, qk_scale, softmax_scale, softcap, dropout_p, seed_lo,
-                 seed_hi,
+                 seed_hi, drop_row0, drop_col0,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -1302,9 +1311,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     K = _tiles(K, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     V = _tiles(V, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, USE_TMA)
     args = (K, V, stride_kn, stride_vn, start_m)
-    rest = (off_bh, seed_lo, seed_hi, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap, softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn, dbias,
-            stride_dbm)
+    rest = (off_bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
+            window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
+            stride_bn, dbias, stride_dbm)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, not FULL_TILES,
                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                             BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
@@ -1524,6 +1533,7 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,
+        drop_row0=opts.dropout_row0, drop_col0=opts.dropout_col0,
         **constexprs(headdim, q.dtype == torch.float32, opts.varlen, opts.softcap > 0,
                      alibi is not None, opts.dropout_p > 0, v.shape[-1],
                      0 if mask is None else 2 if mask.dtype == torch.bool else 1),

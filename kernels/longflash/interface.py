@@ -244,15 +244,18 @@ def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, 
     if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
+    seed, row0, col0 = ((0, 0, 0) if seed is None else
+                        (*torch.as_tensor(seed).reshape(-1).tolist(), 0, 0)[:3])
     return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
-                   softcap, dropout_p, 0 if seed is None else int(seed), cu_seqlens_q,
-                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, deterministic,
-                   attn_mask, attn_mask_grad)
+                   softcap, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   max_seqlen_k, block_table, deterministic, attn_mask, attn_mask_grad,
+                   dropout_row0=row0, dropout_col0=col0)
 
 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
 # variants follow with defaults. seed is a 0-d int64 tensor so that torch.compile can draw it
-# inside a graph.
+# inside a graph, or (3,): (seed, first row, first key), a block of a larger attention whose
+# dropout it reproduces (Options.dropout_row0; ring attention's calls), in the same schema.
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float, backend: str, window_left: int = -1,
                   window_right: int = -1, alibi_slopes: Optional[torch.Tensor] = None,

@@ -662,6 +662,7 @@ def _triton_launch(q, k, v, cfg):
         window_left=window_left, window_right=window_right,
         qk_scale=cfg.softmax_scale * LOG2E, softmax_scale=cfg.softmax_scale,
         softcap=cfg.softcap, dropout_p=0.0, seed_lo=0, seed_hi=0,
+        drop_row0=0, drop_col0=0,
         **flash_triton.constexprs(headdim, q.dtype == jnp.float32, softcap=cfg.softcap > 0,
                                   headdim_v=v.shape[3]),
         # one fixed tile (the PyTorch launcher autotunes); 32 x 32 for large head dims; pointer

@@ -13,7 +13,9 @@ that the experiments compare, or across the ranks of a process group:
                  shard of the sequence (longflash.parallel.shard_sequence, over ring_group,
                  default the default process group, in ring_layout, default zigzag), rotary
                  embeddings at the shard's global positions (shard_positions); every rank of
-                 the group calls the module on its shard
+                 the group calls the module on its shard. Attention dropout drops what
+                 "longflash" drops on the whole sequence when the group's first rank's
+                 generator is in the state that one device's would be (its draw is the seed)
 
 Rotary position embeddings (Su et al., RoFormer) use the half-split layout of GPT-NeoX and
 Llama: dimension i of the first half pairs with dimension i of the second half.
@@ -83,11 +85,9 @@ def attention_function(attn_impl, backend="auto", group=None, layout="zigzag"):
         return standard
     if attn_impl == "ring":
         def ring(q, k, v, causal, dropout_p, learnable_sink=None):
-            if dropout_p > 0:
-                raise NotImplementedError("attn_impl='ring' has no attention dropout: set "
-                                          "dropout=0 or call model.eval()")
             return ring_attention(q, k, v, causal=causal, backend=backend, group=group,
-                                  layout=layout, learnable_sink=learnable_sink)
+                                  layout=layout, learnable_sink=learnable_sink,
+                                  dropout_p=dropout_p)
         return ring
     if attn_impl == "sdpa":
         def sdpa(q, k, v, causal, dropout_p):

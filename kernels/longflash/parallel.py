@@ -58,10 +58,13 @@ ALiBi over the global sequence: a call per pair of chunks; where its keys are it
 against itself) the kernels' ALiBi, else, keys all before or all after the rows, ALiBi split
 into a key term passed as the call's attn_mask and a row term added to its lse
 (_alibi_terms).
-Limits: causal, windows and packed sequences need seqlen_q == seqlen_k (self-attention); no
-dropout; the
-backward is not captured by torch.compile (a torch.autograd.Function with communication
-inside).
+Dropout over the global sequence: a call per pair of chunks, as for ALiBi, each told where
+its rows and keys stand in the whole sequence (the kernels' dropout counter counts from
+there), so each rank drops exactly what one device running the whole sequence drops with
+the same seed.
+Limits: causal, windows, ALiBi, dropout and packed sequences need seqlen_q == seqlen_k
+(self-attention); no dropout over packed sequences; the backward is not captured by
+torch.compile (a torch.autograd.Function with communication inside).
 """
 
 import functools
@@ -73,7 +76,7 @@ import torch.distributed as dist
 
 from ._common import accumulator_dtype
 from .cascade import merge_weights
-from .interface import _check_inputs, _outputs  # importing it registers torch.ops.longflash.*
+from .interface import _check_inputs, _outputs, _seed_tensor  # registers torch.ops.longflash.*
 
 LAYOUTS = ("zigzag", "contiguous")
 # Sent across ranks as their index, to compare dtypes (unlisted ones compare as "other").
@@ -169,8 +172,9 @@ class _Block(NamedTuple):
     cols are index tensors (batch 1) and varlen the call's (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k), one sequence per document that both sides hold. q_pos,
     k_pos: the global positions of the first row and the first key of a call per pair of
-    chunks whose keys all precede or all follow its rows (two chunks; ALiBi, _alibi_terms); -1
-    where rows and keys are the same positions (a chunk against itself) or not a pair."""
+    chunks (where the call's dropout counts from, _dropout_of), -1 elsewhere (_step_plan's
+    rectangles, a packed chunk against itself); apart: the pair's chunks differ, so its keys
+    all precede or all follow its rows (ALiBi, _alibi_terms)."""
     rows: object
     cols: object
     causal: bool
@@ -179,12 +183,13 @@ class _Block(NamedTuple):
     varlen: tuple = ()
     q_pos: int = -1
     k_pos: int = -1
+    apart: bool = False
 
 
 def _window_sides(causal, window, pairs=False):
     """The window's (left, right) sides over the global sequence (causal: right 0; < 0:
     unbounded), or None where there is no window (causal alone is _step_plan's) unless pairs
-    (ALiBi: a call per pair of chunks all the same)."""
+    (ALiBi, dropout: a call per pair of chunks all the same)."""
     if window[0] < 0 and (causal or window[1] < 0) and not pairs:
         return None
     return window[0], 0 if causal else window[1]
@@ -207,10 +212,9 @@ def _step_blocks(ring, src, causal, window, seqlen, pairs=False):
             span = _window_span((a - b) * chunk, window_left, window_right, chunk, chunk)
             if span is not None:
                 (r0, r1), (c0, c1), left, right = span
-                pos = (a * chunk + r0, b * chunk + c0) if a != b else (-1, -1)
                 blocks.append(_Block(slice(x * chunk + r0, x * chunk + r1),
                                      slice(y * chunk + c0, y * chunk + c1), False, left, right,
-                                     (), *pos))
+                                     (), a * chunk + r0, b * chunk + c0, a != b))
     return blocks
 
 
@@ -289,18 +293,18 @@ def _packed_window_blocks(ring, src, window_left, window_right, seqlen, docs, de
                     (r0, r1), (c0, c1), left, right = span
                     blocks.append(_Block(slice(qa + local_q + r0, qa + local_q + r1),
                                          slice(ka + local_k + c0, ka + local_k + c1), False,
-                                         left, right, (), qa + r0, ka + c0))
+                                         left, right, (), qa + r0, ka + c0, True))
     return blocks
 
 
-def _calls(ring, src, causal, window, seqlen, docs, device, alibi=False):
+def _calls(ring, src, causal, window, seqlen, docs, device, pairs=False):
     """The blocks of a step (_step_blocks), over packed sequences if docs is not None; with
-    alibi, a call per pair of chunks (ALiBi needs each call's rows and keys to be runs of the
-    global sequence)."""
-    sides = _window_sides(causal, window, pairs=alibi)
+    pairs, a call per pair of chunks (ALiBi and dropout need each call's rows and keys to be
+    runs of the global sequence)."""
+    sides = _window_sides(causal, window, pairs=pairs)
     if docs is not None and sides is not None:
         return _packed_window_blocks(ring, src, *sides, seqlen, docs, device)
-    blocks = _step_blocks(ring, src, causal, window, seqlen, pairs=alibi)
+    blocks = _step_blocks(ring, src, causal, window, seqlen, pairs=pairs)
     if docs is None:
         return blocks
     blocks = [_packed_block(ring, src, b, docs, seqlen, device) for b in blocks]
@@ -404,11 +408,28 @@ def _alibi_terms(slopes, block, n_rows, n_keys, dtype):
 
 def _alibi_of(alibi_slopes, block, n_rows, n_keys, dtype):
     """(the call's alibi_slopes, its attn_mask, the row term) for one block: the kernels'
-    ALiBi where rows and keys are the same positions, else _alibi_terms."""
-    if alibi_slopes is None or block.q_pos < 0:
+    ALiBi where rows and keys are the same positions (a chunk against itself), else
+    _alibi_terms."""
+    if alibi_slopes is None or not block.apart:
         return alibi_slopes, None, None
     row, key = _alibi_terms(alibi_slopes, block, n_rows, n_keys, dtype)
     return None, key, row
+
+
+def _dropout_of(dropout, block):
+    """The dropout arguments of one block's call: dropout = (dropout_p, seed); the seed passed
+    with the block's global first row and key (the ops' (3,) seed), so that each call drops
+    exactly what attention over the whole sequence drops there, on any number of ranks."""
+    dropout_p, seed = dropout
+    if dropout_p == 0:
+        return {}
+    assert block.q_pos >= 0 and block.k_pos >= 0, block  # a call per pair of chunks
+    return dict(dropout_p=dropout_p,
+                seed=torch.tensor([seed, block.q_pos, block.k_pos], dtype=torch.int64))
+
+
+def _pairs(alibi_slopes, dropout):
+    return alibi_slopes is not None or dropout[0] > 0
 
 
 def _merge_(o, lse, o_blk, lse_blk):
@@ -430,7 +451,7 @@ def _take(x, index, dim, varlen):
 
 
 def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs,
-                  alibi_slopes):
+                  alibi_slopes, dropout):
     batch, seqlen_q, nheads, _ = q.shape
     acc = accumulator_dtype(q.dtype)
     o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)  # v's head dim
@@ -443,7 +464,7 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
         for direction, src in _lane_srcs(ring, lanes, step):
             k_in, v_in = held[direction]
             for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device,
-                            alibi_slopes is not None):
+                            _pairs(alibi_slopes, dropout)):
                 packed = bool(b.varlen)
                 q_blk, k_blk = _take(q, b.rows, 1, packed), _take(k_in, b.cols, 1, packed)
                 alibi, key_bias, row_bias = _alibi_of(alibi_slopes, b, q_blk.shape[-3],
@@ -451,7 +472,8 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
                 o_blk, lse_blk = torch.ops.longflash.attention_forward(
                     q_blk, k_blk, _take(v_in, b.cols, 1, packed), b.causal, softmax_scale,
                     backend, b.window_left, b.window_right, alibi, softcap,
-                    *((0.0, None, *b.varlen) if packed else ()), attn_mask=key_bias)
+                    *((0.0, None, *b.varlen) if packed else ()), attn_mask=key_bias,
+                    **_dropout_of(dropout, b))
                 if row_bias is not None:
                     lse_blk = lse_blk + row_bias
                 if packed:  # rows gathered: merged, then written back
@@ -465,7 +487,7 @@ def _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap
 
 
 def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ring, window,
-                   softcap, docs, alibi_slopes):
+                   softcap, docs, alibi_slopes, dropout):
     acc = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k, v = k.contiguous(), v.contiguous()
@@ -483,7 +505,7 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
             k_in, v_in = held[direction]
             grads = []
             for b in _calls(ring, src, causal, window, k.shape[1], docs, q.device,
-                            alibi_slopes is not None):
+                            _pairs(alibi_slopes, dropout)):
                 rows, packed = b.rows, bool(b.varlen)
                 rows_of = lambda x: _take(x, rows, 1, packed)  # noqa: E731
                 q_blk, k_blk, lse_blk = rows_of(q), _take(k_in, b.cols, 1, packed), \
@@ -496,7 +518,8 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
                     rows_of(do), q_blk, k_blk, _take(v_in, b.cols, 1, packed), rows_of(o),
                     lse_blk, None if dlse is None else _take(dlse, rows, 2, packed), b.causal,
                     softmax_scale, backend, b.window_left, b.window_right, alibi, softcap,
-                    *((0.0, None, *b.varlen) if packed else ()), attn_mask=key_bias)
+                    *((0.0, None, *b.varlen) if packed else ()), attn_mask=key_bias,
+                    **_dropout_of(dropout, b))
                 if packed:  # (rows, H, D) of batch 1
                     dq_blk, dk_blk, dv_blk = dq_blk[None], dk_blk[None], dv_blk[None]
                 dq[:, rows] += dq_blk
@@ -523,11 +546,12 @@ def _ring_backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, backend, ri
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, backend, ring, window, softcap, docs,
-                alibi_slopes):
+                alibi_slopes, dropout):
         o, lse = _ring_forward(q, k, v, causal, softmax_scale, backend, ring, window, softcap,
-                               docs, alibi_slopes)
+                               docs, alibi_slopes, dropout)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, softmax_scale, backend, ring, window, softcap, docs, alibi_slopes)
+        ctx.args = (causal, softmax_scale, backend, ring, window, softcap, docs, alibi_slopes,
+                    dropout)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not a zero one
         return o, lse
 
@@ -536,7 +560,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do = torch.zeros_like(o) if do is None else do
         dq, dk, dv = _ring_backward(do, dlse, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 9
 
 
 # ----------------------------------------------------------------------------- checks
@@ -588,6 +612,20 @@ def _slopes_fingerprint(slopes):
     return (float(len(x)), *(float(t) for t in torch.stack([x.sum(), (x * weights).sum()])))
 
 
+def _ring_seed(ring, dropout_p, seed, generator, device):
+    """The dropout seed (an int, None without dropout), the same on every rank: seed, else one
+    drawn from generator on the group's first rank and broadcast to the others."""
+    if dropout_p == 0:
+        return None
+    if seed is not None:
+        return seed
+    drawn = _seed_tensor(dropout_p, None, generator).reshape(1)
+    if ring.world_size > 1:
+        drawn = drawn.to(device)  # NCCL sends CUDA tensors only
+        dist.broadcast(drawn, src=dist.get_global_rank(ring.group, 0), group=ring.group)
+    return int(drawn.item())
+
+
 def _dtype_code(dtype):
     return (_DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES),)
 
@@ -622,7 +660,8 @@ def _check_same_on_all_ranks(ring, device, **meta):
 
 def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout="zigzag",
                    return_lse=False, backend="auto", *, window_size=(-1, -1), softcap=0.0,
-                   alibi_slopes=None, learnable_sink=None, cu_seqlens=None):
+                   alibi_slopes=None, learnable_sink=None, cu_seqlens=None, dropout_p=0.0,
+                   seed=None, generator=None):
     """Exact attention over a sequence sharded across the ranks of a process group.
 
     Call it on every rank of group with this rank's shards (see `shard_sequence`):
@@ -661,37 +700,54 @@ def ring_attention(q, k, v, causal=False, softmax_scale=None, group=None, layout
         document's tokens up to itself). Each block of a step runs as one attention_varlen
         call over the documents both shards hold; a rank that holds no part of a document
         in hand skips it. With window_size, the window applies within each document.
+    dropout_p, seed, generator: attention dropout as in `longflash.attention`, over the global
+        sequence: each rank drops exactly the weights that `longflash.attention` on the whole
+        sequence drops with the same seed (a mask of the global query and key positions), so
+        the result does not depend on the number of ranks or the layout. seed: an int, the
+        same on every rank; None draws one from generator (default torch's global one) on the
+        group's first rank and broadcasts it (one more small collective). As with ALiBi, each
+        step then computes a call per pair of chunks. Needs seqlen_q == seqlen_k; not with
+        cu_seqlens.
 
     Raises, before any communication: the errors of `longflash.attention`; ValueError for an
     unknown layout, a seqlen that the layout cannot split, a group this rank is not in;
-    NotImplementedError for causal, a window or ALiBi with seqlen_q != seqlen_k; cu_seqlens: the
-    errors above (TypeError / ValueError naming it). Then, on every rank, ValueError if
-    shapes, dtype, causal, softmax_scale, window_size, softcap, alibi_slopes, layout, backend or
-    cu_seqlens differ between ranks (checked with one all_gather of a few numbers).
+    NotImplementedError for causal, a window, ALiBi or dropout with seqlen_q != seqlen_k, and
+    for dropout with cu_seqlens; cu_seqlens: the errors above (TypeError / ValueError naming
+    it). Then, on every rank, ValueError if shapes, dtype, causal, softmax_scale, window_size,
+    softcap, alibi_slopes, dropout_p, seed, layout, backend or cu_seqlens differ between ranks
+    (checked with one all_gather of a few numbers).
     """
     ring = _ring(group, layout)
     softmax_scale, backend = _check_inputs(q, k, v, causal, softmax_scale, backend,
                                            window_size=window_size, softcap=softcap,
-                                           alibi_slopes=alibi_slopes,
+                                           alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                           seed=seed, generator=generator,
                                            learnable_sink=learnable_sink)
     window = tuple(int(x) for x in window_size)
     _check_seqlen("q", q, ring)
     _check_seqlen("k", k, ring)
-    if (causal or window != (-1, -1) or alibi_slopes is not None) and q.shape[1] != k.shape[1]:
+    needs_self = causal or window != (-1, -1) or alibi_slopes is not None or dropout_p > 0
+    if needs_self and q.shape[1] != k.shape[1]:
         what = ("causal=True" if causal else f"window_size={window}" if window != (-1, -1)
-                else "alibi_slopes")
+                else "alibi_slopes" if alibi_slopes is not None else "dropout_p")
         raise NotImplementedError(f"ring_attention with {what} needs seqlen_q == seqlen_k "
                                   f"(self-attention), got {q.shape[1]} and {k.shape[1]} per rank")
+    if dropout_p > 0 and cu_seqlens is not None:
+        raise NotImplementedError("ring_attention has no dropout over packed sequences "
+                                  "(cu_seqlens): set dropout_p=0")
     docs = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, q, k, ring)
+    seed = _ring_seed(ring, dropout_p, seed, generator, q.device)
     _check_same_on_all_ranks(ring, q.device, q_shape=q.shape, k_shape=k.shape, v_shape=v.shape,
                              dtype=_dtype_code(q.dtype), causal=(causal,),
                              softmax_scale=(softmax_scale,), window_size=window,
                              softcap=(float(softcap),), layout=(LAYOUTS.index(layout),),
                              backend=(("triton", "torch").index(backend),),
                              cu_seqlens=_fingerprint(docs),
-                             alibi_slopes=_slopes_fingerprint(alibi_slopes))
+                             alibi_slopes=_slopes_fingerprint(alibi_slopes),
+                             dropout_p=(float(dropout_p),),
+                             seed=(0, 0) if seed is None else (seed & 0xFFFFFFFF, seed >> 32))
     o, lse = _RingAttention.apply(q, k, v, causal, softmax_scale, backend, ring, window,
-                                  float(softcap), docs, alibi_slopes)
+                                  float(softcap), docs, alibi_slopes, (float(dropout_p), seed))
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
