@@ -298,7 +298,8 @@ EARLY_TESTS = ("test_kvcache_gpu or test_kvcache_rotary_gpu or test_decoding_ste
 # stage 5 runs them before the sweep, and the torch.compile, CUDA-graph and launcher-routing
 # tests (each compiling with inductor: slow) after it.
 LATE_TESTS = f"not {EVERY_CONFIG_TEST} and not ({EARLY_TESTS})"
-EXACT_TESTS = ("test_variants_gpu or test_learnable_sink_gpu or test_varlen_gpu or "
+EXACT_TESTS = ("test_variants_gpu or test_dropout_block_offsets_gpu or "
+               "test_learnable_sink_gpu or test_varlen_gpu or "
                "test_paged_varlen_gpu or test_headdim_v_gpu or test_kvcache_headdim_v_gpu or "
                "test_tma_only_where_a_copy_can_read_gpu or test_warp_specialized_full_tiles_gpu or "
                "test_compiling_then_running_gpu or test_attn_mask_gpu or "

@@ -444,6 +444,15 @@ def test_variants_gpu(dtype, name, kw):
     check_variant((2, 2047, 2049, 8, 2, 128), dtype, kw, "triton", device="cuda")
 
 
+def test_dropout_block_offsets_gpu():
+    """The kernels' dropout counter offset to a block's first row and key (ring attention's
+    calls), bf16, forward and backward, against the whole attention's rows in float64; offsets
+    that are not multiples of a tile."""
+    from test_variants import check_block_dropout
+    check_block_dropout((2, 1100, 1300, 8, 2, 128), (101, 1000), (77, 1203), torch.bfloat16,
+                        "triton", device="cuda")
+
+
 @pytest.mark.parametrize("kind, dims, kw", [("bool", "B11K", dict(causal=True)),
                                              ("float", "1HQK", dict(window_size=(300, 200)))],
                          ids=["bool-padding-causal", "float-heads-window"])

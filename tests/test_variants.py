@@ -245,10 +245,16 @@ def test_dropout_of_a_block_counts_from_its_offsets(backend):
     rows r0.. and keys c0.. of a larger attention drops what that attention drops there. Its
     output, lse and gradients are those of the whole attention's rows r0:r1 with the keys
     outside c0:c1 masked, against float64, forward and backward; counted from 0 they are not."""
-    (r0, r1), (c0, c1), seed, p = (9, 30), (7, 40), 2**35 + 3, 0.3
-    q, k, v, _ = make_inputs((2, 37, 45, 4, 2, 16), torch.float16)
-    do = torch.randn(2, r1 - r0, 4, 16, dtype=torch.float64).to(q.dtype)
-    keys = torch.zeros(45, dtype=torch.bool)
+    check_block_dropout((2, 37, 45, 4, 2, 16), (9, 30), (7, 40), torch.float16, backend)
+
+
+def check_block_dropout(shape, rows, cols, dtype, backend, device="cpu"):
+    """test_dropout_of_a_block_counts_from_its_offsets on one shape (B, Nq, Nk, H, Hkv, D)."""
+    (r0, r1), (c0, c1), seed, p = rows, cols, 2**35 + 3, 0.3
+    q, k, v, _ = make_inputs(shape, dtype, device=device)
+    do = torch.randn(shape[0], r1 - r0, shape[3], shape[5], dtype=torch.float64,
+                     generator=torch.Generator().manual_seed(1)).to(device, q.dtype)
+    keys = torch.zeros(shape[2], dtype=torch.bool, device=device)
     keys[c0:c1] = True
 
     def reference(q, k, v, upcast):
@@ -261,7 +267,8 @@ def test_dropout_of_a_block_counts_from_its_offsets(backend):
     def block(row0, col0):
         blk = [x.detach()[:, a:b].contiguous() for x, (a, b) in
                zip((q, k, v), ((r0, r1), (c0, c1), (c0, c1)))]
-        args = (False, 0.25, backend, -1, -1, None, 0.0, p, torch.tensor([seed, row0, col0]))
+        args = (False, shape[5] ** -0.5, backend, -1, -1, None, 0.0, p,
+                torch.tensor([seed, row0, col0]))
         o, lse = torch.ops.longflash.attention_forward(*blk, *args)
         dq, dk, dv, _ = torch.ops.longflash.attention_backward(do, *blk, o, lse, None, *args)
         return o, lse, dq, dk, dv
