@@ -55,6 +55,15 @@ Parts and metrics:
               shards and the travelling dK/dV, counted at longflash.parallel._exchange; the
               largest rank's) and time_ms (forward+backward, the slowest rank's median of 5).
               Column window_left (a key column; empty in the other parts' rows).
+  variants    the ring's options over the global sequence against the float64 reference,
+              causal, tokens per rank fixed, ranks variant_ranks, both layouts, float32 and
+              bfloat16: column variant (a key column; empty in the other parts' rows) of
+              VARIANTS (a sliding window, ALiBi, packed documents, packed documents under a
+              window, dropout, softcap): max_err_o, max_err_lse (mode fwd), max_err_dq,
+              max_err_dk, max_err_dv (mode bwd), unit "abs", and beside each error_bound_<x>,
+              the tests' tolerance rule (longflash.reference.error_bound: 2x the error of
+              "standard" attention in the input dtype plus a rounding floor); exact means
+              every max_err_<x> <= error_bound_<x>.
   long        one long causal sequence through the ring of `long_ranks` emulated ranks,
               forward, lengths doubling while the time budget lasts (each run is predicted
               at 4x the previous): time_ms (one call, between barriers), peak_mem_mb (per
@@ -121,6 +130,9 @@ class Config:
     window_ranks: tuple = (2, 4, 8)       # part window: a causal window of window_left tokens
     window_tokens_per_rank: int = 1024    # ... (a quarter of a zigzag chunk) against the
     window_left: int = 128                # ... whole ring
+    variant_ranks: tuple = (2, 4, 8)      # part variants
+    variant_tokens_per_rank: int = 256
+    variant_dtypes: tuple = ("float32", "bfloat16")
     block_device: str = "cpu"             # blocks and projection: where the blocks are timed,
     block_shape: tuple = (1, 4, 2, 64)    # ... their shape (default: as the gloo ranks',
     block_dtype: str = "float32"          # so that projection and measurement compare)
@@ -149,11 +161,23 @@ QUICK = dict(
     shape=(1, 2, 1, 16), exact_ranks=(1, 2), exact_tokens_per_rank=16, exact_dtypes=("float32",),
     tokens_per_rank=64, memory_ranks=(1, 2), weak_ranks=(1, 2, 4), block_shape=(1, 2, 1, 16),
     block_tokens_per_rank=64, projection_ranks=(1, 2, 64), window_ranks=(2, 4),
-    window_tokens_per_rank=32, window_left=4, long_ranks=2, long_seqlens=(256, 512),
+    window_tokens_per_rank=32, window_left=4, variant_ranks=(2,), variant_tokens_per_rank=16,
+    variant_dtypes=("float32",), long_ranks=2, long_seqlens=(256, 512),
     long_budget_s=30.0, long_check_rows=4)
-PARTS = ("exactness", "memory", "weak", "blocks", "projection", "window", "long")
+PARTS = ("exactness", "memory", "weak", "blocks", "projection", "window", "variants", "long")
 # beside experiments.results.KEY_COLUMNS
-KEY_COLUMNS = ("part", "layout", "ranks", "link", "window_left")
+KEY_COLUMNS = ("part", "layout", "ranks", "link", "window_left", "variant")
+# Part variants: name -> f(global seqlen, tokens per rank, nheads) -> ring_attention's options
+# (all causal). Windows of half a zigzag chunk; documents of lengths 1 to 2 ranks' tokens,
+# drawn once, so that some lie within a chunk and others cross several.
+VARIANTS = {
+    "window": lambda n, t, h: dict(window_size=(t // 4, -1)),
+    "alibi": lambda n, t, h: dict(alibi_slopes=2.0 ** (-8.0 * torch.arange(1, h + 1) / h)),
+    "packed": lambda n, t, h: dict(cu_seqlens=_documents(n, t)),
+    "packed_window": lambda n, t, h: dict(cu_seqlens=_documents(n, t), window_size=(t // 4, -1)),
+    "dropout": lambda n, t, h: dict(dropout_p=0.1, seed=2**40 + 1),
+    "softcap": lambda n, t, h: dict(softcap=5.0),
+}
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -246,7 +270,8 @@ def _rank_peak_mb(fn):
 
 def _row(cfg_shape, dtype, part, layout, ranks, tokens_per_rank, mode, metric, value, unit,
          seqlen_q=None, seqlen_k=None, causal=True, provider="longflash", p20=math.nan,
-         p80=math.nan, status="ok", basis="measured", link=None, window_left=None, **extra):
+         p80=math.nan, status="ok", basis="measured", link=None, window_left=None,
+         variant=None, **extra):
     """One row of the results schema plus this experiment's columns (module docstring)."""
     batch, nheads, nheads_kv, headdim = cfg_shape
     seqlen_q = ranks * tokens_per_rank if seqlen_q is None else seqlen_q
@@ -256,7 +281,7 @@ def _row(cfg_shape, dtype, part, layout, ranks, tokens_per_rank, mode, metric, v
                 nheads_kv=nheads_kv, headdim=headdim, causal=causal, metric=metric, value=value,
                 unit=unit, p20=p20, p80=p80, status=status, part=part, layout=layout,
                 ranks=ranks, tokens_per_rank=tokens_per_rank, cores=usable_cores(),
-                basis=basis, link=link, window_left=window_left, **extra)
+                basis=basis, link=link, window_left=window_left, variant=variant, **extra)
 
 
 def _inputs(shape, seqlen, dtype, seed, device="cpu", seqlen_k=None):
@@ -375,6 +400,64 @@ def _window(rank, world_size, cfg):
     return rows
 
 
+def _documents(seqlen, tokens_per_rank):
+    """cu_seqlens (int32) of documents of 1 to 2 * tokens_per_rank tokens over seqlen."""
+    gen, offsets = torch.Generator().manual_seed(seqlen), [0]
+    while offsets[-1] < seqlen:
+        n = int(torch.randint(1, 2 * tokens_per_rank + 1, (), generator=gen))
+        offsets.append(min(offsets[-1] + n, seqlen))
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def _reference(q, k, v, options, upcast):
+    """longflash.attention_ref with ring_attention's options (packed: each document alone,
+    batch 1), causal; (o, lse)."""
+    kw = dict(options)
+    cu = kw.pop("cu_seqlens", None)
+    kw["seed"] = kw.get("seed", 0)
+    if cu is None:
+        return longflash.attention_ref(q, k, v, causal=True, upcast=upcast, **kw)
+    o, lse = longflash.attention_varlen_ref(q[0], k[0], v[0], cu, cu, causal=True,
+                                            upcast=upcast, **kw)
+    return o[None], lse[None]
+
+
+def _variants(rank, world_size, cfg):
+    """Part variants: each of VARIANTS through the ring, both layouts, against float64, with
+    the tolerance rule's bound from standard attention in the input dtype."""
+    rows, names, T = [], ("o", "lse", "dq", "dk", "dv"), cfg.variant_tokens_per_rank
+    seqlen = world_size * T
+    for dtype in cfg.variant_dtypes:
+        q, k, v, do = _inputs(cfg.shape, seqlen, dtype, seed=3000 + world_size)
+        for variant, options_of in VARIANTS.items():
+            options = options_of(seqlen, T, cfg.shape[1])
+            if rank == 0:
+                ref = _outputs(lambda *x: _reference(*x, options, True),
+                               *[x.double() for x in (q, k, v, do)])
+                lowp = _outputs(lambda *x: _reference(*x, options, False), q, k, v, do)
+            for layout in cfg.layouts:
+                shard = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
+                out = _outputs(lambda *x: ring_attention(
+                    *x, causal=True, layout=layout, return_lse=True, backend=CPU_BACKEND,
+                    **options), *map(shard, (q, k, v, do)))
+                out[1] = out[1].transpose(1, 2)  # lse (B, H, N) -> (B, N, H): seqlen on dim 1
+                out = [unshard_sequence(x, layout=layout) for x in out]
+                out[1] = out[1].transpose(1, 2)
+                if rank != 0:
+                    continue
+                for name, x, low, r in zip(names, out, lowp, ref):
+                    finite = torch.isfinite(r)
+                    err, err_lowp = ((y.double() - r)[finite].abs().max().item()
+                                     for y in (x, low))
+                    bound = error_bound(err_lowp, r[finite].abs().max().item(), q.dtype)
+                    mode = "fwd" if name in ("o", "lse") else "bwd"
+                    for metric, value in ((f"max_err_{name}", err),
+                                          (f"error_bound_{name}", bound)):
+                        rows.append(_row(cfg.shape, dtype, "variants", layout, world_size, T,
+                                         mode, metric, value, "abs", variant=variant))
+    return rows
+
+
 def _long(rank, world_size, cfg):
     rows, start = [], time.perf_counter()
     shape, predicted = cfg.long_shape, 0.0
@@ -440,6 +523,8 @@ def _ranks_worker(rank, world_size, cfg, parts):
         rows += _memory_and_weak(rank, world_size, cfg, parts)
     if "window" in parts and world_size in cfg.window_ranks:
         rows += _window(rank, world_size, cfg)
+    if "variants" in parts and world_size in cfg.variant_ranks:
+        rows += _variants(rank, world_size, cfg)
     return rows
 
 
@@ -661,11 +746,14 @@ def _failed(cfg, parts, world_size, error):
             memory=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "peak_mem_mb"),
             weak=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"),
             window=((cfg.dtype,), cfg.window_tokens_per_rank, "fwd_bwd", "time_ms"),
+            variants=(cfg.variant_dtypes, cfg.variant_tokens_per_rank, "fwd", "max_err_o"),
             long=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"))[part]
         rows += [_row(cfg.shape, dtype, part, layout, world_size, tokens, mode, metric,
                       math.nan, "", causal=cfg.causal, status=status, note=note,
-                      window_left=cfg.window_left if part == "window" else None)
-                 for dtype in dtypes for layout in cfg.layouts]
+                      window_left=cfg.window_left if part == "window" else None,
+                      variant=variant)
+                 for dtype in dtypes for layout in cfg.layouts
+                 for variant in (VARIANTS if part == "variants" else (None,))]
     return rows
 
 
@@ -673,7 +761,8 @@ def _write(rows, path):
     for r in rows:
         log(f"  {r['part']:<10} {r['provider']:<9} {r['layout']:<10} ranks {r['ranks']:>2}  "
             f"seqlen {r['seqlen_q']:>7} {r['dtype']:<8} {r['mode']:<7} {r['metric']:<20} "
-            f"{r['value']:.4g} {r['unit']} {r['link'] or ''} [{r['status']}]")
+            f"{r['value']:.4g} {r['unit']} {r['link'] or ''} {r['variant'] or ''} "
+            f"[{r['status']}]")
     if rows:
         write_results(rows, path, key_columns=KEY_COLUMNS)
 
@@ -718,7 +807,8 @@ def main():
     world_sizes = sorted(set(cfg.exact_ranks if "exactness" in parts else ())
                          | set(cfg.memory_ranks if "memory" in parts else ())
                          | set(cfg.weak_ranks if "weak" in parts else ())
-                         | set(cfg.window_ranks if "window" in parts else ()))
+                         | set(cfg.window_ranks if "window" in parts else ())
+                         | set(cfg.variant_ranks if "variants" in parts else ()))
     tflops_rows = []  # weak scaling: flop_efficiency is relative to one rank
     for world_size in world_sizes:
         t0 = time.perf_counter()
@@ -727,7 +817,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - recorded as status rows
             log(f"{world_size} ranks failed: {e}")
             rows = _failed(cfg, [p for p in parts if p in ("exactness", "memory", "weak",
-                                                           "window")],
+                                                           "window", "variants")],
                            world_size, e)
         log(f"{world_size} ranks: {time.perf_counter() - t0:.0f} s (load average "
             f"{load_average()[0]:.1f} on {usable_cores()} cores)")

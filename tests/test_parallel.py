@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import check_close, needs_triton
-from experiments.scaling import project, spawn_ranks
+from experiments.scaling import VARIANTS, project, spawn_ranks
 from longflash import _common, attention_ref, attention_varlen_ref
 from longflash.parallel import _Ring, _calls, _lane_srcs, _lanes, _rank_chunks, \
     _step_plan, ring_attention, shard_sequence, unshard_sequence
@@ -553,7 +553,7 @@ def test_scaling_experiment_quick(tmp_path):
     df = pd.read_csv(out)
     assert (df["status"] == "ok").all()
     assert set(df["part"]) == {"exactness", "memory", "weak", "blocks", "projection", "window",
-                               "long"}
+                               "variants", "long"}
     errors = df[df["metric"].str.startswith("max_err") & (df["dtype"] == "float32")]
     assert (errors["value"] < 1e-4).all()
     assert set(df[df["basis"] == "projected"]["part"]) == {"projection"}
@@ -570,6 +570,13 @@ def test_scaling_experiment_quick(tmp_path):
     windowed, full = (sent[side].set_index(["layout", "ranks"])["value"]
                       for side in (sent["window_left"] >= 0, sent["window_left"] < 0))
     assert (windowed <= full).all() and (windowed[:, 4] < full[:, 4]).all()  # 2 ranks: 1 step
+    # Part variants: each option's five tensors, both layouts, each error within its bound
+    var = df[df["part"] == "variants"].pivot_table(
+        index=["variant", "layout", "dtype", "ranks"], columns="metric", values="value")
+    assert set(var.index.get_level_values("variant")) == set(VARIANTS)
+    assert len(var) == len(VARIANTS) * 2 and var.notna().all().all()
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        assert (var[f"max_err_{name}"] <= var[f"error_bound_{name}"]).all(), name
 
 
 # ----------------------------------------------------------------------------- the one-GPU long run
