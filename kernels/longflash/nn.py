@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import attention
+from .interface import _seed_tensor, attention
 from .kvcache import attention_with_kvcache
 from .parallel import ring_attention, shard_positions
 from .reference import attention_ref
@@ -79,7 +79,8 @@ def attention_function(attn_impl, backend="auto", group=None, layout="zigzag"):
             learnable_sink=learnable_sink)
     if attn_impl == "standard":
         def standard(q, k, v, causal, dropout_p, learnable_sink=None):
-            seed = int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
+            # the seed drawn as "longflash" and "ring" draw it
+            seed = int(_seed_tensor(dropout_p, None, None)) if dropout_p > 0 else 0
             return attention_ref(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed,
                                  upcast=False, learnable_sink=learnable_sink)[0]
         return standard
