@@ -450,6 +450,27 @@ def test_int_cache_seqlens_and_no_key(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "e4m3"])
+def test_paged_sequence_without_keys_reads_no_page(backend, cache_dtype):
+    """A paged cache where one sequence has no key and its pages hold NaN (slots past a
+    length may hold anything): that sequence gives o = 0, lse = -inf, the other its attention
+    (the PyTorch path once multiplied the NaN rows by p = 0)."""
+    q = torch.randn(2, 2, 4, 16)
+    pages = torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+    for x in pages:
+        x[3:] = float("nan")  # sequence 1's pages
+    k_cache, v_cache = (x.to(cache_dtype) for x in pages)
+    block_table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    o, lse = longflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
+        [7, 0]), block_table=block_table, return_lse=True, backend=backend)
+    assert torch.equal(o[1], torch.zeros_like(o[1])) and torch.isneginf(lse[1]).all()
+    k, v = (x.float()[:3].reshape(1, 12, 2, 16)[:, :7] for x in (k_cache, v_cache))
+    ref, ref_lse = attention_ref(q[:1], k, v)
+    torch.testing.assert_close(o[:1], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:1], ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_int_cache_seqlens_is_the_tensor_of_equal_lengths(backend, paged):
     """An int cache_seqlens (checked on the host, no synchronization) gives exactly what the

@@ -156,6 +156,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     split_room = int((split_hi - split_lo).min()) if batch else 0
     diag_lo, diag_hi = (int(offset.min()), int(offset.max()) + seqlen_q - 1) if batch else (0, 0)
     pad_hi = 0 if leftpad_k is None else int(leftpad_k.max())
+    # A gathered key outside its split reads row 0 of its sequence, which a sequence without
+    # keys does not have (a page's slots past a length may hold anything, NaN too): zeroed
+    # then, as p = 0 there would not hide a NaN from p @ v.
+    any_empty = bool((hi == 0).any()) if batch else False
     for step in range(steps):
         start_n = split_lo + step * block_n  # (B, S)
         width = block_n
@@ -164,11 +168,12 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         offs_n = start_n[..., None] + torch.arange(width, device=device)  # (B, S, BN)
         if contiguous and step * block_n + width <= split_room:
             k, v = (_block_view(c, start_n, split_stride, width) for c in (k_cache, v_cache))
-            mask = None
+            mask = outside = None
         else:
             in_split = offs_n < split_hi[..., None]
             pos = torch.where(in_split, offs_n, 0)
             k, v = (_gather(c, block_table, b, pos) for c in (k_cache, v_cache))
+            outside = ~in_split if any_empty else None
             mask = in_split[:, None, :, None, :]
         first, last = int(start_n.min()), int(start_n.max()) + width - 1
         window_edge = ((opts.window_right >= 0 and last > diag_lo + opts.window_right)
@@ -176,6 +181,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         # (B, S, BN, Hkv, D) -> (B, Hkv, S, BN, D); a float8 cache's entries as they are
         k = k.permute(0, 3, 1, 2, 4).to(dtype)
         v = v.permute(0, 3, 1, 2, 4).to(dtype)
+        if outside is not None:
+            v = v.masked_fill(outside[:, None, :, :, None], 0)
         # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
         qk = q_packed @ k.transpose(-1, -2) * qk_scale
         if opts.softcap > 0:
