@@ -804,3 +804,7 @@ def unshard_sequence(x_local, layout="zigzag", group=None):
         pieces = shard.chunk(_chunks_per_rank(layout), dim=1)
         chunks.update(zip(_rank_chunks(ring, rank), pieces))
     return torch.cat([chunks[i] for i in sorted(chunks)], dim=1)
+
+
+# Decoding over a KV cache sharded across the group: a module of its own, on the helpers above.
+from .sharded_kvcache import attention_with_sharded_kvcache  # noqa: E402,F401
