@@ -286,7 +286,7 @@ def test_kv_cache_errors():
     with pytest.raises(ValueError, match="cache_seqlens"):  # beyond the cache's capacity
         model(torch.zeros(1, 5, dtype=torch.long), kv_cache=model.new_kv_cache(1, 4))
     attn = MultiheadSelfAttention(32, 4, attn_impl="sdpa")
-    with pytest.raises(NotImplementedError, match="attn_impl='longflash'"):
+    with pytest.raises(NotImplementedError, match="attn_impl 'longflash' or 'ring'"):
         attn(torch.randn(1, 2, 32), KVCache(1, 4, 4, 8))
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
@@ -423,3 +423,86 @@ def test_attention_dropout_with_context_parallelism():
     torch.manual_seed(8)  # another seed's dropout is not the ring's
     other = outputs_and_grads(_dropout_module("standard"), x, lambda o: o.sum())[0]
     assert (got["o"] - other).abs().max() > 0.1
+
+
+# ----------------------------------------------------------------------------- ring generation
+
+def _ring_module():
+    torch.manual_seed(0)
+    module = MultiheadSelfAttention(64, 4, 2, rotary=True, sinks=True, attn_impl="ring",
+                                    backend="torch").double().eval()
+    with torch.no_grad():
+        module.sinks.normal_(0.0, 2.0)
+    return module
+
+
+RING_STEPS = (2, 1, 2)  # new tokens a call after the prompt's 8
+
+
+def _ring_cache_worker(rank, world_size, x):
+    """The ring module over a cache: this rank's shard of the prompt, then the new tokens of
+    each step on every rank; the prompt's output gathered, each step's, and this rank's
+    cache lengths after each call."""
+    from longflash.parallel import shard_sequence, unshard_sequence
+    module = _ring_module()
+    cache = KVCache(1, 8 // world_size + 3, 2, 16, dtype=torch.float64)
+    with torch.no_grad():
+        outs = [unshard_sequence(module(shard_sequence(x[:, :8]), cache))]
+        lengths = [(cache.seqlen, cache.position)]
+        start = 8
+        for n in RING_STEPS:
+            outs.append(module(x[:, start:start + n], cache))
+            lengths.append((cache.seqlen, cache.position))
+            start += n
+    return outs, lengths
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_module_with_a_sharded_kv_cache(world_size):
+    """attn_impl="ring" over a KV cache on gloo ranks (float64; rotary, GQA, sinks): the
+    prompt's shard through ring attention, then steps of 2, 1 and 2 new tokens over every
+    rank's part, give what "longflash" gives on the whole sequence at once; each step's keys
+    land on rank position % P."""
+    from experiments.scaling import spawn_ranks
+    x = torch.randn(1, 8 + sum(RING_STEPS), 64, generator=torch.Generator().manual_seed(5),
+                    dtype=torch.float64)
+    outs, lengths = spawn_ranks(world_size, _ring_cache_worker, x, timeout_s=120)
+    module = _ring_module()
+    module.attn_impl, module.attn = "longflash", attention_function("longflash", "torch")
+    with torch.no_grad():
+        full = module(x)
+    torch.testing.assert_close(torch.cat(outs, 1), full)
+    expected, position = [(8 // world_size, 8)], 8  # rank 0's lengths
+    for n in RING_STEPS:
+        seqlen = expected[-1][0] + (n if position % world_size == 0 else 0)
+        position += n
+        expected.append((seqlen, position))
+    assert lengths == expected
+
+
+def _ring_generate_worker(rank, world_size, prompt, layout):
+    model = on_backend(tiny_gpt(attn_impl="ring", ring_layout=layout, attn_sinks=True),
+                       "torch").double().eval()
+    greedy = model.generate(prompt, 7, temperature=0)
+    # every rank's generator in another state: the first rank's draws are everyone's
+    sampled = model.generate(prompt, 5, top_k=40,
+                             generator=torch.Generator().manual_seed(3 + 100 * rank))
+    import torch.distributed as dist
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (greedy, sampled))
+    return everyone
+
+
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
+def test_gpt_generates_with_context_parallelism(world_size, layout):
+    """GPT.generate with attn_impl="ring" on gloo ranks (float64, sinks): greedy and sampled
+    tokens (the first rank's generator) are those of "longflash" on one process, on every
+    rank."""
+    from experiments.scaling import spawn_ranks
+    prompt = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(6))
+    everyone = spawn_ranks(world_size, _ring_generate_worker, prompt, layout, timeout_s=120)
+    model = on_backend(tiny_gpt(attn_sinks=True), "torch").double().eval()
+    greedy = model.generate(prompt, 7, temperature=0)
+    sampled = model.generate(prompt, 5, top_k=40, generator=torch.Generator().manual_seed(3))
+    for rank_greedy, rank_sampled in everyone:
+        assert torch.equal(rank_greedy, greedy) and torch.equal(rank_sampled, sampled)

@@ -22,16 +22,21 @@ Llama: dimension i of the first half pairs with dimension i of the second half.
 
 Generation: `forward(x, kv_cache=KVCache(...))` appends the new tokens' keys and values to the
 cache and attends over everything cached (longflash.attention_with_kvcache: the split-KV
-decoding kernel, with the append and rotary embedding in one kernel on a GPU).
+decoding kernel, with the append and rotary embedding in one kernel on a GPU). With
+attn_impl="ring" each rank's cache holds its part of the sequence: the prompt's shard (run by
+ring attention), then a share of the new tokens, which every rank passes and which attend to
+every rank's part (longflash.parallel.attention_with_sharded_kvcache).
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .interface import _seed_tensor, attention
-from .kvcache import attention_with_kvcache
-from .parallel import ring_attention, shard_positions
+from ._common import FP8_DTYPES
+from .kvcache import attention_with_kvcache, check_descale, quantize
+from .parallel import attention_with_sharded_kvcache, ring_attention, shard_positions
 from .reference import attention_ref
 
 ATTN_IMPLEMENTATIONS = ("longflash", "sdpa", "standard", "ring")
@@ -118,7 +123,9 @@ class KVCache:
     """One attention layer's keys and values for generation: k, v (batch, capacity, nheads_kv,
     headdim), the first `seqlen` positions filled (the same number for every sequence), and
     the rotary tables of positions [0, capacity), made once. MultiheadSelfAttention.forward
-    appends to it and advances seqlen. A float8 dtype (torch.float8_e4m3fn or float8_e5m2)
+    appends to it and advances seqlen and `position`, the tokens seen so far (the whole
+    sequence's; seqlen too, but where the cache is one rank's part of a sharded one,
+    attn_impl="ring"). A float8 dtype (torch.float8_e4m3fn or float8_e5m2)
     keeps them quantized, with k_descale, v_descale as attention_with_kvcache takes them (a
     float or a float32 tensor broadcastable to (batch, nheads_kv); None: 1): half a 16-bit
     cache's memory and bytes read per step."""
@@ -128,8 +135,23 @@ class KVCache:
         self.k = torch.zeros(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.k_descale, self.v_descale = k_descale, v_descale
-        self.seqlen = 0
+        self.seqlen = self.position = 0
         self._rotary = {}
+
+    def store(self, k, v):
+        """Write k, v (batch, n, nheads_kv, headdim) at rows seqlen .. seqlen + n - 1 (quantized
+        as the decoding kernel's append quantizes, for a float8 cache) and advance seqlen."""
+        n = k.shape[1]
+        if self.seqlen + n > self.k.shape[1]:
+            raise ValueError(f"the cache holds {self.k.shape[1]} tokens a sequence; {self.seqlen} "
+                             f"are stored and {n} more do not fit")
+        for name, cache, new, descale in (("k_descale", self.k, k, self.k_descale),
+                                          ("v_descale", self.v, v, self.v_descale)):
+            if cache.dtype in FP8_DTYPES:
+                scale = check_descale(name, descale, new.shape[0], cache, new.device)
+                new = quantize(new, scale, cache.dtype)
+            cache[:, self.seqlen:self.seqlen + n] = new
+        self.seqlen += n
 
     def rotary_tables(self, base):
         """cos, sin (capacity, headdim // 2) of rotary_cos_sin, for every position."""
@@ -162,9 +184,14 @@ class MultiheadSelfAttention(nn.Module):
             sequence's shards (None: the default group; under data x context parallelism, the
             context-parallel group) and its layout ("zigzag" or "contiguous").
     forward(x, kv_cache=None): x (batch, seqlen, embed_dim) -> (batch, seqlen, embed_dim).
-        With a KVCache (inference, attn_impl "longflash"), x holds the tokens after the cached
-        ones: their keys and values are appended and they attend to every cached token, at
-        positions kv_cache.seqlen onwards (no dropout).
+        With a KVCache (inference, causal, attn_impl "longflash" or "ring"), x holds the tokens
+        after the cached ones: their keys and values are appended and they attend to every
+        cached token, at positions kv_cache.position onwards (no dropout). "ring": the first
+        call (an empty cache) takes this rank's shard of the prompt, as without a cache, and
+        its cache keeps the shard's keys and values; later calls take the new tokens, the
+        same on every rank, whose keys and values go to one rank's cache (rank position % P
+        of the group, so the ranks' parts grow in turn) and which attend to every rank's
+        (attention_with_sharded_kvcache).
     """
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, causal=True, bias=False,
@@ -216,9 +243,13 @@ class MultiheadSelfAttention(nn.Module):
         qkv = self.qkv_proj(x).view(batch, seqlen, self.num_heads + 2 * self.num_heads_kv,
                                     self.headdim)  # (B, N, H + 2 Hkv, D)
         q, k, v = qkv.split([self.num_heads, self.num_heads_kv, self.num_heads_kv], dim=2)
-        if kv_cache is not None:
+        prompt_shard = self.attn_impl == "ring" and kv_cache is not None and \
+            kv_cache.position == 0  # attended by the ring, as without a cache
+        if kv_cache is not None and not prompt_shard:
             o = self._attend_cached(q, k, v, kv_cache)
             return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
+        if prompt_shard and not self.causal:
+            raise NotImplementedError("kv_cache needs causal=True")
         if self.rotary:
             positions = shard_positions(seqlen, self.ring_layout, self.ring_group, x.device) \
                 if self.attn_impl == "ring" else None  # a ring shard's: its global positions
@@ -227,13 +258,18 @@ class MultiheadSelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sink = {} if self.sinks is None else dict(learnable_sink=self.sinks)
         o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0, **sink)
+        if prompt_shard:  # the keys and values stay on this rank, for the steps after it
+            kv_cache.store(k, v)
+            kv_cache.position = seqlen * dist.get_world_size(self.ring_group)
         return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
 
     def _attend_cached(self, q, k, v, kv_cache):
-        if self.attn_impl != "longflash" or not self.causal:
-            raise NotImplementedError(f"kv_cache needs causal=True and attn_impl='longflash' "
-                                      f"(the decoding kernel), got causal={self.causal}, "
-                                      f"attn_impl={self.attn_impl!r}")
+        if self.attn_impl not in ("longflash", "ring") or not self.causal:
+            raise NotImplementedError(f"kv_cache needs causal=True and attn_impl 'longflash' "
+                                      f"or 'ring' (the decoding kernel), got causal="
+                                      f"{self.causal}, attn_impl={self.attn_impl!r}")
+        if self.attn_impl == "ring":
+            return self._attend_sharded(q, k, v, kv_cache)
         rotary = {}
         if self.rotary:  # positions kv_cache.seqlen onwards, half-split as in forward
             cos, sin = kv_cache.rotary_tables(self.rotary_base)
@@ -243,6 +279,25 @@ class MultiheadSelfAttention(nn.Module):
                                    learnable_sink=self.sinks, k_descale=kv_cache.k_descale,
                                    v_descale=kv_cache.v_descale, **rotary)
         kv_cache.seqlen += q.shape[1]
+        kv_cache.position += q.shape[1]
+        return o
+
+    def _attend_sharded(self, q, k, v, kv_cache):
+        """New tokens (the same on every rank) over every rank's part of the cache; their keys
+        and values appended on rank position % P."""
+        n = q.shape[1]
+        if self.rotary:  # at their positions in the whole sequence
+            positions = torch.arange(kv_cache.position, kv_cache.position + n, device=q.device)
+            cos, sin = rotary_cos_sin(n, self.headdim, self.rotary_base, q.device, positions)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        append_rank = kv_cache.position % dist.get_world_size(self.ring_group)
+        o = attention_with_sharded_kvcache(
+            q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen, causal=True, backend=self.backend,
+            group=self.ring_group, append_rank=append_rank, learnable_sink=self.sinks,
+            k_descale=kv_cache.k_descale, v_descale=kv_cache.v_descale)
+        if dist.get_rank(self.ring_group) == append_rank:
+            kv_cache.seqlen += n
+        kv_cache.position += n
         return o
 
     def extra_repr(self):

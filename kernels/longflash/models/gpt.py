@@ -16,18 +16,22 @@ over its tokens, and the ranks' gradients are averaged (as DDP does) to give the
 the whole sequence's loss.
 `checkpoint=True` recomputes each block in the backward pass (activation checkpointing).
 `generate` samples with a KV cache (longflash.nn.KVCache per block): the prompt once, then one
-decoding step (attention_with_kvcache) per new token.
+decoding step (attention_with_kvcache) per new token. With "ring", every rank passes the whole
+prompt; each keeps its shard's keys and values and a share of the new tokens' (context
+parallelism at inference: attention_with_sharded_kvcache), and every rank returns the same tokens.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..nn import KVCache, MultiheadSelfAttention
+from ..parallel import shard_positions, shard_sequence
 
 
 @dataclass
@@ -106,7 +110,9 @@ class GPT(nn.Module):
         """idx: (batch, seqlen) int64 -> logits (batch, seqlen, vocab_size), and the mean
         cross-entropy against targets (batch, seqlen) if given (else None). kv_cache: a list of
         one KVCache per block (new_kv_cache) for inference: idx are then the tokens after the
-        cached ones, and are appended to the cache."""
+        cached ones, and are appended to the cache (attn_impl "ring": the first call, on empty
+        caches, takes this rank's shard of the prompt; later ones the new tokens, the same on
+        every rank, longflash.nn.MultiheadSelfAttention)."""
         x = self.drop(self.wte(idx))  # (B, N, C)
         for i, block in enumerate(self.blocks):
             if kv_cache is not None:
@@ -139,16 +145,32 @@ class GPT(nn.Module):
         token is one decoding step over it. kv_cache_dtype, k_descale, v_descale: the cache's
         dtype (default the model's; a float8 one quantizes it) and a float8 cache's scales,
         as new_kv_cache takes them. Returns (batch, seqlen + max_new_tokens). Call it in eval
-        mode (dropout would apply otherwise)."""
+        mode (dropout would apply otherwise).
+        attn_impl "ring": call it on every rank of the group with the same idx; the prompt's
+        length must be divisible by the layout's chunks (2P zigzag, P contiguous). Each rank's
+        caches hold its shard of the prompt and every P-th new token; the group's first rank
+        samples (with its generator) and sends each token to the others, so every rank returns
+        the same tokens."""
         if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        cache = self.new_kv_cache(idx.shape[0], idx.shape[1] + max_new_tokens, kv_cache_dtype,
-                                  k_descale, v_descale)
-        tokens, step = [idx], idx
-        for _ in range(max_new_tokens):
+        group = None  # the context-parallel group, with "ring"
+        step, capacity = idx, idx.shape[1] + max_new_tokens
+        if self.config.attn_impl == "ring":
+            group = self.blocks[0].attn.ring_group or dist.group.WORLD
+            world = dist.get_world_size(group)
+            step = shard_sequence(idx, self.config.ring_layout, group)
+            capacity = step.shape[1] + -(-max_new_tokens // world)  # its share of the new ones
+        cache = self.new_kv_cache(idx.shape[0], capacity, kv_cache_dtype, k_descale, v_descale)
+        tokens = [idx]
+        for t in range(max_new_tokens):
             logits = self(step, kv_cache=cache)[0][:, -1].float()  # (B, V)
+            if group is not None and t == 0:  # the prompt's last token's, from its rank
+                positions = shard_positions(step.shape[1], self.config.ring_layout, group)
+                if int(positions[-1]) != idx.shape[1] - 1:
+                    logits = torch.zeros_like(logits)
+                dist.all_reduce(logits, group=group)
             if temperature == 0:
                 step = logits.argmax(-1, keepdim=True)
             else:
@@ -157,5 +179,7 @@ class GPT(nn.Module):
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 step = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            if group is not None:  # the first rank's draw
+                dist.broadcast(step, src=dist.get_global_rank(group, 0), group=group)
             tokens.append(step)
         return torch.cat(tokens, dim=1)
