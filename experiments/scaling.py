@@ -64,6 +64,17 @@ Parts and metrics:
               the tests' tolerance rule (longflash.reference.error_bound: 2x the error of
               "standard" attention in the input dtype plus a rounding floor); exact means
               every max_err_<x> <= error_bound_<x>.
+  decode      decoding over a KV cache sharded across the ranks (longflash.parallel.
+              attention_with_sharded_kvcache): the cache's seqlen_k tokens in P contiguous
+              parts of tokens_per_rank (layout "contiguous"), one step of one new token
+              (seqlen_q 1) that appends its key and value on rank 0, decode_shape, ranks
+              decode_ranks (1: a group of one, the same call without collectives). At each of decode_seqlens, cfg.dtype: time_ms (a step, the slowest rank's
+              median of 1 + 5), cache_mb (the largest rank's part of the cache, keys and values,
+              MiB) and sent_kb (KiB a rank hands torch.distributed in a step: the merge's two
+              all_reduces and the argument check's all_gather, counted at torch.distributed).
+              At decode_exact_seqlen, for each of exact_dtypes: max_err_o, max_err_lse against
+              float64 attention over the whole cache and the new token, and beside each
+              error_bound_<x>, the tests' tolerance rule (as in part variants).
   long        one long causal sequence through the ring of `long_ranks` emulated ranks,
               forward, lengths doubling while the time budget lasts (each run is predicted
               at 4x the previous): time_ms (one call, between barriers), peak_mem_mb (per
@@ -133,6 +144,10 @@ class Config:
     variant_ranks: tuple = (2, 4, 8)      # part variants
     variant_tokens_per_rank: int = 256
     variant_dtypes: tuple = ("float32", "bfloat16")
+    decode_ranks: tuple = (1, 2, 4, 8)    # part decode: one query over a sharded cache
+    decode_shape: tuple = (1, 8, 2, 64)   # (batch, nheads, nheads_kv, headdim): GQA 4
+    decode_seqlens: tuple = (2**14, 2**16, 2**18, 2**20)  # cache lengths timed (16K .. 1M)
+    decode_exact_seqlen: int = 2**16      # checked against float64 there (exact_dtypes)
     block_device: str = "cpu"             # blocks and projection: where the blocks are timed,
     block_shape: tuple = (1, 4, 2, 64)    # ... their shape (default: as the gloo ranks',
     block_dtype: str = "float32"          # so that projection and measurement compare)
@@ -162,9 +177,11 @@ QUICK = dict(
     tokens_per_rank=64, memory_ranks=(1, 2), weak_ranks=(1, 2, 4), block_shape=(1, 2, 1, 16),
     block_tokens_per_rank=64, projection_ranks=(1, 2, 64), window_ranks=(2, 4),
     window_tokens_per_rank=32, window_left=4, variant_ranks=(2,), variant_tokens_per_rank=16,
-    variant_dtypes=("float32",), long_ranks=2, long_seqlens=(256, 512),
+    variant_dtypes=("float32",), decode_ranks=(1, 2), decode_shape=(1, 2, 1, 16),
+    decode_seqlens=(64, 256), decode_exact_seqlen=64, long_ranks=2, long_seqlens=(256, 512),
     long_budget_s=30.0, long_check_rows=4)
-PARTS = ("exactness", "memory", "weak", "blocks", "projection", "window", "variants", "long")
+PARTS = ("exactness", "memory", "weak", "blocks", "projection", "window", "variants", "decode",
+         "long")
 # beside experiments.results.KEY_COLUMNS
 KEY_COLUMNS = ("part", "layout", "ranks", "link", "window_left", "variant")
 # Part variants: name -> f(global seqlen, tokens per rank, nheads) -> ring_attention's options
@@ -457,6 +474,78 @@ def _variants(rank, world_size, cfg):
     return rows
 
 
+def _decode(rank, world_size, cfg):
+    """Part decode: one decoding step over a cache in contiguous parts, one a rank; checked
+    against float64 at decode_exact_seqlen, timed at each of decode_seqlens."""
+    rows, shape = [], cfg.decode_shape
+    batch, nheads, nheads_kv, headdim = shape
+
+    def part_and_step(n, dtype, seed, whole):
+        """This rank's part of a cache of n tokens (room for the step's token), the step's q,
+        k, v (the same on every rank), the whole cache if `whole` (drawn from one seed on
+        every rank, else this rank's part drawn alone: the whole never exists)."""
+        gen = torch.Generator().manual_seed(seed)
+        draw = lambda *size: torch.randn(*size, generator=gen).to(getattr(torch, dtype))  # noqa
+        q, k_new, v_new = draw(batch, 1, nheads, headdim), *(draw(batch, 1, nheads_kv, headdim)
+                                                             for _ in range(2))
+        t = n // world_size
+        if whole:
+            k, v = (draw(batch, n, nheads_kv, headdim) for _ in range(2))
+            parts = [x[:, rank * t:(rank + 1) * t] for x in (k, v)]
+        else:
+            gen.manual_seed(seed + 1 + rank)
+            parts, k, v = [draw(batch, t, nheads_kv, headdim) for _ in range(2)], None, None
+        caches = [torch.cat([x, torch.zeros_like(x[:, :1])], 1) for x in parts]  # (B, t + 1, ..)
+        return q, k_new, v_new, caches, t, k, v
+
+    def step(q, k_new, v_new, caches, t):
+        return parallel.attention_with_sharded_kvcache(
+            q, *caches, k_new, v_new, t, causal=True, return_lse=True, backend=CPU_BACKEND)
+
+    n = cfg.decode_exact_seqlen
+    for dtype in cfg.exact_dtypes:
+        q, k_new, v_new, caches, t, k, v = part_and_step(n, dtype, seed=4000, whole=True)
+        o, lse = step(q, k_new, v_new, caches, t)
+        if rank != 0:
+            continue
+        keys, values = (torch.cat([x, new], 1) for x, new in ((k, k_new), (v, v_new)))
+        ref = longflash.attention_ref(*(x.double() for x in (q, keys, values)))
+        lowp = longflash.attention_ref(q, keys, values, upcast=False)
+        for name, x, low, r in zip(("o", "lse"), (o, lse), lowp, ref):
+            err, err_lowp = ((y.double() - r).abs().max().item() for y in (x, low))
+            bound = error_bound(err_lowp, r.abs().max().item(), q.dtype)
+            rows += [_row(shape, dtype, "decode", "contiguous", world_size, t, "fwd", metric,
+                          value, "abs", seqlen_q=1, seqlen_k=n)
+                     for metric, value in ((f"max_err_{name}", err), (f"error_bound_{name}",
+                                                                      bound))]
+    sent, collectives = [0], {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def counted(name):
+        def call(tensor, *args, **kwargs):
+            tensors = tensor if isinstance(tensor, list) else [tensor]  # all_gather: the output
+            sent[0] += sum(x.numel() * x.element_size() for x in tensors[:1])
+            return collectives[name](tensor, *args, **kwargs)
+        return call
+    for n in cfg.decode_seqlens:
+        inputs = part_and_step(n, cfg.dtype, seed=5000 + n, whole=False)[:5]
+        sent[0] = 0
+        with unittest.mock.patch.multiple(dist, **{name: counted(name) for name in collectives}):
+            step(*inputs)  # also the warm-up
+        if world_size == 1:
+            sent[0] = 0  # a group of one: the calls send nothing
+        cache_mb = sum(x.numel() * x.element_size() for x in inputs[3]) / MB
+        (sent_kb, cache_mb) = _max_over_ranks(sent[0] / 1024, cache_mb)
+        dist.barrier()
+        med, p20, p80 = _max_over_ranks(*time_ms(lambda: step(*inputs), "cpu", warmup=0, rep=0))
+        del inputs
+        row = lambda *a, **kw: _row(shape, cfg.dtype, "decode", "contiguous",  # noqa: E731
+                                    world_size, n // world_size, "fwd", *a, seqlen_q=1,
+                                    seqlen_k=n, **kw)
+        rows += [row("time_ms", med, "ms", p20=p20, p80=p80), row("cache_mb", cache_mb, "MiB"),
+                 row("sent_kb", sent_kb, "KiB")]
+    return rows if rank == 0 else []
+
+
 def _long(rank, world_size, cfg):
     rows, start = [], time.perf_counter()
     shape, predicted = cfg.long_shape, 0.0
@@ -524,6 +613,8 @@ def _ranks_worker(rank, world_size, cfg, parts):
         rows += _window(rank, world_size, cfg)
     if "variants" in parts and world_size in cfg.variant_ranks:
         rows += _variants(rank, world_size, cfg)
+    if "decode" in parts and world_size in cfg.decode_ranks:
+        rows += _decode(rank, world_size, cfg)
     return rows
 
 
@@ -746,12 +837,16 @@ def _failed(cfg, parts, world_size, error):
             weak=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"),
             window=((cfg.dtype,), cfg.window_tokens_per_rank, "fwd_bwd", "time_ms"),
             variants=(cfg.variant_dtypes, cfg.variant_tokens_per_rank, "fwd", "max_err_o"),
+            decode=(cfg.exact_dtypes, cfg.decode_exact_seqlen // world_size, "fwd",
+                    "max_err_o"),
             long=((cfg.dtype,), cfg.tokens_per_rank, "fwd_bwd", "time_ms"))[part]
-        rows += [_row(cfg.shape, dtype, part, layout, world_size, tokens, mode, metric,
-                      math.nan, "", causal=cfg.causal, status=status, note=note,
-                      window_left=cfg.window_left if part == "window" else None,
-                      variant=variant)
-                 for dtype in dtypes for layout in cfg.layouts
+        decode = dict(seqlen_q=1, seqlen_k=cfg.decode_exact_seqlen) if part == "decode" else {}
+        rows += [_row(cfg.decode_shape if decode else cfg.shape, dtype, part, layout, world_size,
+                      tokens, mode, metric, math.nan, "", causal=cfg.causal, status=status,
+                      note=note, window_left=cfg.window_left if part == "window" else None,
+                      variant=variant, **decode)
+                 for dtype in dtypes
+                 for layout in (("contiguous",) if part == "decode" else cfg.layouts)
                  for variant in (VARIANTS if part == "variants" else (None,))]
     return rows
 
@@ -807,7 +902,8 @@ def main():
                          | set(cfg.memory_ranks if "memory" in parts else ())
                          | set(cfg.weak_ranks if "weak" in parts else ())
                          | set(cfg.window_ranks if "window" in parts else ())
-                         | set(cfg.variant_ranks if "variants" in parts else ()))
+                         | set(cfg.variant_ranks if "variants" in parts else ())
+                         | set(cfg.decode_ranks if "decode" in parts else ()))
     tflops_rows = []  # weak scaling: flop_efficiency is relative to one rank
     for world_size in world_sizes:
         t0 = time.perf_counter()
@@ -816,7 +912,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - recorded as status rows
             log(f"{world_size} ranks failed: {e}")
             rows = _failed(cfg, [p for p in parts if p in ("exactness", "memory", "weak",
-                                                           "window", "variants")],
+                                                           "window", "variants", "decode")],
                            world_size, e)
         log(f"{world_size} ranks: {time.perf_counter() - t0:.0f} s (load average "
             f"{load_average()[0]:.1f} on {usable_cores()} cores)")

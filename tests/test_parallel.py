@@ -553,7 +553,7 @@ def test_scaling_experiment_quick(tmp_path):
     df = pd.read_csv(out)
     assert (df["status"] == "ok").all()
     assert set(df["part"]) == {"exactness", "memory", "weak", "blocks", "projection", "window",
-                               "variants", "long"}
+                               "variants", "decode", "long"}
     errors = df[df["metric"].str.startswith("max_err") & (df["dtype"] == "float32")]
     assert (errors["value"] < 1e-4).all()
     assert set(df[df["basis"] == "projected"]["part"]) == {"projection"}
@@ -577,6 +577,19 @@ def test_scaling_experiment_quick(tmp_path):
     assert len(var) == len(VARIANTS) * 2 and var.notna().all().all()
     for name in ("o", "lse", "dq", "dk", "dv"):
         assert (var[f"max_err_{name}"] <= var[f"error_bound_{name}"]).all(), name
+    # Part decode: exact; each rank holds its part of the cache (and the step's slot); what a
+    # rank sends in a step does not grow with the cache
+    dec = df[df["part"] == "decode"].pivot_table(index=["ranks", "seqlen_k"], columns="metric",
+                                                 values="value")
+    exact = dec.dropna(subset=["max_err_o"])
+    assert len(exact) == 2 and (exact["max_err_o"] <= exact["error_bound_o"]).all()
+    assert (exact["max_err_lse"] <= exact["error_bound_lse"]).all()
+    timed = dec.dropna(subset=["time_ms"]).reset_index()
+    assert len(timed) == 2 * 2 and (timed["time_ms"] > 0).all()
+    slots = timed["seqlen_k"] // timed["ranks"] + 1
+    assert (timed["cache_mb"] == 2 * slots * 1 * 16 * 4 / 2**20).all()  # k, v; QUICK's shape
+    sent = timed.set_index(["ranks", "seqlen_k"])["sent_kb"]
+    assert (sent[1] == 0).all() and sent[2].nunique() == 1 and (sent[2] > 0).all()
 
 
 # ----------------------------------------------------------------------------- the one-GPU long run
