@@ -11,7 +11,8 @@ kernels, for CUDA tensors). `attention(..., backend="auto" | "triton" | "torch")
 chooses among them.
 
 Sequence parallelism: `longflash.parallel.ring_attention` (ring attention over a
-torch.distributed process group). Decoding: `attention_with_kvcache`, and with a prefix shared
+torch.distributed process group), and `longflash.parallel.attention_with_sharded_kvcache`
+(decoding over a KV cache spread across the group's ranks). Decoding: `attention_with_kvcache`, and with a prefix shared
 by the batch `attention_with_shared_prefix`; `merge_attention` merges attention over parts of
 the keys exactly. FlashAttention-2's
 functions with their exact signatures: `from longflash.flash_attn import flash_attn_func`.

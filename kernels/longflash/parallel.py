@@ -62,6 +62,7 @@ Dropout over the global sequence: a call per pair of chunks, as for ALiBi, each 
 its rows and keys stand in the whole sequence (the kernels' dropout counter counts from
 there), so each rank drops exactly what one device running the whole sequence drops with
 the same seed.
+Generation over the shards a ring leaves: attention_with_sharded_kvcache (sharded_kvcache.py).
 Limits: causal, windows, ALiBi, dropout and packed sequences need seqlen_q == seqlen_k
 (self-attention); no dropout over packed sequences; the backward is not captured by
 torch.compile (a torch.autograd.Function with communication inside).
