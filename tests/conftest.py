@@ -101,6 +101,19 @@ def check_close(name, out, out_lowp, ref):
     assert err <= bound, f"{name}: {err:.3e} > {bound:.1e} (2 * {err_lowp:.3e} + floor)"
 
 
+def errors_raised(calls):
+    """{name: (exception type name, message), or None if it raised nothing} of each call, for
+    ranks that send what they raised back to the parent (picklable, unlike some exceptions)."""
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - recorded, asserted on in the parent
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
 def _outputs_and_grads(fn, inputs, do, dlse):
     """fn(*inputs) -> (o, lse); returns o, lse and the gradients of sum(o * do) +
     sum(lse * dlse) (rows with a finite lse) with respect to every input."""

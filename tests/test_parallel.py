@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import check_close, needs_triton
+from conftest import check_close, errors_raised, needs_triton
 from experiments.scaling import VARIANTS, project, spawn_ranks
 from longflash import _common, attention_ref, attention_varlen_ref
 from longflash.parallel import _Ring, _calls, _lane_srcs, _lanes, _rank_chunks, \
@@ -227,14 +227,7 @@ def _errors(rank):
     # A group this rank is not in: every rank must create it, only rank 0 is a member.
     only_rank0 = dist.new_group([0])
     calls["not_in_group"] = lambda: ring_attention(x, x, x, group=only_rank0, backend="torch")
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - recorded, asserted on in the parent
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    return errors_raised(calls)
 
 
 def _worker(rank, world_size):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import check_close, needs_triton
+from conftest import check_close, errors_raised, needs_triton
 from experiments.scaling import spawn_ranks
 from longflash import _common, attention_ref
 from longflash.kvcache import quantize
@@ -248,14 +248,7 @@ def _errors(rank):
         "one_rank_fails": lambda: attention_with_sharded_kvcache(
             q, cache[..., :8 - 2 * rank], cache, cache_seqlens=2, backend="torch"),
     }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - recorded, asserted on in the parent
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    return errors_raised(calls)
 
 
 EXPECTED_ERRORS = {  # name -> (rank 0's, rank 1's): (type, a piece of the message)
