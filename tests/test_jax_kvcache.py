@@ -9,6 +9,7 @@ appended caches exactly. Tiles of 16 keys, so the odd capacities end in a partia
 
 import numpy as np
 import pytest
+import torch
 
 jax = pytest.importorskip("jax", reason="JAX not installed: pip install .[jax]")
 import jax.numpy as jnp  # noqa: E402
@@ -240,6 +241,96 @@ def test_learnable_sink():
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-12, atol=1e-12)
 
 
+FP8 = ["float8_e4m3fn", "float8_e5m2"]
+
+
+def _torch_bits(x):
+    """A torch float8 tensor's bytes as a numpy uint8 array."""
+    return x.view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("fmt", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_quantize_is_torchs_bit_for_bit(fmt):
+    """jax_kvcache.quantize gives the bytes of kvcache.quantize (the PyTorch path's append, which
+    the Triton kernel matches): normal values, ties between two float8 values, subnormals,
+    zeros of both signs, values past the largest (saturated), each with a per-(sequence, head)
+    scale."""
+    from longflash import kvcache
+    from longflash.jax_kvcache import quantize
+    dtype = getattr(torch, fmt)
+    rng = np.random.default_rng(7)
+    values = [rng.standard_normal((2, 64, 2, 16)).astype(np.float32) * 40]
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # every float8 value
+    grid = grid[torch.isfinite(grid)].sort().values
+    ties = ((grid[1:] + grid[:-1]) / 2).numpy()  # halfway between neighbours: nearest even
+    edge = np.concatenate([ties, grid.numpy(), [0.0, -0.0, 1e-9, -1e-9, 1e6, -1e6]])
+    values.append(np.resize(edge, (2, edge.size // 4 + 1, 2, 1)).astype(np.float32))
+    for x in values:
+        scale = rng.uniform(0.5, 2.0, (2, 2)).astype(np.float32) if x is values[0] else \
+            np.ones((2, 2), np.float32)
+        want = _torch_bits(kvcache.quantize(torch.from_numpy(x), torch.from_numpy(scale), dtype))
+        got = np.asarray(quantize(jnp.asarray(x), jnp.asarray(scale), getattr(jnp, fmt)))
+        np.testing.assert_array_equal(got.view(np.uint8), want)
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("fmt", FP8, ids=["e4m3", "e5m2"])
+def test_fp8_cache_matches_reference(fmt, page_size):
+    """A float8 cache with per-(sequence, head) key scales and one value scale: o and lse
+    (float32 queries) against the float64 reference over the cache's entries times their
+    scales (the tolerance rule; the float32 computation over the same values the yardstick),
+    the new keys and values appended as kvcache.quantize stores them, the rows past each
+    sequence's end NaN (never read), and o and lse equal to longflash.attention_with_kvcache's
+    (the PyTorch path) on the same cache."""
+    import longflash
+    from longflash import kvcache
+    from longflash.jax_kvcache import quantize
+    case = (2, 3, 6, 2, 40, 40, 97, [60, 13], 3, dict(causal=True))
+    *arrays, lengths = make_inputs(case)
+    q, k_cache, v_cache, k, v = (x.astype(jnp.float32) for x in arrays)
+    fp8 = getattr(jnp, fmt)
+    k_descale = jnp.asarray(np.random.default_rng(8).uniform(0.01, 0.05, (2, 2)), jnp.float32)
+    v_descale = 1 / 32
+    v_scale = jnp.full((2, 2), v_descale, jnp.float32)
+    past_end = np.arange(97)[None, :] >= np.asarray(lengths)[:, None]
+    caches = [jnp.where(past_end[:, :, None, None], jnp.nan, quantize(c, s, fp8))
+              for c, s in ((k_cache, k_descale), (v_cache, v_scale))]
+    table = None
+    if page_size:
+        (k_pages, table), (v_pages, _) = (paged(c, page_size) for c in caches)
+        caches = [k_pages, v_pages]
+    (o, lse), k_out, v_out = lj.attention_with_kvcache(
+        q, *caches, k, v, cache_seqlens=lengths, block_table=table, return_lse=True,
+        k_descale=k_descale, v_descale=v_descale, block_n=16, **case[-1])
+    got = [np.asarray(x) if table is None else unpaged(x, table, 97) for x in (k_out, v_out)]
+    for name, out, cache, new, scale in (("k", got[0], k_cache, k, k_descale),
+                                         ("v", got[1], v_cache, v, v_scale)):
+        want = quantize(jnp.asarray(appended(cache, new, lengths)), scale, fp8)  # the rows in use
+        used = ~(np.arange(97)[None, :] >= np.asarray(lengths)[:, None] + 3)
+        np.testing.assert_array_equal(out.view(np.uint8)[used], np.asarray(want).view(
+            np.uint8)[used], err_msg=f"{name}_cache")
+        torch_rows = kvcache.quantize(to_torch(new), to_torch(scale), getattr(torch, fmt))
+        for b, n in enumerate(np.asarray(lengths)):  # the appended rows: the PyTorch path's bytes
+            np.testing.assert_array_equal(out[b, n:n + 3].view(np.uint8), _torch_bits(
+                torch_rows[b]), err_msg=f"{name}_cache appended")
+    deq = [jnp.asarray(np.where(past_end[:, :, None, None] & ~used[:, :, None, None], 0.0,
+                                x.astype(np.float64))) * s.astype(jnp.float64)[:, None, :, None]
+           for x, s in ((got[0], k_descale), (got[1], v_scale))]
+    ref64 = reference(q.astype(jnp.float64), *deq, lengths, 3, **case[-1])
+    ref32 = reference(q, *(x.astype(jnp.float32) for x in deq), lengths, 3, **case[-1])
+    label = f"{fmt}-{page_size}"
+    for name, a, b, r in zip(("o", "lse"), (o, lse), ref32, ref64):
+        check_close(f"{label} {name}", to_torch(a), to_torch(b), to_torch(r))
+    t_caches = [torch.from_numpy(np.array(c).view(np.uint8)).view(getattr(torch, fmt))
+                for c in caches]
+    o_t, lse_t = longflash.attention_with_kvcache(
+        to_torch(q), *t_caches, to_torch(k), to_torch(v), cache_seqlens=to_torch(lengths).long(),
+        block_table=None if table is None else to_torch(table), return_lse=True,
+        k_descale=to_torch(k_descale), v_descale=v_descale, backend="torch", **case[-1])
+    np.testing.assert_allclose(np.asarray(o), o_t.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), lse_t.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _bad_inputs():
     """(keywords replacing the valid call's, error, message)."""
     x = np.zeros
@@ -279,6 +370,14 @@ def _bad_inputs():
          ValueError, r"rotary_dim \(2 \* rotary_cos.shape\[1\] = 40\)"),
         (dict(rotary_cos=x((3, 8), np.float32), rotary_sin=x((3, 8), np.float32)), ValueError,
          "position 3 is needed"),
+        (dict(k_descale=0.5), ValueError, "k_descale dequantizes a float8 cache"),
+        (dict(k_cache=x((2, 40, 2, 32), jnp.float8_e4m3fn)), TypeError,
+         "a float8 cache's keys and values must have one dtype"),
+        (dict(k_cache=x((2, 40, 2, 32), jnp.float8_e5m2), v_cache=x((2, 40, 2, 32),
+              jnp.float8_e5m2), v_descale=-1.0), ValueError, "v_descale must be positive"),
+        (dict(k_cache=x((2, 40, 2, 32), jnp.float8_e5m2), v_cache=x((2, 40, 2, 32),
+              jnp.float8_e5m2), k_descale=x((3, 2), np.float32)), TypeError,
+         r"k_descale must be a float, or a float32 array broadcastable to \(batch, nheads_kv\)"),
     ]
 
 

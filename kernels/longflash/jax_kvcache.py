@@ -10,6 +10,9 @@ acc (online softmax), and masks each key against its own sequence's length, caus
 alignment and window. JAX arrays are immutable: the appended caches are returned, and
 inside a jitted step whose caches are donated (`jax.jit(step, donate_argnums=...)`) XLA
 writes them in place; an eager call, or one without donation, copies each cache.
+A float8 cache (k_descale, v_descale) as the PyTorch path keeps one: new keys quantized as
+`kvcache.quantize` quantizes them, each tile converted as it is read, the key scale folded
+into the softmax scale and the value scale into the output.
 """
 
 import functools
@@ -26,6 +29,7 @@ from .jax import (_DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slo
                   _with_sink)
 
 BLOCK_N = 256  # keys a tile
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))  # a cache's, as torch's
 
 
 class _Config(NamedTuple):
@@ -42,7 +46,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_lse=False, *, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, learnable_sink=None, attn_mask=None,
-                           block_n=BLOCK_N):
+                           k_descale=None, v_descale=None, block_n=BLOCK_N):
     """Attention of a few new queries over a KV cache, after appending new keys and values
     (FlashAttention-2's flash_attn_with_kvcache, and `longflash.attention_with_kvcache`, with
     JAX's immutable arrays: the updated caches are returned).
@@ -51,11 +55,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         q: (batch, seqlen_q, nheads, headdim); seqlen_q is small: 1 for decoding, a few for
             speculative decoding or a chunk of a prefill.
         k_cache, v_cache: (batch, capacity, nheads_kv, headdim), or, with block_table, a paged
-            cache (num_pages, page_size, nheads_kv, headdim); q's dtype; nheads % nheads_kv
-            == 0 (GQA: the cache is never repeated); v_cache's head dim may differ (MLA).
+            cache (num_pages, page_size, nheads_kv, headdim); q's dtype, or both float8
+            (jnp.float8_e4m3fn or float8_e5m2: a quantized cache, see k_descale); nheads %
+            nheads_kv == 0 (GQA: the cache is never repeated); v_cache's head dim may differ
+            (MLA).
         k, v: (batch, seqlen_new, nheads_kv, headdim) or None (v with v_cache's head dim),
             q's dtype: written into the caches at positions cache_seqlens[b] ...
-            cache_seqlens[b] + seqlen_new - 1 before attending.
+            cache_seqlens[b] + seqlen_new - 1 before attending (into a float8 cache
+            quantized: k / k_descale rounded to nearest even, saturated at the format's
+            largest finite value, bit for bit as longflash.attention_with_kvcache).
         cache_seqlens: int, or (batch,) integer array: each sequence's length before the
             append; default: the whole capacity (minus seqlen_new). Checked against the
             capacity when its value is known (an int, or a concrete array); a traced one
@@ -89,6 +97,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             traced length past L reads column L - 1). For tree attention in speculative
             decoding: the draft tokens' tree as a (batch, 1, seqlen_q, L) boolean mask.
             Each tile gathers its entries; a broadcast mask is never materialized.
+        k_descale, v_descale: None (1.0), a positive float, or a float32 array broadcastable
+            to (batch, nheads_kv), only with a float8 cache: the keys and values attended are
+            k_cache * k_descale and v_cache * v_descale, in float32, as in
+            `longflash.attention_with_kvcache`.
         block_n: keys a tile (default 256; capped at the capacity).
     Returns (out, k_cache, v_cache): out is o (batch, seqlen_q, nheads, headdim of v_cache),
     or (o, lse) with return_lse; the caches with k and v appended (the same arrays without
@@ -109,6 +121,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     rotary = _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen,
                            seqlen_new, q_in_order)
     bias = _check_mask(attn_mask, q, None if max_seqlen is None else max_seqlen + seqlen_new)
+    descales = [_check_descale(name, x, q.shape[0], k_cache)
+                for name, x in (("k_descale", k_descale), ("v_descale", v_descale))]
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
         raise ValueError(f"block_n must be a positive int, got {block_n!r}")
     cfg = _Config(float(resolve_softmax_scale(softmax_scale, q.shape[3])), int(window_size[0]),
@@ -116,7 +130,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if rotary is not None:
         q, k = _rotate(q, k, *rotary, rotary_interleaved, seqlens, q_in_order)
     o, lse, k_cache, v_cache = _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes,
-                                        bias, cfg)
+                                        bias, *descales, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return ((o, lse) if return_lse else o), k_cache, v_cache
@@ -139,10 +153,48 @@ def _check_arrays(q, k_cache, v_cache, k, v):
         if name == "q" and x.dtype not in [jnp.dtype(d) for d in _DTYPES]:
             raise TypeError(f"q has dtype {x.dtype}; accepted: float16, bfloat16, float32, "
                             f"float64 (with jax_enable_x64)")
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}: they must match")
+        if x.dtype != q.dtype and not (name.endswith("cache") and x.dtype in FP8_DTYPES):
+            raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}: they must match (or "
+                            f"the caches be float8: float8_e4m3fn, float8_e5m2)")
         arrays.append(jnp.asarray(x))
+    if (k_cache.dtype in FP8_DTYPES or v_cache.dtype in FP8_DTYPES) and \
+            k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"v_cache has dtype {v_cache.dtype}, k_cache has {k_cache.dtype}: a "
+                        f"float8 cache's keys and values must have one dtype")
     return arrays
+
+
+def _check_descale(name, descale, batch, k_cache):
+    """k_descale or v_descale -> None or a (batch, nheads_kv) float32 array, as the PyTorch
+    path's kvcache.check_descale accepts them."""
+    if descale is None:
+        return None
+    if k_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"{name} dequantizes a float8 cache (float8_e4m3fn, float8_e5m2); "
+                         f"k_cache has dtype {k_cache.dtype}")
+    shape = (batch, k_cache.shape[2])  # (batch, nheads_kv)
+    if isinstance(descale, (int, float)) and not isinstance(descale, bool):
+        if not 0 < descale < float("inf"):
+            raise ValueError(f"{name} must be positive and finite, got {descale}")
+        return jnp.full(shape, descale, jnp.float32)
+    if not isinstance(descale, (jax.Array, np.ndarray)) or descale.dtype != np.float32 or \
+            descale.ndim > 2 or any(n not in (1, m) for n, m in zip(descale.shape[::-1],
+                                                                    shape[::-1])):
+        raise TypeError(f"{name} must be a float, or a float32 array broadcastable to (batch, "
+                        f"nheads_kv) = {shape}, got {getattr(descale, 'dtype', type(descale))} "
+                        f"{tuple(getattr(descale, 'shape', ()))}")
+    return jnp.broadcast_to(jnp.asarray(descale), shape)
+
+
+def quantize(x, descale, dtype):
+    """x (batch, seqlen, nheads_kv, headdim) as a float8 cache of `dtype` stores it, as
+    kvcache.quantize: x / descale in float32, saturated at the format's largest finite value,
+    rounded to nearest even. descale: None (1) or (batch, nheads_kv)."""
+    x = x.astype(jnp.float32)
+    if descale is not None:
+        x = x / descale[:, None, :, None]
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -limit, limit).astype(dtype)
 
 
 def _check_cache(q, k_cache, v_cache, k, v, block_table):
@@ -245,14 +297,18 @@ def _check_seqlens(cache_seqlens, batch, seqlen_new, capacity):
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes, bias, cfg):
+def _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes, bias, k_descale,
+             v_descale, cfg):
     """Checked arguments -> (o, lse, k_cache, v_cache)."""
     seqlen_new = 0
     if k is not None:
         seqlen_new = k.shape[1]
+        if k_cache.dtype in FP8_DTYPES:
+            k, v = quantize(k, k_descale, k_cache.dtype), quantize(v, v_descale, v_cache.dtype)
         k_cache = _append(k_cache, k, seqlens, block_table)
         v_cache = _append(v_cache, v, seqlens, block_table)
-    o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, slopes, bias, cfg)
+    o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, slopes, bias,
+                      k_descale, v_descale, cfg)
     return o, lse, k_cache, v_cache
 
 
@@ -281,10 +337,12 @@ def _read(cache, block_table, start_n, block_n):
     return x.transpose(0, 2, 1, 3)
 
 
-def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, cfg):
+def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, k_descale, v_descale,
+             cfg):
     """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype, over the
     first seqlens_k[b] keys of each sequence. slopes: None or ALiBi's (B or 1, H); bias: None
-    or attn_mask, 4-D (B or 1, H or 1, Nq or 1, L)."""
+    or attn_mask, 4-D (B or 1, H or 1, Nq or 1, L); k_descale, v_descale: None or a float8
+    cache's scales, (B, Hkv) float32."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv, headdim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_kv
@@ -296,6 +354,9 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, cfg):
     q_packed = q.astype(dtype).reshape(batch, seqlen_q, nheads_kv, group, headdim).transpose(
         0, 2, 1, 3, 4).reshape(batch, nheads_kv, M, headdim)
     i = jnp.arange(M) // group  # query position of each row
+    qk_scale = cfg.softmax_scale  # a float8 cache's key scale folds into it: (B, Hkv, 1, 1)
+    if k_descale is not None:
+        qk_scale = k_descale.astype(dtype)[:, :, None, None] * qk_scale
     offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
     diag = (offset[:, None] + i)[:, None, :, None]  # (B, 1, M, 1)
     if slopes is not None:  # (B or 1, H) -> (B or 1, Hkv, M, 1): row r's head's slope
@@ -325,7 +386,7 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, cfg):
         # rows past a sequence's end may hold anything (NaN too): p = 0 must not meet them
         v_j = jnp.where(in_seq[:, None, :, None], v_j, 0)
         # -- compute scores (B, Hkv, M, BN), in FlashAttention-2's order --
-        qk = jnp.einsum("bhmd,bhnd->bhmn", q_packed, k_j, precision=_HIGHEST) * cfg.softmax_scale
+        qk = jnp.einsum("bhmd,bhnd->bhmn", q_packed, k_j, precision=_HIGHEST) * qk_scale
         if cfg.softcap > 0:
             qk = cfg.softcap * jnp.tanh(qk / cfg.softcap)
         if slopes is not None:
@@ -361,6 +422,8 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, cfg):
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = jnp.where(l_i == 0, 1.0, l_i)
     o = acc / l_safe[..., None]
+    if v_descale is not None:  # a float8 cache's value scale, (B, Hkv, 1, 1)
+        o = o * v_descale.astype(dtype)[:, :, None, None]
     lse = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
     # (B, Hkv, M, Dv) -> (B, seqlen_q, nheads, Dv); (B, Hkv, M) -> (B, nheads, seqlen_q)
     o = o.reshape(batch, nheads_kv, seqlen_q, group, headdim_v).transpose(0, 2, 1, 3, 4)
