@@ -443,10 +443,17 @@ def _ring_cache_worker(rank, world_size, x):
     """The ring module over a cache: this rank's shard of the prompt, then the new tokens of
     each step on every rank; the prompt's output gathered, each step's, and this rank's
     cache lengths after each call."""
+    import unittest.mock
+    from longflash import nn as lf_nn
     from longflash.parallel import shard_sequence, unshard_sequence
     module = _ring_module()
     cache = KVCache(1, 8 // world_size + 3, 2, 16, dtype=torch.float64)
-    with torch.no_grad():
+    checks, sharded = [], lf_nn.attention_with_sharded_kvcache
+
+    def spy(*args, **kwargs):
+        checks.append(kwargs["check_ranks"])
+        return sharded(*args, **kwargs)
+    with torch.no_grad(), unittest.mock.patch.object(lf_nn, "attention_with_sharded_kvcache", spy):
         outs = [unshard_sequence(module(shard_sequence(x[:, :8]), cache))]
         lengths = [(cache.seqlen, cache.position)]
         start = 8
@@ -454,6 +461,7 @@ def _ring_cache_worker(rank, world_size, x):
             outs.append(module(x[:, start:start + n], cache))
             lengths.append((cache.seqlen, cache.position))
             start += n
+    assert checks == [True] + [False] * (len(RING_STEPS) - 1), checks  # the first step only
     return outs, lengths
 
 
@@ -462,7 +470,7 @@ def test_ring_module_with_a_sharded_kv_cache(world_size):
     """attn_impl="ring" over a KV cache on gloo ranks (float64; rotary, GQA, sinks): the
     prompt's shard through ring attention, then steps of 2, 1 and 2 new tokens over every
     rank's part, give what "longflash" gives on the whole sequence at once; each step's keys
-    land on rank position % P."""
+    land on rank position % P; the ranks' arguments are compared at the first step only."""
     from experiments.scaling import spawn_ranks
     x = torch.randn(1, 8 + sum(RING_STEPS), 64, generator=torch.Generator().manual_seed(5),
                     dtype=torch.float64)

@@ -136,6 +136,7 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.k_descale, self.v_descale = k_descale, v_descale
         self.seqlen = self.position = 0
+        self.ranks_checked = False  # attn_impl "ring": the ranks' arguments compared once
         self._rotary = {}
 
     def store(self, k, v):
@@ -284,7 +285,8 @@ class MultiheadSelfAttention(nn.Module):
 
     def _attend_sharded(self, q, k, v, kv_cache):
         """New tokens (the same on every rank) over every rank's part of the cache; their keys
-        and values appended on rank position % P."""
+        and values appended on rank position % P. The ranks' arguments are compared at the
+        first step only (check_ranks: a host synchronization), not at every token."""
         n = q.shape[1]
         if self.rotary:  # at their positions in the whole sequence
             positions = torch.arange(kv_cache.position, kv_cache.position + n, device=q.device)
@@ -294,7 +296,9 @@ class MultiheadSelfAttention(nn.Module):
         o = attention_with_sharded_kvcache(
             q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen, causal=True, backend=self.backend,
             group=self.ring_group, append_rank=append_rank, learnable_sink=self.sinks,
-            k_descale=kv_cache.k_descale, v_descale=kv_cache.v_descale)
+            k_descale=kv_cache.k_descale, v_descale=kv_cache.v_descale,
+            check_ranks=not kv_cache.ranks_checked)
+        kv_cache.ranks_checked = True
         if dist.get_rank(self.ring_group) == append_rank:
             kv_cache.seqlen += n
         kv_cache.position += n
