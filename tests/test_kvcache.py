@@ -210,6 +210,7 @@ def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False
                          ids=["fp32", "fp16", "bf16"])
 def test_torch_path(dtype, case, num_splits, monkeypatch):
     monkeypatch.setattr(kvcache, "BLOCK_N", 8)  # several key blocks per split on tiny caches
+    monkeypatch.setattr(kvcache, "MAX_BLOCK_N", 8)
     check_case(case, dtype, "torch", num_splits)
 
 
@@ -227,6 +228,7 @@ def test_triton_interpreter(dtype, case, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_attn_mask_torch_path(dtype, case, mask_kind, num_splits, monkeypatch):
     monkeypatch.setattr(kvcache, "BLOCK_N", 8)
+    monkeypatch.setattr(kvcache, "MAX_BLOCK_N", 8)
     check_case(case, dtype, "torch", num_splits, mask_kind=mask_kind)
 
 
@@ -245,6 +247,7 @@ def test_attn_mask_triton_interpreter(dtype, case, mask_kind, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_cache_torch_path(dtype, case, cache_dtype, num_splits, monkeypatch):
     monkeypatch.setattr(kvcache, "BLOCK_N", 8)
+    monkeypatch.setattr(kvcache, "MAX_BLOCK_N", 8)
     descales = DESCALES[CASES.index(case) % len(DESCALES)]  # each kind on several cases
     check_case(case, dtype, "torch", num_splits, fp8=(cache_dtype, descales))
 

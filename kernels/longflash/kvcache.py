@@ -31,9 +31,21 @@ from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, as_byt
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
 # and wide key blocks, so that the Python loop is short: 1024 keys was the fastest of 256,
 # 1024 and 4096 for caches of 1K to 32K tokens on a 2-core AMD EPYC (32 query heads, 8 KV
-# heads, head dim 128, float32).
+# heads, head dim 128, float32). Where a block of BLOCK_N keys is narrower (fewer KV heads,
+# smaller head dims), the loop's cost per block outweighs its compute: blocks grow to hold
+# about TILE_ELEMENTS key elements (nheads_kv * headdim a key), up to MAX_BLOCK_N keys (8 KV
+# heads of 128: 1024; 2 of 64: 4096, 1.4-1.7x as fast over 128K-1M tokens there; PERFLOG).
 BLOCK_N = 1024
+TILE_ELEMENTS = 2**19
+MAX_BLOCK_N = 8192
 MAX_SPLITS = 128
+
+
+def block_keys(nheads_kv, headdim):
+    """Keys a block of the PyTorch path: BLOCK_N, or more (a power of two, at most MAX_BLOCK_N)
+    for narrow keys, TILE_ELEMENTS // (nheads_kv * headdim)."""
+    wide = 1 << max(0, (TILE_ELEMENTS // max(1, nheads_kv * headdim)).bit_length() - 1)
+    return max(BLOCK_N, min(MAX_BLOCK_N, wide))
 
 
 def key_limits(first, last, seqlen_k, window_left, window_right):
@@ -105,7 +117,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
                                        num_splits, block_n, pad)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
-    block_n = block_n or BLOCK_N
+    block_n = block_n or block_keys(nheads_kv, headdim)
     device = q.device
     seqlens_k = seqlens_k.to(device=device, dtype=torch.long)
     num_splits = num_splits or 1
