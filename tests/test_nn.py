@@ -288,6 +288,13 @@ def test_kv_cache_errors():
     attn = MultiheadSelfAttention(32, 4, attn_impl="sdpa")
     with pytest.raises(NotImplementedError, match="attn_impl 'longflash' or 'ring'"):
         attn(torch.randn(1, 2, 32), KVCache(1, 4, 4, 8))
+    ring = MultiheadSelfAttention(32, 4, causal=False, attn_impl="ring")
+    with pytest.raises(NotImplementedError, match="kv_cache needs causal=True"):
+        ring(torch.randn(1, 2, 32), KVCache(1, 4, 4, 8))  # before any collective
+    with pytest.raises(ValueError, match="4 tokens a sequence; 3 are stored"):
+        cache = KVCache(1, 4, 4, 8)
+        cache.store(*[torch.randn(1, 3, 4, 8)] * 2)
+        cache.store(*[torch.randn(1, 2, 4, 8)] * 2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), -1)
     with pytest.raises(ValueError, match="k_descale dequantizes a float8 cache"):

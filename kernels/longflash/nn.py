@@ -244,13 +244,16 @@ class MultiheadSelfAttention(nn.Module):
         qkv = self.qkv_proj(x).view(batch, seqlen, self.num_heads + 2 * self.num_heads_kv,
                                     self.headdim)  # (B, N, H + 2 Hkv, D)
         q, k, v = qkv.split([self.num_heads, self.num_heads_kv, self.num_heads_kv], dim=2)
+        if kv_cache is not None and (self.attn_impl not in ("longflash", "ring")
+                                     or not self.causal):
+            raise NotImplementedError(f"kv_cache needs causal=True and attn_impl 'longflash' "
+                                      f"or 'ring' (the decoding kernel), got causal="
+                                      f"{self.causal}, attn_impl={self.attn_impl!r}")
         prompt_shard = self.attn_impl == "ring" and kv_cache is not None and \
             kv_cache.position == 0  # attended by the ring, as without a cache
         if kv_cache is not None and not prompt_shard:
             o = self._attend_cached(q, k, v, kv_cache)
             return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
-        if prompt_shard and not self.causal:
-            raise NotImplementedError("kv_cache needs causal=True")
         if self.rotary:
             positions = shard_positions(seqlen, self.ring_layout, self.ring_group, x.device) \
                 if self.attn_impl == "ring" else None  # a ring shard's: its global positions
@@ -265,10 +268,6 @@ class MultiheadSelfAttention(nn.Module):
         return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
 
     def _attend_cached(self, q, k, v, kv_cache):
-        if self.attn_impl not in ("longflash", "ring") or not self.causal:
-            raise NotImplementedError(f"kv_cache needs causal=True and attn_impl 'longflash' "
-                                      f"or 'ring' (the decoding kernel), got causal="
-                                      f"{self.causal}, attn_impl={self.attn_impl!r}")
         if self.attn_impl == "ring":
             return self._attend_sharded(q, k, v, kv_cache)
         rotary = {}
