@@ -247,6 +247,8 @@ def _errors(rank):
         # rank 1's cache has another head dim: its own error there, RuntimeError on rank 0
         "one_rank_fails": lambda: attention_with_sharded_kvcache(
             q, cache[..., :8 - 2 * rank], cache, cache_seqlens=2, backend="torch"),
+        "one_rank_no_cache": lambda: attention_with_sharded_kvcache(
+            q, cache, None if rank else cache, cache_seqlens=2, backend="torch"),
     }
     return errors_raised(calls)
 
@@ -258,6 +260,8 @@ EXPECTED_ERRORS = {  # name -> (rank 0's, rank 1's): (type, a piece of the messa
     "causal_without_keys": [("NotImplementedError", "needs k and v")] * 2,
     "one_rank_fails": [("RuntimeError", "failed on another rank"),
                        ("ValueError", "k_cache headdim 6 differs")],
+    "one_rank_no_cache": [("RuntimeError", "failed on another rank"),
+                          ("TypeError", "v_cache must be a torch.Tensor")],
 }
 
 

@@ -111,24 +111,22 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
         error = None
     except Exception as e:  # noqa: BLE001 - raised below, after the others have been told
         error, o, lse = e, None, None
-    o, lse = _merge_over_ranks(ring, q, v_cache.shape[-1] if error else o.shape[-1], o, lse,
-                               error, check_ranks)
+    o, lse = _merge_over_ranks(ring, q, o, lse, error, check_ranks)
     if learnable_sink is not None:
         o, lse = with_learnable_sink(o, lse, learnable_sink)
     return (o, lse) if return_lse else o
 
 
-def _merge_over_ranks(ring, q, headdim_v, o, lse, error, check):
+def _merge_over_ranks(ring, q, o, lse, error, check):
     """(o, lse) of attention over every rank's keys from this rank's (o, lse), in the
-    accumulator dtype (o then in q's dtype). A rank whose call raised (error) joins the
-    collectives with a flag, so that every rank raises instead of waiting on it (the others read
-    it if check)."""
+    accumulator dtype (o then in q's dtype). A rank whose call raised (error) joins the first
+    collective with a flag and raises, so that every rank raises instead of waiting on it (the
+    others read the flag if check)."""
     dtype = accumulator_dtype(q.dtype)
     batch, seqlen_q, nheads, _ = q.shape
     failed = torch.full((1,), float(error is not None), dtype=dtype, device=q.device)
-    if error is not None:
+    if error is not None:  # lse's shape is q's, the same on every rank (o's is not needed)
         lse = torch.full((batch, nheads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
-        o = torch.zeros(batch, seqlen_q, nheads, headdim_v, dtype=q.dtype, device=q.device)
     m = torch.cat([lse.to(dtype).flatten(), failed])
     if ring.world_size > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ring.group)
