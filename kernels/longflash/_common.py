@@ -143,6 +143,31 @@ def check_rotary(rotary_cos, rotary_sin, is_float_matrix, kind, has_new_keys, he
     return True
 
 
+def check_descale_kind(name, descale, shape, cache_is_fp8, cache_dtype, is_float32, kind,
+                       k_name="k_cache"):
+    """A float8 cache's k_descale or v_descale, for both bindings: "none" (None: 1), "float" (a
+    positive finite float) or "array" (is_float32(descale): a float32 tensor / array, here
+    checked broadcastable to shape = (batch, nheads_kv); kind names it in errors). Raises
+    ValueError for a scale without a float8 cache (cache_dtype: k_cache's) or a float <= 0, or
+    not finite, TypeError for anything else."""
+    if descale is None:
+        return "none"
+    if not cache_is_fp8:
+        raise ValueError(f"{name} dequantizes a float8 cache (float8_e4m3fn, float8_e5m2); "
+                         f"{k_name} has dtype {cache_dtype}")
+    if isinstance(descale, (int, float)) and not isinstance(descale, bool):
+        if not 0 < descale < float("inf"):
+            raise ValueError(f"{name} must be positive and finite, got {descale}")
+        return "float"
+    dims = tuple(getattr(descale, "shape", ()))
+    if not is_float32(descale) or len(dims) > 2 or any(n not in (1, m) for n, m in
+                                                        zip(dims[::-1], shape[::-1])):
+        raise TypeError(f"{name} must be a float, or a float32 {kind} broadcastable to (batch, "
+                        f"nheads_kv) = {tuple(shape)}, got "
+                        f"{getattr(descale, 'dtype', type(descale))} {dims}")
+    return "array"
+
+
 def check_offsets(name, offsets, total, max_len):
     """Packed sequences' offsets (a list of ints, cu_seqlens' values): from 0 to total (None:
     any end), non-decreasing, no sequence longer than max_len."""

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import LN2, LOG2E, check_bools, check_rotary, check_softcap, check_window_size, \
-    resolve_softmax_scale
+from ._common import LN2, LOG2E, check_bools, check_descale_kind, check_rotary, check_softcap, \
+    check_window_size, resolve_softmax_scale
 from .jax import (_DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slopes, _mask_array,
                   _with_sink)
 
@@ -167,22 +167,14 @@ def _check_arrays(q, k_cache, v_cache, k, v):
 def _check_descale(name, descale, batch, k_cache):
     """k_descale or v_descale -> None or a (batch, nheads_kv) float32 array, as the PyTorch
     path's kvcache.check_descale accepts them."""
-    if descale is None:
-        return None
-    if k_cache.dtype not in FP8_DTYPES:
-        raise ValueError(f"{name} dequantizes a float8 cache (float8_e4m3fn, float8_e5m2); "
-                         f"k_cache has dtype {k_cache.dtype}")
     shape = (batch, k_cache.shape[2])  # (batch, nheads_kv)
-    if isinstance(descale, (int, float)) and not isinstance(descale, bool):
-        if not 0 < descale < float("inf"):
-            raise ValueError(f"{name} must be positive and finite, got {descale}")
+    kind = check_descale_kind(
+        name, descale, shape, k_cache.dtype in FP8_DTYPES, k_cache.dtype,
+        lambda x: isinstance(x, (jax.Array, np.ndarray)) and x.dtype == np.float32, "array")
+    if kind == "none":
+        return None
+    if kind == "float":
         return jnp.full(shape, descale, jnp.float32)
-    if not isinstance(descale, (jax.Array, np.ndarray)) or descale.dtype != np.float32 or \
-            descale.ndim > 2 or any(n not in (1, m) for n, m in zip(descale.shape[::-1],
-                                                                    shape[::-1])):
-        raise TypeError(f"{name} must be a float, or a float32 array broadcastable to (batch, "
-                        f"nheads_kv) = {shape}, got {getattr(descale, 'dtype', type(descale))} "
-                        f"{tuple(getattr(descale, 'shape', ()))}")
     return jnp.broadcast_to(jnp.asarray(descale), shape)
 
 

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, as_bytes,
-                      check_bools, check_rotary, define_op, empty_outputs, paged_rows, take)
+                      check_bools, check_descale_kind, check_rotary, define_op, empty_outputs,
+                      paged_rows, take)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -373,22 +374,14 @@ def check_descale(name, descale, batch, k_cache, device, k_name="k_cache"):
     """k_descale or v_descale -> None or a (batch, nheads_kv) float32 view (broadcast
     dimensions at stride 0) on `device`. Accepted: None (1), a positive finite float, or a
     float32 tensor broadcastable to (batch, nheads_kv) (its values are not read)."""
-    if descale is None:
-        return None
-    if k_cache.dtype not in FP8_DTYPES:
-        raise ValueError(f"{name} dequantizes a float8 cache ({', '.join(map(str, FP8_DTYPES))}); "
-                         f"{k_name} has dtype {k_cache.dtype}")
     shape = (batch, k_cache.shape[2])  # (batch, nheads_kv)
-    if isinstance(descale, (int, float)) and not isinstance(descale, bool):
-        if not 0 < descale < float("inf"):
-            raise ValueError(f"{name} must be positive and finite, got {descale}")
+    kind = check_descale_kind(
+        name, descale, shape, k_cache.dtype in FP8_DTYPES, k_cache.dtype,
+        lambda x: isinstance(x, torch.Tensor) and x.dtype == torch.float32, "tensor", k_name)
+    if kind == "none":
+        return None
+    if kind == "float":
         return torch.full((1, 1), descale, dtype=torch.float32, device=device).expand(shape)
-    if not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or \
-            descale.dim() > 2 or any(n not in (1, m) for n, m in zip(descale.shape[::-1],
-                                                                     shape[::-1])):
-        raise TypeError(f"{name} must be a float, or a float32 tensor broadcastable to (batch, "
-                        f"nheads_kv) = {shape}, got {getattr(descale, 'dtype', type(descale))} "
-                        f"{tuple(getattr(descale, 'shape', ()))}")
     if descale.device != device:
         raise ValueError(f"{name} is on {descale.device}, q on {device}")
     return descale.expand(shape)
