@@ -175,6 +175,60 @@ def test_traced_offsets_compile_once():
     assert run._cache_size() == 1
 
 
+def _as_pages(x, lengths, page_size, seed):
+    """Packed keys (total_k, Hkv, D) as a paged cache: each sequence's keys on pages of
+    page_size slots in shuffled order, NaN in the slots past its length and on two spare pages
+    (never read): (pages, block_table)."""
+    x = np.asarray(x)
+    max_pages = max(-(-n // page_size) for n in lengths)
+    order = np.random.default_rng(seed).permutation(len(lengths) * max_pages + 2)
+    pages = np.full((len(order), page_size) + x.shape[1:], np.nan, x.dtype)
+    table = order[:len(lengths) * max_pages].reshape(len(lengths), max_pages)
+    start = 0
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            pages[table[b, t // page_size], t % page_size] = x[start + t]
+        start += n
+    return jnp.asarray(pages), jnp.asarray(table, jnp.int32)
+
+
+def test_paged_keys_as_packed_and_as_longflash():
+    """Paged keys (block_table): the output and gradients (q, and the pages') of the packed
+    keys they hold, and those of longflash.attention_varlen with the same pages (PyTorch
+    path, float64); under jit with traced offsets (keys gathered to batch * max_seqlen_k
+    rows) the eager values."""
+    import longflash
+    lengths_q, lengths_k = [5, 9, 1], [21, 9, 37]  # the last page partly NaN
+    q, k, v, do, _, cu_q, cu_k = make_inputs(lengths_q, lengths_k, 4, 2, 32)
+    (k_pages, table), (v_pages, _) = (_as_pages(x, lengths_k, 8, seed) for x, seed in
+                                      ((k, 1), (v, 1)))
+    kw = dict(causal=True, window_size=(12, -1))
+
+    def paged(q, kp, vp):
+        return lj.attention_varlen(q, kp, vp, cu_q, cu_k, 9, 37, block_table=table, **TILES, **kw)
+    o, vjp = jax.vjp(paged, q, k_pages, v_pages)
+    dq, dk_pages, dv_pages = vjp(do)
+    o_packed, vjp_packed = jax.vjp(lambda q, k, v: lj.attention_varlen(
+        q, k, v, cu_q, cu_k, 9, 37, **TILES, **kw), q, k, v)
+    dq_packed, dk, dv = vjp_packed(do)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_packed), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_packed), rtol=1e-12, atol=1e-13)
+    for name, got, packed in (("dk", dk_pages, dk), ("dv", dv_pages, dv)):  # back to the pages
+        want = np.nan_to_num(np.asarray(_as_pages(packed, lengths_k, 8, 1)[0]))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-13, err_msg=name)
+    tq, tk, tv = (to_torch(x).requires_grad_() for x in (q, k_pages, v_pages))
+    ot = longflash.attention_varlen(tq, tk, tv, to_torch(cu_q), to_torch(cu_k), 9, 37,
+                                    block_table=to_torch(table), backend="torch", **kw)
+    expected = [ot, *torch.autograd.grad((ot * to_torch(do)).sum(), (tq, tk, tv))]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, dq, dk_pages, dv_pages), expected):
+        np.testing.assert_allclose(np.asarray(a), b.detach().numpy(), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+    traced = jax.jit(lambda q, kp, vp, cu_q, cu_k: lj.attention_varlen(
+        q, kp, vp, cu_q, cu_k, 9, 37, block_table=table, **TILES, **kw))
+    np.testing.assert_allclose(np.asarray(traced(q, k_pages, v_pages, cu_q, cu_k)),
+                               np.asarray(o), rtol=1e-12, atol=1e-13)
+
+
 def _bad_inputs():
     """(keywords replacing the valid call's, error, message)."""
     x, cu = np.zeros, np.array([0, 3, 5], np.int32)
@@ -194,6 +248,16 @@ def _bad_inputs():
         (dict(alibi_slopes=x(3, np.float32)), ValueError, r"alibi_slopes must have shape \(4,\)"),
         (dict(dropout_p=1.0), ValueError, "dropout_p must be in"),
         (dict(learnable_sink=x(3, np.float32)), ValueError, "learnable_sink must have"),
+        (dict(k=x((3, 4, 2, 32), np.float32), v=x((3, 4, 2, 32), np.float32),
+              block_table=np.zeros((2, 2), np.int64)), TypeError, "block_table must be an int32"),
+        (dict(k=x((3, 4, 2, 32), np.float32), v=x((3, 4, 2, 32), np.float32),
+              block_table=np.array([[0, 1], [5, 2]], np.int32)), ValueError,
+         r"block_table\[1\] has a page outside \[0, 3\)"),
+        (dict(k=x((3, 2, 2, 32), np.float32), v=x((3, 2, 2, 32), np.float32),
+              block_table=np.array([[0], [1]], np.int32)), ValueError,
+         r"max_seqlen_k = 4 is more keys than block_table holds \(1 pages of 2\)"),
+        (dict(block_table=np.array([[0], [1]], np.int32)), ValueError,
+         "k must have 4 dimensions .* with block_table"),
     ]
 
 
