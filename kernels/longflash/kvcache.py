@@ -44,7 +44,8 @@ MAX_SPLITS = 128
 
 def block_keys(nheads_kv, headdim):
     """Keys a block of the PyTorch path: BLOCK_N, or more (a power of two, at most MAX_BLOCK_N)
-    for narrow keys, TILE_ELEMENTS // (nheads_kv * headdim)."""
+    for narrow keys, TILE_ELEMENTS // (nheads_kv * headdim); forward caps it at the keys the
+    rows see, rounded up to a power of two (at least BLOCK_N)."""
     wide = 1 << max(0, (TILE_ELEMENTS // max(1, nheads_kv * headdim)).bit_length() - 1)
     return max(BLOCK_N, min(MAX_BLOCK_N, wide))
 
@@ -118,7 +119,6 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
                                        num_splits, block_n, pad)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
-    block_n = block_n or block_keys(nheads_kv, headdim)
     device = q.device
     seqlens_k = seqlens_k.to(device=device, dtype=torch.long)
     num_splits = num_splits or 1
@@ -147,6 +147,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     if leftpad_k is not None:
         leftpad_k = leftpad_k.to(device=device, dtype=torch.long)
         lo = torch.minimum(torch.maximum(lo, leftpad_k), hi)
+    if block_n is None:  # no wider than the keys a sequence's rows see: a short cache reads no more
+        span = int((hi - lo).max()) if batch else 0
+        block_n = min(block_keys(nheads_kv, headdim), max(BLOCK_N, 1 << (span - 1).bit_length()))
     lo = lo // block_n * block_n
     n_blocks = (hi - lo + block_n - 1) // block_n
     blocks_per_split = (n_blocks + num_splits - 1) // num_splits  # (B,)
