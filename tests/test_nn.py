@@ -521,3 +521,18 @@ def test_gpt_generates_with_context_parallelism(world_size, layout):
     sampled = model.generate(prompt, 5, top_k=40, generator=torch.Generator().manual_seed(3))
     for rank_greedy, rank_sampled in everyone:
         assert torch.equal(rank_greedy, greedy) and torch.equal(rank_sampled, sampled)
+
+
+def test_kv_cache_store_quantizes_a_float8_cache():
+    """KVCache.store (the ring's prompt shard) writes what the decoding append writes: a float8
+    cache's rows bit for bit kvcache.quantize's, at seqlen onwards."""
+    cache = KVCache(2, 6, 2, 8, dtype=torch.float8_e4m3fn, k_descale=0.5,
+                    v_descale=torch.tensor([[0.25], [0.5]]))
+    k, v = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8)
+    cache.store(k, v)
+    cache.store(k[:, :1], v[:, :1])
+    for stored, new, scale in ((cache.k, k, torch.full((2, 2), 0.5)),
+                               (cache.v, v, torch.tensor([[0.25], [0.5]]).expand(2, 2))):
+        want = kvcache.quantize(torch.cat([new, new[:, :1]], 1), scale, torch.float8_e4m3fn)
+        assert torch.equal(stored[:, :4].view(torch.uint8), want.view(torch.uint8))
+    assert cache.seqlen == 4

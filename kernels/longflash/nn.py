@@ -35,6 +35,7 @@ from torch import nn
 
 from .interface import _seed_tensor, attention
 from ._common import FP8_DTYPES
+from .kvcache import _append as kvcache_append
 from .kvcache import attention_with_kvcache, check_descale, quantize
 from .parallel import attention_with_sharded_kvcache, ring_attention, shard_positions
 from .reference import attention_ref
@@ -151,7 +152,7 @@ class KVCache:
             if cache.dtype in FP8_DTYPES:
                 scale = check_descale(name, descale, new.shape[0], cache, new.device)
                 new = quantize(new, scale, cache.dtype)
-            cache[:, self.seqlen:self.seqlen + n] = new
+            kvcache_append(cache, new, self.seqlen, None)  # as attention_with_kvcache writes
         self.seqlen += n
 
     def rotary_tables(self, base):
