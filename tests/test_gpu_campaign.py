@@ -422,10 +422,12 @@ for select in sys.argv[1:]:
 def _collected(*selects):
     """Per -k expression of `selects` ("": none), the GPU tests of tests/test_gpu.py it picks
     (collected, not run), as names without the file."""
+    import os
     import subprocess
     import sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # -q, --junitxml: ours
     out = subprocess.run([sys.executable, "-c", _COLLECT, *selects], capture_output=True,
-                         text=True, cwd=gc.ROOT, timeout=300)
+                         text=True, cwd=gc.ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     runs = out.stdout.split("== select\n")[1:]
     assert len(runs) == len(selects), out.stdout[-2000:]

@@ -23,6 +23,7 @@ def run_without_triton(tmp_path, *argv, timeout=600, not_linux=False):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.path.join(ROOT, "kernels"),
                                                        ROOT]))
     env.pop("TRITON_INTERPRET", None)
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's options (-q, --junitxml) are not its own
     return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
