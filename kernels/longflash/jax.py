@@ -987,7 +987,18 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     dtype, with the same conventions as `attention`. Returns (o, lse). The ground truth of
     the tests (run in float64) and the naive baseline. learnable_sink: (nheads,) or None, a
     column of scores appended to every row, then dropped. attn_mask, window_size, softcap,
-    alibi_slopes, dropout_p, dropout_rng: as in `attention` (the same elements dropped)."""
+    alibi_slopes, dropout_p, dropout_rng: as in `attention` (the same elements dropped).
+    Compiled as one function (jit; causal, softmax_scale, window_size, softcap and dropout_p
+    are static): run op by op, each new shape compiled some twenty ops one at a time."""
+    seed = _dropout_seed(dropout_p, dropout_rng)  # checked here: an int seed stays a number
+    return _attention_ref(q, k, v, bool(causal), softmax_scale, learnable_sink, attn_mask,
+                          tuple(window_size), float(softcap), alibi_slopes, float(dropout_p),
+                          seed)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 7, 8, 10))
+def _attention_ref(q, k, v, causal, softmax_scale, learnable_sink, attn_mask, window_size,
+                   softcap, alibi_slopes, dropout_p, seed):
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
@@ -1026,7 +1037,7 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, learnable_sink=None
     if dropout_p > 0:
         bh = jnp.arange(batch * nheads).reshape(batch, nheads, 1, 1)
         i, j = jnp.arange(seqlen_q)[:, None], jnp.arange(seqlen_k)[None, :]
-        keep = _philox_uniform(_dropout_seed(dropout_p, dropout_rng), bh, i, j) >= dropout_p
+        keep = _philox_uniform(seed, bh, i, j) >= dropout_p
         p = p * keep / (1.0 - dropout_p)
     o = jnp.einsum("bhij,bjhd->bihd", p, v, precision=_HIGHEST)
     return o.astype(q.dtype), lse
