@@ -25,7 +25,8 @@ softcap, ALiBi, GQA, dropout). Differences from flash_attn 2.7:
 - flash_attn_with_kvcache takes float8 caches with FlashAttention-3's keyword-only
   k_descale and v_descale (after FlashAttention-2's arguments, which keep their order).
 `longflash.flash_attn.bert_padding` has flash_attn.bert_padding's helpers (unpad_input,
-pad_input, ...) for padded batches.
+pad_input, ...) for padded batches, `longflash.flash_attn.layers.rotary`
+flash_attn.layers.rotary's rotary embeddings (apply_rotary_emb, RotaryEmbedding, ...).
 """
 
 from ..interface import attention, attention_varlen
