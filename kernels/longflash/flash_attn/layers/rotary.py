@@ -16,7 +16,8 @@ takes row t + seqlen_offsets of cos and sin. Plain PyTorch ops, gradients by aut
 inverse rotation), where FlashAttention runs a Triton kernel and a hand-written backward.
 Differences from flash_attn 2.7:
 - a position past cos's rows raises ValueError naming it (FlashAttention's kernel leaves such
-  a token unrotated); to check, a tensor seqlen_offsets, and cu_seqlens, are read back once;
+  a token unrotated); to check, a tensor seqlen_offsets, and cu_seqlens, are read back once
+  (not under torch.compile, which captures a call without a graph break);
 - rows of a packed x past cu_seqlens[-1] are returned as they are (FlashAttention leaves them
   unwritten);
 - in-place calls write through autograd (x must not be a leaf that requires grad).
@@ -49,8 +50,9 @@ def _check_table(cos, sin, x):
 
 
 def _check_offsets(seqlen_offsets, batch, device):
-    """seqlen_offsets as an int or a (batch,) integer tensor on x's device, and its largest
-    value (a tensor is read back once)."""
+    """seqlen_offsets checked: an int or a (batch,) integer tensor on x's device, >= 0. Returns
+    its largest value (a tensor is read back once), None for a tensor under torch.compile or
+    an empty batch."""
     if isinstance(seqlen_offsets, torch.Tensor):
         if seqlen_offsets.shape != (batch,) or seqlen_offsets.is_floating_point() or \
                 seqlen_offsets.dtype == torch.bool:
@@ -60,7 +62,9 @@ def _check_offsets(seqlen_offsets, batch, device):
         if seqlen_offsets.device != device:
             raise ValueError(f"seqlen_offsets is on {seqlen_offsets.device}, x on {device}: "
                              f"they must match")
-        largest = torch.stack(torch.aminmax(seqlen_offsets)).tolist() if batch else (0, 0)
+        if torch.compiler.is_compiling() or not batch:  # no read back in a graph
+            return None
+        largest = torch.stack(torch.aminmax(seqlen_offsets)).tolist()
     elif isinstance(seqlen_offsets, int) and not isinstance(seqlen_offsets, bool):
         largest = seqlen_offsets, seqlen_offsets
     else:
@@ -72,7 +76,8 @@ def _check_offsets(seqlen_offsets, batch, device):
 
 
 def _check_positions(last, seqlen_ro):
-    if last >= seqlen_ro:
+    """last: the largest position used (None: not known without reading the device)."""
+    if last is not None and last >= seqlen_ro:
         raise ValueError(f"cos and sin have {seqlen_ro} rows, position {last} is needed "
                          f"(seqlen_offsets + the token's place in its sequence)")
 
@@ -96,8 +101,9 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False,
     seqlen_ro = cos.shape[0]
     if cu_seqlens is None:
         batch, seqlen = x.shape[:2]
-        _check_positions(_check_offsets(seqlen_offsets, batch, x.device) + seqlen - 1
-                         if seqlen else -1, seqlen_ro)
+        largest = _check_offsets(seqlen_offsets, batch, x.device)
+        _check_positions(None if largest is None or not seqlen else largest + seqlen - 1,
+                         seqlen_ro)
         pos = torch.arange(seqlen, device=x.device)  # (N,) or, per sequence, (B, N)
         pos = pos + (seqlen_offsets[:, None] if isinstance(seqlen_offsets, torch.Tensor)
                      else seqlen_offsets)
@@ -108,19 +114,21 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False,
             raise ValueError(f"cu_seqlens must be a (batch + 1,) int32 tensor, got "
                              f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
                              f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
-        offsets = cu_seqlens.tolist()
-        check_offsets("cu_seqlens", offsets, None, math.inf if max_seqlen is None
-                      else max_seqlen)
-        total, batch = x.shape[0], len(offsets) - 1
-        if offsets[-1] > total:
-            raise ValueError(f"cu_seqlens ends at {offsets[-1]}, past x's {total} tokens")
-        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
-        _check_positions(_check_offsets(seqlen_offsets, batch, x.device) + longest - 1
-                         if longest else -1, seqlen_ro)
+        total, batch = x.shape[0], cu_seqlens.numel() - 1
+        largest = _check_offsets(seqlen_offsets, batch, x.device)
+        if not torch.compiler.is_compiling():  # the offsets read back once to check them
+            offsets = cu_seqlens.tolist()
+            check_offsets("cu_seqlens", offsets, None, math.inf if max_seqlen is None
+                          else max_seqlen)
+            if offsets[-1] > total:
+                raise ValueError(f"cu_seqlens ends at {offsets[-1]}, past x's {total} tokens")
+            longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+            _check_positions(None if largest is None or not longest else largest + longest - 1,
+                             seqlen_ro)
         cu_seqlens = cu_seqlens.to(x.device)
         token = torch.arange(total, device=x.device)
         seq = torch.searchsorted(cu_seqlens[1:], token, right=True).clamp(max=max(batch - 1, 0))
-        inside = token < offsets[-1]
+        inside = token < cu_seqlens[-1]
         pos = token - cu_seqlens[seq] + (seqlen_offsets[seq] if isinstance(
             seqlen_offsets, torch.Tensor) else seqlen_offsets)
         pos = torch.where(inside, pos, 0)  # (total,); rows past the last sequence: unrotated
