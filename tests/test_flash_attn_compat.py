@@ -6,6 +6,7 @@ included; each function's results are compared with the native call they stand f
 bit, gradients of the packed forms included.
 """
 
+import importlib
 import inspect
 
 import pytest
@@ -53,6 +54,9 @@ def test_signature_is_flash_attn_s(name):
     assert [(p.name, p.default) for p in positional] == FLASH_ATTN_SIGNATURES[name]
     assert [(p.name, p.default) for p in params[len(positional):]] == KEYWORD_ONLY.get(name, [])
     assert all(p.kind == p.KEYWORD_ONLY for p in params[len(positional):])
+    # FlashAttention's module path too: flash_attn.flash_attn_interface
+    assert getattr(importlib.import_module("longflash.flash_attn.flash_attn_interface"),
+                   name) is getattr(fa, name)
 
 
 def _randn(gen, *shape):
