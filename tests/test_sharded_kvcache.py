@@ -38,6 +38,8 @@ class Case:
     int_seqlens: bool = False    # every sequence of a rank as long: an int cache_seqlens
     paged: bool = False          # each rank's part in pages of 4 slots, shuffled
     fp8: bool = False            # float8_e4m3fn caches with per-(batch, head) scales
+    window_left: int = -1        # a sliding window over the global sequence, as rank masks
+    alibi: bool = False          # ALiBi over the global sequence, as float rank masks
 
     @property
     def id(self):
@@ -46,7 +48,9 @@ class Case:
                 f"{str(self.dtype)[6:]}" + ("-last" if self.append_last else "")
                 + (f"-softcap{self.softcap:g}" if self.softcap else "")
                 + ("-sink" if self.sink else "") + ("-int" if self.int_seqlens else "")
-                + ("-paged" if self.paged else "") + ("-fp8" if self.fp8 else ""))
+                + ("-paged" if self.paged else "") + ("-fp8" if self.fp8 else "")
+                + (f"-window{self.window_left}" if self.window_left >= 0 else "")
+                + ("-alibi" if self.alibi else ""))
 
 
 CASES = [
@@ -58,6 +62,8 @@ CASES = [
     Case(dtype=torch.float16, seqlen_q=2, int_seqlens=True),
     Case(paged=True, seqlen_q=2),
     Case(fp8=True, append_last=True),
+    Case(seqlen_q=2, window_left=6),                           # some ranks' rows see no key
+    Case(seqlen_q=3, alibi=True, append_last=True, nheads_kv=4),
 ]
 BATCH, PAGE = 2, 4
 
@@ -92,6 +98,34 @@ def full_inputs(case, world_size):
     return q, k, v, parts, lengths, tuple(descale), sink
 
 
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])
+
+
+def rank_mask(case, world_size, rank, capacity):
+    """This rank's attn_mask over its part, from global positions (a sequence's parts in rank
+    order, then its new tokens, which the queries are): the window as a boolean, ALiBi as a
+    float (batch, nheads, seqlen_q, capacity) mask; None for the other cases."""
+    if case.window_left < 0 and not case.alibi:
+        return None
+    lengths = part_lengths(case, world_size)
+    append_rank = world_size - 1 if case.append_last else 0
+    rows = torch.arange(capacity)
+    pos_k, pos_q = [], []
+    for b in range(BATCH):
+        start = sum(lengths[r][b] for r in range(rank))  # the global position of row 0
+        total = sum(lengths[r][b] for r in range(world_size))
+        pos = start + rows
+        if rank == append_rank:  # the new keys, at the part's end, are the last positions
+            n = lengths[rank][b]
+            pos = torch.where(rows >= n, total + rows - n, pos)
+        pos_k.append(pos)
+        pos_q.append(total + torch.arange(case.seqlen_q))
+    pos_k, pos_q = torch.stack(pos_k)[:, None, None, :], torch.stack(pos_q)[:, None, :, None]
+    if case.alibi:
+        return -SLOPES[:case.nheads][None, :, None, None] * (pos_q - pos_k).abs().float()
+    return (pos_k >= pos_q - case.window_left) & (pos_k <= pos_q)
+
+
 def _cache_dtype(case):
     return torch.float8_e4m3fn if case.fp8 else case.dtype
 
@@ -120,7 +154,8 @@ def _rank_call(case, world_size, rank, backend):
     o, lse = attention_with_sharded_kvcache(
         q, k_part, v_part, k, v, seqlens, block_table=block_table, causal=case.causal,
         softcap=case.softcap, return_lse=True, backend=backend, append_rank=append_rank,
-        learnable_sink=sink, k_descale=k_descale, v_descale=v_descale)
+        learnable_sink=sink, attn_mask=rank_mask(case, world_size, rank, parts[rank][0].shape[1]),
+        k_descale=k_descale, v_descale=v_descale)
     if case.paged:  # back to (batch, slots, ...) for the parent
         k_part, v_part = (x[block_table.long().flatten()].view(BATCH, -1, *x.shape[2:])
                           for x in (k_part, v_part))
@@ -166,7 +201,9 @@ def reference(case, world_size, dtype):
         else:
             o, lse = attention_ref(qb, kb, vb, causal=case.causal and case.new,
                                    softcap=case.softcap, upcast=not low,
-                                   learnable_sink=None if sink is None else sink.to(dtype))
+                                   learnable_sink=None if sink is None else sink.to(dtype),
+                                   window_size=(case.window_left, -1),
+                                   alibi_slopes=SLOPES[:case.nheads] if case.alibi else None)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -218,7 +255,7 @@ def test_matches_reference(runs, world_size, case):
     check_case(runs(world_size)[0], case, world_size)
 
 
-TRITON_CASES = [Case(dtype=torch.float16, headdim=16, seqlen_q=2),
+TRITON_CASES = [Case(dtype=torch.float16, headdim=16, seqlen_q=2, window_left=6),
                 Case(dtype=torch.float32, headdim=16, new=False, causal=False, paged=True)]
 
 

@@ -19,10 +19,12 @@ N tokens costs N / P memory and bytes per rank and step. Every rank ends with th
 
 Positions. Every cached token, on whichever rank, comes before the new ones, so the new
 queries see all of them; causal attention among the new tokens applies on the rank that
-appends them (`append_rank`), where they are the last keys. Sliding windows, ALiBi and
-attn_mask need each key's global position and are not taken. Rotary embeddings are not
-applied here: q and k come rotated at their global positions (the caller knows them;
-`longflash.nn` does it).
+appends them (`append_rank`), where they are the last keys. Whatever depends on a key's global
+position is the caller's, who knows where each rank's tokens lie: rotary embeddings (q and k
+come rotated at their global positions; `longflash.nn` does it), and sliding windows, ALiBi or
+any other pattern, given as each rank's own `attn_mask` over its part (a boolean window
+pos_q - left <= pos_k <= pos_q + right, an ALiBi bias -slope * |pos_q - pos_k| as a float
+mask, from the global positions of the rank's cache rows and of the queries).
 """
 
 import torch
@@ -39,8 +41,8 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
                                    softcap=0.0, return_lse=False, backend="auto", *,
                                    group=None, append_rank=0, num_splits=0,
                                    cache_batch_idx=None, cache_leftpad=None,
-                                   learnable_sink=None, k_descale=None, v_descale=None,
-                                   check_ranks=True):
+                                   learnable_sink=None, attn_mask=None, k_descale=None,
+                                   v_descale=None, check_ranks=True):
     """Attention of new queries over a KV cache whose tokens are spread over the ranks of a
     process group, appending the new keys/values on one rank.
 
@@ -62,6 +64,12 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
             (the queries' own keys); with one query it changes nothing.
         softmax_scale (default 1/sqrt(headdim)), softcap, backend, learnable_sink (counted once
             per row, after the merge): as in `attention_with_kvcache`.
+        attn_mask: this rank's own mask over its part, as `attention_with_kvcache` takes it
+            (boolean or float, broadcastable to (batch, nheads, seqlen_q, L), the last
+            dimension this rank's cache rows, on the appending rank after the append); ranks
+            pass different masks, or None. How a sliding window or ALiBi over the global
+            sequence is given (module docstring). A row that sees no key of this rank's part
+            adds nothing to the merge.
         group: the process group (default: the default group); P = its size.
         append_rank: the rank of group that appends k, v (default 0). A caller that rotates it
             from step to step keeps the ranks' parts balanced.
@@ -107,7 +115,8 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
             q, k_cache, v_cache, k if appends else None, v if appends else None, cache_seqlens,
             block_table, softmax_scale, causal and appends, softcap=softcap, return_lse=True,
             backend=backend, num_splits=num_splits, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
+            cache_leftpad=cache_leftpad, attn_mask=attn_mask, k_descale=k_descale,
+            v_descale=v_descale)
         error = None
     except Exception as e:  # noqa: BLE001 - raised below, after the others have been told
         error, o, lse = e, None, None
