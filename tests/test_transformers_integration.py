@@ -61,6 +61,12 @@ CONFIGS = {
     "deepseek-v3-mla": lambda: transformers.DeepseekV3Config(
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=2, **SMALL),
+    # chunked attention (Llama 4: a layer's tokens attend causally within chunks of 4): found
+    # as segments in a prefill (no N x N mask), read from transformers' mask in decoding
+    "llama4-chunked": lambda: transformers.Llama4TextConfig(
+        num_key_value_heads=2, head_dim=16, attention_chunk_size=4, intermediate_size_mlp=128,
+        num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["chunked_attention", "full_attention"], **SMALL),
 }
 # Models without an sdpa implementation: eager in float64 is their reference (gpt-oss's eager
 # adds the sink column to every row, so no row's softmax is all -inf; see the module docstring)
@@ -148,7 +154,8 @@ def test_triton_backend_left_padding():
         lf_hf.register(backend="torch")
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa", "gpt-oss-sinks", "deepseek-v3-mla"])
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt-oss-sinks", "deepseek-v3-mla",
+                                  "llama4-chunked"])
 def test_generate_left_padding_with_cache(arch):
     """Greedy decoding with a KV cache: prefill on a left-padded batch, then one query per
     step (query offset from the cache); tokens and step logits equal eager's (float32)."""
@@ -292,6 +299,29 @@ def test_segments_match_sdpa(case, monkeypatch):
     assert rows and max(rows) == 2  # the mask read 2 rows at a time, never whole
     starts = (position_ids[valid] == 0).nonzero().squeeze(1).tolist()  # over the packed tokens
     assert varlen and all(c == starts + [int(valid.sum())] for c in varlen), varlen
+
+
+def test_llama4_chunked_attention_runs_as_segments():
+    """Llama 4's chunked layers in a prefill: transformers' chunked mask is found to be causal
+    attention within each chunk of 4 (a SegmentMask with the chunks' boundaries, the mask read
+    a few rows at a time), so no (seqlen x seqlen) mask is built; the full layers' mask stays
+    padding-only. (Their logits: test_matches_eager, decoding: the generate test.)"""
+    from transformers.masking_utils import AttentionMaskInterface
+    model = make_models("llama4-chunked", (torch.float32,), (NAME,))[0]
+    masks = []
+
+    def mask_spy(**kwargs):
+        masks.append(lf_hf.longflash_mask(**kwargs))
+        return masks[-1]
+    AttentionMaskInterface.register(NAME, mask_spy)
+    try:
+        model(input_ids=torch.randint(1, 100, (2, 13)), use_cache=False)
+    finally:
+        AttentionMaskInterface.register(NAME, lf_hf.longflash_mask)
+    segments = [m for m in masks if isinstance(m, lf_hf.SegmentMask)]
+    assert len(segments) == 1 and segments[0].causal and segments[0].window_left == -1
+    assert segments[0].cu_seqlens.tolist() == [0, 4, 8, 12, 13, 17, 21, 25, 26]
+    assert all(isinstance(m, lf_hf.PaddingMask) for m in masks if m is not segments[0])
 
 
 def _mask_from_runs(first, last):

@@ -37,17 +37,18 @@ implementation computes:
   is checked, O(batch * seqlen); otherwise (valid keys after the queries, as in a cache
   longer than the tokens seen) transformers' dense mask runs as below.
 - packed sequences (transformers detects them from position_ids that restart, with no
-  attention_mask and no cache: padding-free training batches) and sliding windows, with or
-  without padding, on queries that are the keys (training, a prefill): the mask function
+  attention_mask and no cache: padding-free training batches), sliding windows and chunked
+  attention (Llama 4's chunked layers: causal within each chunk), with or without padding,
+  on queries that are the keys (training, a prefill): the mask function
   returns a `SegmentMask`, found by building transformers' mask a few rows at a time and
   reducing each row that is not padding to the run of keys it sees (O(seqlen) memory,
   O(seqlen^2) cheap comparisons once per forward); if every such row is causal (optionally
   within a sliding window) or full attention within its sequence, exactly, the sequences
   run as `longflash.attention_varlen`'s (the tokens that are not padding packed) and no
   N x N mask is ever built.
-- any other mask function (chunked attention, overlays such as image tokens, a window over
-  padding between tokens, a window past a prefill: decoding steps, whose masks are a row a
-  query), and a 4D mask passed by the user: the mask is materialized as for sdpa, a
+- any other mask function (overlays such as image tokens, a window over padding between
+  tokens, a window or chunks past a prefill: decoding steps, whose masks are a row a query),
+  and a 4D mask passed by the user: the mask is materialized as for sdpa, a
   (batch, 1, seqlen_q, seqlen_k) boolean (O(seqlen^2) memory,
   as sdpa needs), and read exactly: if it equals valid_q x valid_k x (full | causal |
   causal with the layer's `sliding_window`), aligned per sequence, where valid_q are the
