@@ -72,6 +72,24 @@ def test_attention_module_matches_reference(embed_dim, num_heads, num_heads_kv, 
     check_model(module, x, lambda out: (out * weight.to(out.dtype)).sum(), attn_impl)
 
 
+@pytest.mark.parametrize("attn_impl", ["longflash", "sdpa"])
+@pytest.mark.parametrize("causal, window_size", [(True, (6, -1)), (False, (5, 3))],
+                         ids=["causal-left6", "full-left5-right3"])
+def test_attention_module_with_a_window(causal, window_size, attn_impl):
+    """window_size: the module's output and gradients against the float64 module with
+    materialized attention under the same window (SDPA's as a boolean mask)."""
+    torch.manual_seed(0)
+    module = MultiheadSelfAttention(64, 4, 2, causal=causal, rotary=True,
+                                    window_size=window_size)
+    x = torch.randn(2, 37, 64)
+    weight = torch.randn(2, 37, 64)
+    check_model(module, x, lambda out: (out * weight.to(out.dtype)).sum(), attn_impl)
+    unbounded = copy.deepcopy(module)
+    unbounded.window_size = (-1, -1)
+    with torch.no_grad():  # the window changes the result (it is not ignored)
+        assert (module(x) - unbounded(x)).abs().max() > 1e-3
+
+
 def random_sinks(model):
     """Attention sinks on the scale of the scores (they start at 0)."""
     with torch.no_grad():
@@ -203,12 +221,14 @@ BACKENDS = ["torch"] + (["triton"] if INTERPRET else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
-def test_gpt_with_kv_cache_gives_the_full_forward_logits(backend, sinks):
+@pytest.mark.parametrize("sinks, window_left", [(False, -1), (True, -1), (False, 3)],
+                         ids=["", "sinks", "window3"])
+def test_gpt_with_kv_cache_gives_the_full_forward_logits(backend, sinks, window_left):
     """A prompt into a fresh KV cache, then one token at a time, gives the logits of one
-    forward pass over the whole sequence (rotary positions, GQA, causal alignment, and
-    attention sinks in both)."""
-    model = on_backend(random_sinks(tiny_gpt(attn_sinks=sinks)).eval(), backend)
+    forward pass over the whole sequence (rotary positions, GQA, causal alignment, attention
+    sinks and a sliding window in both)."""
+    model = on_backend(random_sinks(tiny_gpt(attn_sinks=sinks, window_left=window_left))
+                       .eval(), backend)
     idx = torch.randint(0, 256, (2, 13))
     full = model(idx)[0]
     cache = model.new_kv_cache(2, 16)
@@ -434,10 +454,10 @@ def test_attention_dropout_with_context_parallelism():
 
 # ----------------------------------------------------------------------------- ring generation
 
-def _ring_module():
+def _ring_module(window_size=(-1, -1)):
     torch.manual_seed(0)
     module = MultiheadSelfAttention(64, 4, 2, rotary=True, sinks=True, attn_impl="ring",
-                                    backend="torch").double().eval()
+                                    backend="torch", window_size=window_size).double().eval()
     with torch.no_grad():
         module.sinks.normal_(0.0, 2.0)
     return module
@@ -446,14 +466,14 @@ def _ring_module():
 RING_STEPS = (2, 1, 2)  # new tokens a call after the prompt's 8
 
 
-def _ring_cache_worker(rank, world_size, x):
+def _ring_cache_worker(rank, world_size, x, window_size):
     """The ring module over a cache: this rank's shard of the prompt, then the new tokens of
     each step on every rank; the prompt's output gathered, each step's, and this rank's
     cache lengths after each call."""
     import unittest.mock
     from longflash import nn as lf_nn
     from longflash.parallel import shard_sequence, unshard_sequence
-    module = _ring_module()
+    module = _ring_module(window_size)
     cache = KVCache(1, 8 // world_size + 3, 2, 16, dtype=torch.float64)
     checks, sharded = [], lf_nn.attention_with_sharded_kvcache
 
@@ -472,17 +492,20 @@ def _ring_cache_worker(rank, world_size, x):
     return outs, lengths
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ring_module_with_a_sharded_kv_cache(world_size):
-    """attn_impl="ring" over a KV cache on gloo ranks (float64; rotary, GQA, sinks): the
-    prompt's shard through ring attention, then steps of 2, 1 and 2 new tokens over every
-    rank's part, give what "longflash" gives on the whole sequence at once; each step's keys
-    land on rank position % P; the ranks' arguments are compared at the first step only."""
+@pytest.mark.parametrize("world_size, window_size", [(2, (-1, -1)), (4, (-1, -1)), (2, (3, 0)),
+                                                    (4, (4, 0))],
+                         ids=["P2", "P4", "P2-window3", "P4-window4"])
+def test_ring_module_with_a_sharded_kv_cache(world_size, window_size):
+    """attn_impl="ring" over a KV cache on gloo ranks (float64; rotary, GQA, sinks, and a
+    sliding window: each rank's mask from its rows' positions): the prompt's shard through
+    ring attention, then steps of 2, 1 and 2 new tokens over every rank's part, give what
+    "longflash" gives on the whole sequence at once; each step's keys land on rank
+    position % P; the ranks' arguments are compared at the first step only."""
     from experiments.scaling import spawn_ranks
     x = torch.randn(1, 8 + sum(RING_STEPS), 64, generator=torch.Generator().manual_seed(5),
                     dtype=torch.float64)
-    outs, lengths = spawn_ranks(world_size, _ring_cache_worker, x, timeout_s=120)
-    module = _ring_module()
+    outs, lengths = spawn_ranks(world_size, _ring_cache_worker, x, window_size, timeout_s=120)
+    module = _ring_module(window_size)
     module.attn_impl, module.attn = "longflash", attention_function("longflash", "torch")
     with torch.no_grad():
         full = module(x)
@@ -495,9 +518,9 @@ def test_ring_module_with_a_sharded_kv_cache(world_size):
     assert lengths == expected
 
 
-def _ring_generate_worker(rank, world_size, prompt, layout):
-    model = on_backend(tiny_gpt(attn_impl="ring", ring_layout=layout, attn_sinks=True),
-                       "torch").double().eval()
+def _ring_generate_worker(rank, world_size, prompt, layout, window_left):
+    model = on_backend(tiny_gpt(attn_impl="ring", ring_layout=layout, attn_sinks=True,
+                                window_left=window_left), "torch").double().eval()
     greedy = model.generate(prompt, 7, temperature=0)
     # every rank's generator in another state: the first rank's draws are everyone's
     sampled = model.generate(prompt, 5, top_k=40,
@@ -508,15 +531,19 @@ def _ring_generate_worker(rank, world_size, prompt, layout):
     return everyone
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
-def test_gpt_generates_with_context_parallelism(world_size, layout):
-    """GPT.generate with attn_impl="ring" on gloo ranks (float64, sinks): greedy and sampled
-    tokens (the first rank's generator) are those of "longflash" on one process, on every
-    rank."""
+@pytest.mark.parametrize("world_size, layout, window_left",
+                         [(2, "zigzag", -1), (4, "zigzag", -1), (2, "contiguous", -1),
+                          (4, "zigzag", 2)])
+def test_gpt_generates_with_context_parallelism(world_size, layout, window_left):
+    """GPT.generate with attn_impl="ring" on gloo ranks (float64, sinks, and a sliding window
+    in one case): greedy and sampled tokens (the first rank's generator) are those of
+    "longflash" on one process, on every rank."""
     from experiments.scaling import spawn_ranks
     prompt = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(6))
-    everyone = spawn_ranks(world_size, _ring_generate_worker, prompt, layout, timeout_s=120)
-    model = on_backend(tiny_gpt(attn_sinks=True), "torch").double().eval()
+    everyone = spawn_ranks(world_size, _ring_generate_worker, prompt, layout, window_left,
+                           timeout_s=120)
+    model = on_backend(tiny_gpt(attn_sinks=True, window_left=window_left), "torch").double() \
+        .eval()
     greedy = model.generate(prompt, 7, temperature=0)
     sampled = model.generate(prompt, 5, top_k=40, generator=torch.Generator().manual_seed(3))
     for rank_greedy, rank_sampled in everyone:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interface import _seed_tensor, attention
-from ._common import FP8_DTYPES
+from ._common import FP8_DTYPES, check_window_size, visible
 from .kvcache import _append as kvcache_append
 from .kvcache import attention_with_kvcache, check_descale, quantize
 from .parallel import attention_with_sharded_kvcache, ring_attention, shard_positions
@@ -76,34 +76,44 @@ def apply_rotary(x, cos, sin, interleaved=False):
 
 
 def attention_function(attn_impl, backend="auto", group=None, layout="zigzag"):
-    """The attention of `attn_impl`, as f(q, k, v, causal, dropout_p, learnable_sink=None) on
-    (batch, seqlen, nheads, headdim) tensors; k, v may have fewer heads (GQA). "sdpa" takes no
-    learnable_sink. group, layout: "ring"'s process group (None: the default) and layout."""
+    """The attention of `attn_impl`, as f(q, k, v, causal, dropout_p, learnable_sink=None,
+    window_size=(-1, -1)) on (batch, seqlen, nheads, headdim) tensors; k, v may have fewer
+    heads (GQA); window_size as in longflash.attention ("sdpa": as a boolean mask, O(N^2)).
+    "sdpa" takes no learnable_sink. group, layout: "ring"'s process group (None: the default)
+    and layout."""
     if attn_impl == "longflash":
-        return lambda q, k, v, causal, dropout_p, learnable_sink=None: attention(
-            q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
-            learnable_sink=learnable_sink)
+        return lambda q, k, v, causal, dropout_p, learnable_sink=None, window_size=(-1, -1): \
+            attention(q, k, v, causal=causal, dropout_p=dropout_p, backend=backend,
+                      learnable_sink=learnable_sink, window_size=window_size)
     if attn_impl == "standard":
-        def standard(q, k, v, causal, dropout_p, learnable_sink=None):
+        def standard(q, k, v, causal, dropout_p, learnable_sink=None, window_size=(-1, -1)):
             # the seed drawn as "longflash" and "ring" draw it
             seed = int(_seed_tensor(dropout_p, None, None)) if dropout_p > 0 else 0
             return attention_ref(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed,
-                                 upcast=False, learnable_sink=learnable_sink)[0]
+                                 upcast=False, learnable_sink=learnable_sink,
+                                 window_size=window_size)[0]
         return standard
     if attn_impl == "ring":
-        def ring(q, k, v, causal, dropout_p, learnable_sink=None):
+        def ring(q, k, v, causal, dropout_p, learnable_sink=None, window_size=(-1, -1)):
             return ring_attention(q, k, v, causal=causal, backend=backend, group=group,
                                   layout=layout, learnable_sink=learnable_sink,
-                                  dropout_p=dropout_p)
+                                  dropout_p=dropout_p, window_size=window_size)
         return ring
     if attn_impl == "sdpa":
-        def sdpa(q, k, v, causal, dropout_p):
+        def sdpa(q, k, v, causal, dropout_p, window_size=(-1, -1)):
             group = q.shape[2] // k.shape[2]
             if group > 1:  # enable_gqa= needs torch >= 2.5
                 k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+            mask = None
+            if tuple(window_size) != (-1, -1):  # causal folded in: SDPA takes one or the other
+                i = torch.arange(q.shape[1], device=q.device)[:, None]
+                j = torch.arange(k.shape[1], device=q.device)[None, :]
+                mask = visible(i, j, q.shape[1], k.shape[1], window_size[0],
+                               0 if causal else window_size[1])  # (Nq, Nk)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                               v.transpose(1, 2), dropout_p=dropout_p,
-                                               is_causal=causal)  # (B, H, N, D)
+                                               v.transpose(1, 2), attn_mask=mask,
+                                               dropout_p=dropout_p,
+                                               is_causal=causal and mask is None)  # (B, H, N, D)
             return o.transpose(1, 2)
         return sdpa
     raise ValueError(f"attn_impl must be one of {ATTN_IMPLEMENTATIONS}, got {attn_impl!r}")
@@ -138,11 +148,16 @@ class KVCache:
         self.k_descale, self.v_descale = k_descale, v_descale
         self.seqlen = self.position = 0
         self.ranks_checked = False  # attn_impl "ring": the ranks' arguments compared once
+        # attn_impl "ring": each row's position in the whole sequence (a rank's rows are not
+        # consecutive positions), for sliding windows; -1 where no token is stored
+        self.row_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self._rotary = {}
 
-    def store(self, k, v):
+    def store(self, k, v, positions=None):
         """Write k, v (batch, n, nheads_kv, headdim) at rows seqlen .. seqlen + n - 1 (quantized
-        as the decoding kernel's append quantizes, for a float8 cache) and advance seqlen."""
+        as the decoding kernel's append quantizes, for a float8 cache) and advance seqlen.
+        positions: (n,) the tokens' positions in the whole sequence (row_positions), if
+        given."""
         n = k.shape[1]
         if self.seqlen + n > self.k.shape[1]:
             raise ValueError(f"the cache holds {self.k.shape[1]} tokens a sequence; {self.seqlen} "
@@ -153,6 +168,8 @@ class KVCache:
                 scale = check_descale(name, descale, new.shape[0], cache, new.device)
                 new = quantize(new, scale, cache.dtype)
             kvcache_append(cache, new, self.seqlen, None)  # as attention_with_kvcache writes
+        if positions is not None:
+            self.row_positions[self.seqlen:self.seqlen + n] = positions
         self.seqlen += n
 
     def rotary_tables(self, base):
@@ -175,6 +192,9 @@ class MultiheadSelfAttention(nn.Module):
         bias: biases in the projections (default False).
         rotary: rotary position embeddings on q and k (default False); rotary_base: 10000.
         dropout: attention dropout probability, applied in training mode only.
+        window_size: (left, right), a sliding window as in longflash.attention (a token sees
+            the keys from left before it to right after it; right is 0 with causal; -1:
+            unbounded), in every attn_impl and with a KV cache (default (-1, -1): none).
         sinks: a learned attention sink per query head (`self.sinks`, (num_heads,), zeros at
             first), as in gpt-oss: one more logit in every row's softmax, attending to no value
             (`learnable_sink` of longflash.attention). Not with attn_impl="sdpa".
@@ -199,8 +219,9 @@ class MultiheadSelfAttention(nn.Module):
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, causal=True, bias=False,
                  rotary=False, rotary_base=10000.0, dropout=0.0, attn_impl="longflash",
                  backend="auto", device=None, dtype=None, sinks=False, ring_group=None,
-                 ring_layout="zigzag"):
+                 ring_layout="zigzag", window_size=(-1, -1)):
         super().__init__()
+        check_window_size(window_size)
         num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
         if num_heads < 1 or embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads "
@@ -219,6 +240,7 @@ class MultiheadSelfAttention(nn.Module):
             raise ValueError(f"rotary needs an even head dim, got {self.headdim}")
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.dropout, self.attn_impl = dropout, attn_impl
+        self.window_size = tuple(window_size)
         self._ring_group, self.ring_layout = _Shared(ring_group), ring_layout
         self.backend = backend  # sets self.attn; raises on a bad attn_impl
         factory = dict(device=device, dtype=dtype)
@@ -255,16 +277,18 @@ class MultiheadSelfAttention(nn.Module):
         if kv_cache is not None and not prompt_shard:
             o = self._attend_cached(q, k, v, kv_cache)
             return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
+        positions = shard_positions(seqlen, self.ring_layout, self.ring_group, x.device) \
+            if self.attn_impl == "ring" else None  # a ring shard's: its global positions
         if self.rotary:
-            positions = shard_positions(seqlen, self.ring_layout, self.ring_group, x.device) \
-                if self.attn_impl == "ring" else None  # a ring shard's: its global positions
             cos, sin = rotary_cos_sin(seqlen, self.headdim, self.rotary_base, x.device,
                                       positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        sink = {} if self.sinks is None else dict(learnable_sink=self.sinks)
-        o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0, **sink)
+        options = {} if self.sinks is None else dict(learnable_sink=self.sinks)
+        if self.window_size != (-1, -1):
+            options["window_size"] = self.window_size
+        o = self.attn(q, k, v, self.causal, self.dropout if self.training else 0.0, **options)
         if prompt_shard:  # the keys and values stay on this rank, for the steps after it
-            kv_cache.store(k, v)
+            kv_cache.store(k, v, positions)
             kv_cache.position = seqlen * dist.get_world_size(self.ring_group)
         return self.out_proj(o.reshape(batch, seqlen, self.embed_dim))  # (B, N, E)
 
@@ -276,7 +300,8 @@ class MultiheadSelfAttention(nn.Module):
             cos, sin = kv_cache.rotary_tables(self.rotary_base)
             rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
         o = attention_with_kvcache(q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen,
-                                   causal=self.causal, backend=self.backend,
+                                   causal=self.causal, window_size=self.window_size,
+                                   backend=self.backend,
                                    learnable_sink=self.sinks, k_descale=kv_cache.k_descale,
                                    v_descale=kv_cache.v_descale, **rotary)
         kv_cache.seqlen += q.shape[1]
@@ -286,20 +311,28 @@ class MultiheadSelfAttention(nn.Module):
     def _attend_sharded(self, q, k, v, kv_cache):
         """New tokens (the same on every rank) over every rank's part of the cache; their keys
         and values appended on rank position % P. The ranks' arguments are compared at the
-        first step only (check_ranks: a host synchronization), not at every token."""
+        first step only (check_ranks: a host synchronization), not at every token. A sliding
+        window is each rank's mask over its rows, from their positions (row_positions)."""
         n = q.shape[1]
+        positions = torch.arange(kv_cache.position, kv_cache.position + n, device=q.device)
         if self.rotary:  # at their positions in the whole sequence
-            positions = torch.arange(kv_cache.position, kv_cache.position + n, device=q.device)
             cos, sin = rotary_cos_sin(n, self.headdim, self.rotary_base, q.device, positions)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         append_rank = kv_cache.position % dist.get_world_size(self.ring_group)
+        appends = dist.get_rank(self.ring_group) == append_rank
+        if appends:
+            kv_cache.row_positions[kv_cache.seqlen:kv_cache.seqlen + n] = positions
+        mask = None
+        if self.window_size != (-1, -1):  # (1, 1, n, capacity): query i, this rank's row j
+            mask = visible(positions[:, None], kv_cache.row_positions[None, :], 0, 0,
+                           self.window_size[0], 0)[None, None]
         o = attention_with_sharded_kvcache(
             q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen, causal=True, backend=self.backend,
             group=self.ring_group, append_rank=append_rank, learnable_sink=self.sinks,
-            k_descale=kv_cache.k_descale, v_descale=kv_cache.v_descale,
+            attn_mask=mask, k_descale=kv_cache.k_descale, v_descale=kv_cache.v_descale,
             check_ranks=not kv_cache.ranks_checked)
         kv_cache.ranks_checked = True
-        if dist.get_rank(self.ring_group) == append_rank:
+        if appends:
             kv_cache.seqlen += n
         kv_cache.position += n
         return o
@@ -308,6 +341,7 @@ class MultiheadSelfAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_heads_kv={self.num_heads_kv}, causal={self.causal}, "
                 f"rotary={self.rotary}, sinks={self.sinks is not None}, "
+                f"window_size={self.window_size}, "
                 f"attn_impl={self.attn_impl!r}")
 
 

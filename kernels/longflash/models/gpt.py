@@ -14,7 +14,9 @@ ring_group)`, default the default group) passes its shard of idx and of targets
 (longflash.parallel.shard_sequence, in config.ring_layout), the loss is the mean
 over its tokens, and the ranks' gradients are averaged (as DDP does) to give the gradient of
 the whole sequence's loss.
-`checkpoint=True` recomputes each block in the backward pass (activation checkpointing).
+`checkpoint=True` recomputes each block in the backward pass (activation checkpointing);
+`window_left` gives every layer a causal sliding window (Mistral's layers), in training and
+generation, "ring" included.
 `generate` samples with a KV cache (longflash.nn.KVCache per block): the prompt once, then one
 decoding step (attention_with_kvcache) per new token. With "ring", every rank passes the whole
 prompt; each keeps its shard's keys and values and a share of the new tokens' (context
@@ -47,6 +49,8 @@ class GPTConfig:
     checkpoint: bool = False       # activation checkpointing per block
     attn_sinks: bool = False       # a learned attention sink per head (gpt-oss)
     ring_layout: str = "zigzag"    # attn_impl "ring": how the sequence is sharded
+    window_left: int = -1          # sliding window: a token sees itself and the window_left
+                                   # tokens before it, in every layer (-1: all before it)
 
 
 class MLP(nn.Module):
@@ -68,7 +72,9 @@ class Block(nn.Module):
                                            causal=True, bias=config.bias, rotary=True,
                                            dropout=config.dropout, attn_impl=config.attn_impl,
                                            sinks=config.attn_sinks, ring_group=ring_group,
-                                           ring_layout=config.ring_layout)
+                                           ring_layout=config.ring_layout,
+                                           window_size=(config.window_left, 0)
+                                           if config.window_left >= 0 else (-1, -1))
         self.dropout = nn.Dropout(config.dropout)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
