@@ -143,9 +143,11 @@ def test_rotary_scores_depend_on_relative_position_only():
     (dict(embed_dim=32, num_heads=4, dropout=1.0), "dropout"),
     (dict(embed_dim=12, num_heads=4, rotary=True), "rotary"),
     (dict(embed_dim=32, num_heads=4, sinks=True, attn_impl="sdpa"), "sinks"),
+    (dict(embed_dim=32, num_heads=4, window_size=(-2, 0)), "window_size"),
+    (dict(embed_dim=32, num_heads=4, window_size=(4,)), "window_size"),
 ])
 def test_module_rejects_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         MultiheadSelfAttention(**kwargs)
 
 
