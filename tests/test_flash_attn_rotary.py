@@ -23,6 +23,9 @@ ROTARY_SIGNATURES = {  # flash_attn 2.7, flash_attn/layers/rotary.py: (name, def
     "apply_rotary_emb_kv_": [("kv", None), ("cos", None), ("sin", None), ("interleaved", False),
                              ("seqlen_offsets", 0)],
 }
+OPS_SIGNATURE = [("x", None), ("cos", None), ("sin", None), ("seqlen_offsets", 0),  # ops.triton
+                 ("cu_seqlens", None), ("max_seqlen", None), ("interleaved", False),
+                 ("inplace", False), ("conjugate", False)]
 ROTARY_EMBEDDING_SIGNATURES = {
     "__init__": [("dim", None), ("base", 10000.0), ("interleaved", False), ("scale_base", None),
                  ("device", None)],
@@ -318,3 +321,18 @@ def test_compiles_fullgraph():
     got = torch.compile(both, fullgraph=True, backend="eager")(x, packed, off, cu)
     for a, b in zip(got, both(x, packed, off, cu)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_ops_apply_rotary_and_its_conjugate():
+    """flash_attn.ops.triton.rotary.apply_rotary: its signature; apply_rotary_emb's result in
+    its own argument order; conjugate=True undoes the rotation (the inverse, float64)."""
+    from longflash.flash_attn.ops.triton.rotary import apply_rotary
+    assert _params(apply_rotary) == OPS_SIGNATURE
+    x = torch.randn(2, 7, 3, 16, dtype=torch.float64)
+    cos, sin = tables(12, 12, torch.float64)
+    off = torch.tensor([0, 5])
+    there = apply_rotary(x, cos, sin, off, interleaved=True)
+    assert torch.equal(there, rotary.apply_rotary_emb(x, cos, sin, True, seqlen_offsets=off))
+    back = apply_rotary(there, cos, sin, off, interleaved=True, conjugate=True)
+    torch.testing.assert_close(back, x, rtol=0, atol=1e-6)  # float32 tables: |cos + i sin| ~ 1
+    assert (there - x).abs().max() > 0.1
