@@ -146,6 +146,9 @@ def test_packed_sequences(offsets):
     alone = rotary.apply_rotary_emb(x[None, start:start + 8], cos, sin,
                                     seqlen_offsets=per_seq[2])
     assert torch.equal(out[start:start + 8], alone[0])
+    none = torch.zeros(1, dtype=torch.int32)  # no sequence: every row as it is
+    assert torch.equal(rotary.apply_rotary_emb(x, cos, sin, seqlen_offsets=off[:0] if isinstance(
+        off, torch.Tensor) else off, cu_seqlens=none), x)
 
 
 def test_inplace_writes_x_and_its_gradient_flows():

@@ -125,9 +125,11 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False,
             longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
             _check_positions(None if largest is None or not longest else largest + longest - 1,
                              seqlen_ro)
+        if batch == 0:  # no sequence: every row is past the last one
+            return x if inplace else x.clone()
         cu_seqlens = cu_seqlens.to(x.device)
         token = torch.arange(total, device=x.device)
-        seq = torch.searchsorted(cu_seqlens[1:], token, right=True).clamp(max=max(batch - 1, 0))
+        seq = torch.searchsorted(cu_seqlens[1:], token, right=True).clamp(max=batch - 1)
         inside = token < cu_seqlens[-1]
         pos = token - cu_seqlens[seq] + (seqlen_offsets[seq] if isinstance(
             seqlen_offsets, torch.Tensor) else seqlen_offsets)
