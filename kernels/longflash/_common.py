@@ -110,6 +110,26 @@ def check_attn_mask_shape(shape, batch, nheads, seqlen_q, seqlen_k, keys_at_leas
                          f" (batch, nheads, seqlen_q, seqlen_k) = {target}, got shape {shape}")
 
 
+def check_rotary_tables(cos, sin, is_float_matrix, kind, headdim,
+                        names=("rotary_cos", "rotary_sin")):
+    """A pair of rotary tables: (seqlen_ro, rotary_dim / 2) floating-point matrices
+    (is_float_matrix; kind names them in errors, names the arguments) of one shape, with
+    rotary_dim in [2, headdim]. Returns seqlen_ro."""
+    for name, x in zip(names, (cos, sin)):
+        if not is_float_matrix(x):
+            raise TypeError(f"{name} must be a floating-point {kind} of shape (seqlen_ro, "
+                            f"rotary_dim / 2), got {getattr(x, 'dtype', type(x).__name__)} "
+                            f"{tuple(getattr(x, 'shape', ()))}")
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    rotary_dim = 2 * cos.shape[1]
+    if not 0 < rotary_dim <= headdim:
+        raise ValueError(f"rotary_dim (2 * {names[0]}.shape[1] = {rotary_dim}) must lie in "
+                         f"[2, headdim = {headdim}]")
+    return cos.shape[0]
+
+
 def check_rotary(rotary_cos, rotary_sin, is_float_matrix, kind, has_new_keys, headdim, seqlen_q,
                  max_seqlen, seqlen_new, q_in_order):
     """Decoding's rotary arguments, for both bindings: False if neither is given, True if both
@@ -123,18 +143,7 @@ def check_rotary(rotary_cos, rotary_sin, is_float_matrix, kind, has_new_keys, he
     if not has_new_keys:
         raise ValueError("rotary_cos and rotary_sin rotate the new keys as they are appended: "
                          "they need k and v (as in FlashAttention)")
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if not is_float_matrix(x):
-            raise TypeError(f"{name} must be a floating-point {kind} of shape (seqlen_ro, "
-                            f"rotary_dim / 2), got {getattr(x, 'dtype', type(x).__name__)} "
-                            f"{tuple(getattr(x, 'shape', ()))}")
-    if tuple(rotary_cos.shape) != tuple(rotary_sin.shape):
-        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
-                         f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-    seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
-    if not 0 < rotary_dim <= headdim:
-        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must lie in "
-                         f"[2, headdim = {headdim}]")
+    seqlen_ro = check_rotary_tables(rotary_cos, rotary_sin, is_float_matrix, kind, headdim)
     if max_seqlen is not None:
         last = max_seqlen + max(seqlen_new, seqlen_q if q_in_order else 1) - 1
         if last >= seqlen_ro:

@@ -28,25 +28,16 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..._common import check_bools, check_offsets
+from ..._common import check_bools, check_offsets, check_rotary_tables
 from ...nn import apply_rotary
 
 
 def _check_table(cos, sin, x):
+    check_rotary_tables(cos, sin, lambda t: isinstance(t, torch.Tensor) and t.dim() == 2 and
+                        t.is_floating_point(), "tensor", x.shape[-1], names=("cos", "sin"))
     for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor of shape (seqlen_ro, "
-                            f"rotary_dim / 2), got {getattr(t, 'dtype', type(t).__name__)} "
-                            f"{tuple(getattr(t, 'shape', ()))}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}: they must match")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)}")
-    rotary_dim = 2 * cos.shape[1]
-    if not 0 < rotary_dim <= x.shape[-1]:
-        raise ValueError(f"rotary_dim (2 * cos.shape[1] = {rotary_dim}) must lie in [2, "
-                         f"headdim = {x.shape[-1]}]")
 
 
 def _check_offsets(seqlen_offsets, batch, device):
