@@ -272,6 +272,85 @@ def test_gpt_with_a_float8_kv_cache(backend, cache_dtype):
     assert out.shape == (2, 9) and torch.equal(out[:, :5], idx[:, :5])
 
 
+ROLLING_CASES = [  # (backend, window_left, capacity, cache dtype, chunks of new tokens)
+    pytest.param("torch", 3, 4, None, (9, 1, 1, 2, 1, 7, 1, 1, 1), id="torch-w3-C4"),
+    pytest.param("torch", 3, 6, None, (2, 1, 3, 1, 5, 1, 1, 2), id="torch-w3-C6"),
+    pytest.param("torch", 5, 7, torch.float8_e4m3fn, (9, 1, 2, 1, 4, 1, 1), id="torch-w5-C7-e4m3"),
+] + ([pytest.param("triton", 3, 5, None, (6, 1, 2, 4, 1), id="triton-w3-C5")] if INTERPRET
+     else [])
+
+
+@pytest.mark.parametrize("backend, window_left, capacity, cache_dtype, chunks", ROLLING_CASES)
+def test_rolling_kv_cache(backend, window_left, capacity, cache_dtype, chunks):
+    """A rolling cache (the last `capacity` tokens, token p at row p % capacity) under a
+    sliding window gives the logits of one forward pass over the whole sequence, chunk by
+    chunk: chunks that fit beside the window attend over the rows in place (with a mask from
+    the rows' positions but for one token over window + 1 rows), longer ones over a copy of
+    the window's rows; its rows end holding the last `capacity` positions. A float8 rolling
+    cache gives what a float8 cache of every token gives (the same quantized keys)."""
+    model = on_backend(random_sinks(tiny_gpt(attn_sinks=True, window_left=window_left))
+                       .eval(), backend)
+    total = sum(chunks)
+    idx = torch.randint(0, 256, (2, total))
+    scales = dict(k_descale=1 / 64, v_descale=torch.tensor(1 / 32)) if cache_dtype else {}
+    rolling = model.new_kv_cache(2, capacity, cache_dtype, rolling=True, **scales)
+    whole = model.new_kv_cache(2, total, cache_dtype, **scales)
+    steps, steps_whole, t = [], [], 0
+    for n in chunks:
+        steps.append(model(idx[:, t:t + n], kv_cache=rolling)[0])
+        steps_whole.append(model(idx[:, t:t + n], kv_cache=whole)[0])
+        t += n
+    out = torch.cat(steps, 1)
+    torch.testing.assert_close(out, torch.cat(steps_whole, 1), rtol=0, atol=1e-5)
+    if cache_dtype is None:
+        torch.testing.assert_close(out, model(idx)[0], rtol=0, atol=1e-5)
+    for layer, layer_whole in zip(rolling, whole):
+        assert layer.seqlen == capacity and layer.position == total
+        rows = torch.arange(total - capacity, total)
+        assert torch.equal(layer.row_positions[rows % capacity], rows)
+        for stored, want in ((layer.k, layer_whole.k), (layer.v, layer_whole.v)):
+            # the same up to rounding: rotary tables of other lengths, cos/sin 1 ulp apart,
+            # may move a float8 value by one step of its 3-bit mantissa
+            torch.testing.assert_close(stored[:, rows % capacity].float(),
+                                       want[:, rows].float(), rtol=0.13 if cache_dtype else
+                                       1e-6, atol=1e-6)
+
+
+def test_gpt_generates_over_a_rolling_cache(monkeypatch):
+    """With window_left, generate keeps window_left + 1 tokens a layer (a rolling cache)
+    and picks greedily what recomputing the whole sequence at each step picks."""
+    model = on_backend(tiny_gpt(window_left=3).eval(), "torch")
+    made = []
+    new_kv_cache = model.new_kv_cache
+    monkeypatch.setattr(model, "new_kv_cache", lambda *args: made.append(new_kv_cache(*args))
+                        or made[-1])
+    prompt = torch.randint(0, 256, (2, 6))
+    recomputed = prompt
+    for _ in range(8):
+        next_token = model(recomputed)[0][:, -1].argmax(-1, keepdim=True)
+        recomputed = torch.cat([recomputed, next_token], 1)
+    assert torch.equal(model.generate(prompt, 8, temperature=0), recomputed)
+    assert all(layer.rolling and layer.capacity == 4 for layer in made[0])
+
+
+def test_rolling_kv_cache_errors():
+    x = torch.randn(1, 2, 32)
+    for attn, capacity in ((MultiheadSelfAttention(32, 4), 8),  # no window
+                           (MultiheadSelfAttention(32, 4, window_size=(4, 0)), 4),
+                           (MultiheadSelfAttention(32, 4, window_size=(2, 0), attn_impl="ring"),
+                            8)):
+        cache = KVCache(1, capacity, 4, 8, rolling=True)
+        with pytest.raises(ValueError, match="a rolling kv_cache needs attn_impl 'longflash' "
+                                             "and a sliding window shorter than its capacity"):
+            attn(x, cache)
+        assert cache.seqlen == cache.position == 0
+    cache = KVCache(1, 4, 4, 8, rolling=True)
+    with pytest.raises(ValueError, match="at most its capacity .4. tokens at a time"):
+        cache.store(*[torch.randn(1, 2, 4, 8)] * 2)  # no positions
+    with pytest.raises(ValueError, match="at most its capacity .4. tokens at a time"):
+        cache.store(*[torch.randn(1, 5, 4, 8)] * 2, torch.arange(5))
+
+
 def test_gpt_generate():
     """Greedy generation over the KV cache picks what recomputing the whole sequence at each
     step picks; sampling is reproducible with a generator, stays in the top_k tokens, and

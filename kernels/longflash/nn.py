@@ -25,7 +25,8 @@ cache and attends over everything cached (longflash.attention_with_kvcache: the 
 decoding kernel, with the append and rotary embedding in one kernel on a GPU). With
 attn_impl="ring" each rank's cache holds its part of the sequence: the prompt's shard (run by
 ring attention), then a share of the new tokens, which every rank passes and which attend to
-every rank's part (longflash.parallel.attention_with_sharded_kvcache).
+every rank's part (longflash.parallel.attention_with_sharded_kvcache). Under a sliding window,
+KVCache(rolling=True) keeps the window's tokens only, its rows a ring buffer.
 """
 
 import torch
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .interface import _seed_tensor, attention
-from ._common import FP8_DTYPES, check_window_size, visible
+from ._common import FP8_DTYPES, as_bytes, check_window_size, take, visible
 from .kvcache import _append as kvcache_append
 from .kvcache import attention_with_kvcache, check_descale, quantize
 from .parallel import attention_with_sharded_kvcache, ring_attention, shard_positions
@@ -139,13 +140,23 @@ class KVCache:
     attn_impl="ring"). A float8 dtype (torch.float8_e4m3fn or float8_e5m2)
     keeps them quantized, with k_descale, v_descale as attention_with_kvcache takes them (a
     float or a float32 tensor broadcastable to (batch, nheads_kv); None: 1): half a 16-bit
-    cache's memory and bytes read per step."""
+    cache's memory and bytes read per step.
+
+    rolling=True (a layer with a sliding window, attn_impl "longflash"): the rows are a ring
+    buffer holding the last `capacity` tokens only, token p at row p % capacity (seqlen is
+    then the rows filled, at most capacity), so the cache's memory stays the window's,
+    however long the generation. A window of w keys before each token needs capacity > w;
+    with capacity w + c, a call with up to c new tokens appends and attends in place (the
+    decoding kernel over the rows, a mask from their positions where some row is out of a
+    query's window), a longer one (a prompt, say) attends over a copy of the w rows it needs
+    and its own keys. capacity w + 1 is enough for decoding one token at a time."""
 
     def __init__(self, batch, capacity, nheads_kv, headdim, dtype=None, device=None,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, rolling=False):
         self.k = torch.zeros(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.k_descale, self.v_descale = k_descale, v_descale
+        self.rolling = bool(rolling)
         self.seqlen = self.position = 0
         self.ranks_checked = False  # attn_impl "ring": the ranks' arguments compared once
         # attn_impl "ring": each row's position in the whole sequence (a rank's rows are not
@@ -153,24 +164,70 @@ class KVCache:
         self.row_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
         self._rotary = {}
 
+    @property
+    def capacity(self):
+        return self.k.shape[1]
+
     def store(self, k, v, positions=None):
         """Write k, v (batch, n, nheads_kv, headdim) at rows seqlen .. seqlen + n - 1 (quantized
         as the decoding kernel's append quantizes, for a float8 cache) and advance seqlen.
         positions: (n,) the tokens' positions in the whole sequence (row_positions), if
-        given."""
+        given; a rolling cache needs them: token p goes to row p % capacity."""
         n = k.shape[1]
-        if self.seqlen + n > self.k.shape[1]:
-            raise ValueError(f"the cache holds {self.k.shape[1]} tokens a sequence; {self.seqlen} "
+        if self.rolling and (positions is None or n > self.capacity):
+            raise ValueError(f"a rolling cache stores at most its capacity ({self.capacity}) "
+                             f"tokens at a time, with their positions; got {n} tokens, "
+                             f"positions {'None' if positions is None else 'given'}")
+        if not self.rolling and self.seqlen + n > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} tokens a sequence; {self.seqlen} "
                              f"are stored and {n} more do not fit")
+        rows = positions % self.capacity if self.rolling else None
+        for new, cache in zip(self.as_stored(k, v, quantized=True), (self.k, self.v)):
+            if rows is None:
+                kvcache_append(cache, new, self.seqlen, None)  # as attention_with_kvcache does
+            else:
+                as_bytes(cache).index_copy_(1, rows, as_bytes(new))
+        if rows is not None:
+            self.row_positions.index_copy_(0, rows, positions)
+        elif positions is not None:
+            self.row_positions[self.seqlen:self.seqlen + n] = positions
+        self.seqlen = min(self.seqlen + n, self.capacity) if self.rolling else self.seqlen + n
+
+    def as_stored(self, k, v, quantized=False):
+        """k, v as the cache holds them: a float8 cache's quantized values (kvcache.quantize)
+        if quantized, else those values times their scales in k's dtype (what the attention
+        over the cache sees); a 16- or 32-bit cache's, k and v in its dtype."""
+        out = []
         for name, cache, new, descale in (("k_descale", self.k, k, self.k_descale),
                                           ("v_descale", self.v, v, self.v_descale)):
+            if cache.dtype not in FP8_DTYPES:
+                out.append(new.to(cache.dtype))
+                continue
+            scale = check_descale(name, descale, new.shape[0], cache, new.device)
+            stored = quantize(new, scale, cache.dtype)
+            out.append(stored if quantized else self._dequantize(stored, scale, new.dtype))
+        return out
+
+    @staticmethod
+    def _dequantize(x, scale, dtype):
+        x = x.float()
+        return (x if scale is None else x * scale[:, None, :, None]).to(dtype)
+
+    def rows_in_order(self, first, last, dtype):
+        """Keys and values of positions first .. last - 1 (all stored), in order, as the
+        attention over the cache sees them (a float8 cache's times their scales), in dtype."""
+        rows = torch.arange(first, last, device=self.k.device)
+        if self.rolling:
+            rows = rows % self.capacity
+        out = []
+        for name, cache, descale in (("k_descale", self.k, self.k_descale),
+                                     ("v_descale", self.v, self.v_descale)):
+            x = take(cache, slice(None), rows)
             if cache.dtype in FP8_DTYPES:
-                scale = check_descale(name, descale, new.shape[0], cache, new.device)
-                new = quantize(new, scale, cache.dtype)
-            kvcache_append(cache, new, self.seqlen, None)  # as attention_with_kvcache writes
-        if positions is not None:
-            self.row_positions[self.seqlen:self.seqlen + n] = positions
-        self.seqlen += n
+                x = self._dequantize(x, check_descale(name, descale, x.shape[0], cache,
+                                                      x.device), dtype)
+            out.append(x.to(dtype))
+        return out
 
     def rotary_tables(self, base):
         """cos, sin (capacity, headdim // 2) of rotary_cos_sin, for every position."""
@@ -272,6 +329,12 @@ class MultiheadSelfAttention(nn.Module):
             raise NotImplementedError(f"kv_cache needs causal=True and attn_impl 'longflash' "
                                       f"or 'ring' (the decoding kernel), got causal="
                                       f"{self.causal}, attn_impl={self.attn_impl!r}")
+        if kv_cache is not None and kv_cache.rolling and (
+                self.attn_impl != "longflash" or not 0 <= self.window_size[0] < kv_cache.capacity):
+            raise ValueError(f"a rolling kv_cache needs attn_impl 'longflash' and a sliding "
+                             f"window shorter than its capacity (0 <= window_size[0] < "
+                             f"{kv_cache.capacity}), got attn_impl={self.attn_impl!r}, "
+                             f"window_size={self.window_size}")
         prompt_shard = self.attn_impl == "ring" and kv_cache is not None and \
             kv_cache.position == 0  # attended by the ring, as without a cache
         if kv_cache is not None and not prompt_shard:
@@ -295,6 +358,8 @@ class MultiheadSelfAttention(nn.Module):
     def _attend_cached(self, q, k, v, kv_cache):
         if self.attn_impl == "ring":
             return self._attend_sharded(q, k, v, kv_cache)
+        if kv_cache.rolling:
+            return self._attend_rolling(q, k, v, kv_cache)
         rotary = {}
         if self.rotary:  # positions kv_cache.seqlen onwards, half-split as in forward
             cos, sin = kv_cache.rotary_tables(self.rotary_base)
@@ -306,6 +371,41 @@ class MultiheadSelfAttention(nn.Module):
                                    v_descale=kv_cache.v_descale, **rotary)
         kv_cache.seqlen += q.shape[1]
         kv_cache.position += q.shape[1]
+        return o
+
+    def _attend_rolling(self, q, k, v, kv_cache):
+        """New tokens over a rolling cache (KVCache(rolling=True)), their keys and values
+        stored at rows position % capacity: a query at position p sees positions p - w .. p
+        (w = window_size[0]), all of them in the cache. A call of at most capacity - w tokens
+        stores them, then attends over the rows in place (a mask from the rows' positions
+        where some row is out of a query's window; none for one token over w + 1 rows); a
+        longer one attends over a copy of the w rows before it and its own keys, then stores
+        its last capacity tokens."""
+        n, first, w = q.shape[1], kv_cache.position, self.window_size[0]
+        positions = torch.arange(first, first + n, device=q.device)
+        if self.rotary:  # at their positions: rows are not positions in a rolling cache
+            cos, sin = rotary_cos_sin(n, self.headdim, self.rotary_base, q.device, positions)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if n <= kv_cache.capacity - w:
+            kv_cache.store(k, v, positions)
+            oldest = max(0, first + n - kv_cache.capacity)  # the position of the oldest row
+            mask = None
+            if n > 1 or oldest < first - w:  # (1, 1, n, capacity): query i, row j
+                mask = visible(positions[:, None], kv_cache.row_positions[None, :], 0, 0, w,
+                               0)[None, None]
+            o = attention_with_kvcache(
+                q, kv_cache.k, kv_cache.v, cache_seqlens=kv_cache.seqlen, backend=self.backend,
+                learnable_sink=self.sinks, attn_mask=mask, k_descale=kv_cache.k_descale,
+                v_descale=kv_cache.v_descale)
+        else:
+            k_old, v_old = kv_cache.rows_in_order(max(0, first - w), first, q.dtype)
+            k_new, v_new = kv_cache.as_stored(k, v)  # what the rows will hold
+            options = {} if self.sinks is None else dict(learnable_sink=self.sinks)
+            o = self.attn(q, torch.cat([k_old, k_new], 1), torch.cat([v_old, v_new], 1), True,
+                          0.0, window_size=(w, 0), **options)
+            keep = min(n, kv_cache.capacity)
+            kv_cache.store(k[:, n - keep:], v[:, n - keep:], positions[n - keep:])
+        kv_cache.position += n
         return o
 
     def _attend_sharded(self, q, k, v, kv_cache):

@@ -18,9 +18,11 @@ the whole sequence's loss.
 `window_left` gives every layer a causal sliding window (Mistral's layers), in training and
 generation, "ring" included.
 `generate` samples with a KV cache (longflash.nn.KVCache per block): the prompt once, then one
-decoding step (attention_with_kvcache) per new token. With "ring", every rank passes the whole
-prompt; each keeps its shard's keys and values and a share of the new tokens' (context
-parallelism at inference: attention_with_sharded_kvcache), and every rank returns the same tokens.
+decoding step (attention_with_kvcache) per new token; with window_left, a rolling cache of the
+window's tokens (its memory independent of the length generated). With "ring", every rank
+passes the whole prompt; each keeps its shard's keys and values and a share of the new
+tokens' (context parallelism at inference: attention_with_sharded_kvcache), and every rank
+returns the same tokens.
 """
 
 import math
@@ -133,14 +135,16 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
-    def new_kv_cache(self, batch, capacity, dtype=None, k_descale=None, v_descale=None):
+    def new_kv_cache(self, batch, capacity, dtype=None, k_descale=None, v_descale=None,
+                     rolling=False):
         """An empty KV cache for `capacity` tokens per sequence: one KVCache per block, on the
         model's device, in the model's dtype or `dtype` (a float8 one with its scales:
-        longflash.nn.KVCache)."""
+        longflash.nn.KVCache); rolling: the last `capacity` tokens only (KVCache's rolling,
+        with window_left < capacity)."""
         weight = self.wte.weight
         return [KVCache(batch, capacity, block.attn.num_heads_kv, block.attn.headdim,
                         dtype=dtype or weight.dtype, device=weight.device, k_descale=k_descale,
-                        v_descale=v_descale) for block in self.blocks]
+                        v_descale=v_descale, rolling=rolling) for block in self.blocks]
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None,
@@ -148,10 +152,11 @@ class GPT(nn.Module):
         """Continue each prompt of idx (batch, seqlen) by max_new_tokens sampled tokens:
         logits / temperature, restricted to the top_k most likely if given; temperature 0
         picks the most likely (greedy). The prompt runs once into a fresh KV cache, then each
-        token is one decoding step over it. kv_cache_dtype, k_descale, v_descale: the cache's
-        dtype (default the model's; a float8 one quantizes it) and a float8 cache's scales,
-        as new_kv_cache takes them. Returns (batch, seqlen + max_new_tokens). Call it in eval
-        mode (dropout would apply otherwise).
+        token is one decoding step over it; with window_left (attn_impl "longflash") a rolling
+        cache of window_left + 1 tokens, whatever the length. kv_cache_dtype, k_descale,
+        v_descale: the cache's dtype (default the model's; a float8 one quantizes it) and a
+        float8 cache's scales, as new_kv_cache takes them. Returns (batch, seqlen +
+        max_new_tokens). Call it in eval mode (dropout would apply otherwise).
         attn_impl "ring": call it on every rank of the group with the same idx; the prompt's
         length must be divisible by the layout's chunks (2P zigzag, P contiguous). Each rank's
         caches hold its shard of the prompt and every P-th new token; the group's first rank
@@ -168,7 +173,12 @@ class GPT(nn.Module):
             world = dist.get_world_size(group)
             step = shard_sequence(idx, self.config.ring_layout, group)
             capacity = step.shape[1] + -(-max_new_tokens // world)  # its share of the new ones
-        cache = self.new_kv_cache(idx.shape[0], capacity, kv_cache_dtype, k_descale, v_descale)
+        rolling = self.config.attn_impl == "longflash" and \
+            0 <= self.config.window_left < capacity - 1  # the window's keys are all it keeps
+        if rolling:
+            capacity = self.config.window_left + 1
+        cache = self.new_kv_cache(idx.shape[0], capacity, kv_cache_dtype, k_descale, v_descale,
+                                  rolling)
         tokens = [idx]
         for t in range(max_new_tokens):
             logits = self(step, kv_cache=cache)[0][:, -1].float()  # (B, V)
