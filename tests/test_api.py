@@ -196,6 +196,51 @@ def test_compile_fullgraph_forward_backward(backend):
         torch.testing.assert_close(g_c, g)
 
 
+DYNAMIC_CALLS = {  # name: f(q, k, v, scale, softcap, window_left, cache_len), floats and ints
+    # arguments of the compiled function (torch.compile(dynamic=True) makes them symbolic)
+    "attention": lambda q, k, v, s, c, w, n: longflash.attention(
+        q, k, v, causal=True, softmax_scale=s, softcap=c, window_size=(w, 0), dropout_p=s / 3,
+        seed=n, backend="torch", learnable_sink=torch.zeros(q.shape[2])),
+    "alibi-and-mask": lambda q, k, v, s, c, w, n: sum(longflash.attention(
+        q, k, v, alibi_slopes=torch.ones(shape), attn_mask=torch.ones(1, 1, 1, k.shape[1],
+                                                                      dtype=torch.bool),
+        backend="torch") for shape in ((q.shape[2],), (q.shape[0], q.shape[2]))),
+    "varlen": lambda q, k, v, s, c, w, n: longflash.attention_varlen(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), *[torch.tensor(
+            [0, n, x.shape[0] * x.shape[1]], dtype=torch.int32) for x in (q, k)], q.shape[1] * 2,
+        k.shape[1] * 2, softmax_scale=s, causal=True, backend="torch"),
+    "sdpa": lambda q, k, v, s, c, w, n: longflash.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1),
+        v.transpose(1, 2).repeat_interleave(2, 1), is_causal=True, scale=s),
+    "kvcache-float8": lambda q, k, v, s, c, w, n: longflash.attention_with_kvcache(
+        q[:, :1].detach(), torch.zeros(q.shape[0], 32, k.shape[2], q.shape[3],
+                                       dtype=torch.float8_e4m3fn),
+        torch.zeros(q.shape[0], 32, k.shape[2], q.shape[3], dtype=torch.float8_e4m3fn),
+        k[:, :1].detach(), v[:, :1].detach(), n, causal=True, softcap=c, k_descale=s,
+        v_descale=torch.full((1, k.shape[2]), s), backend="torch"),
+}
+
+
+@pytest.mark.parametrize("call", DYNAMIC_CALLS)
+def test_compile_fullgraph_dynamic(call):
+    """torch.compile(fullgraph=True, dynamic=True): the options' floats and ints, and every
+    size, are symbolic there (so are defaults); the argument checks compare them (no
+    math.isfinite, no `in` over sizes, which Dynamo cannot or does not guard) and the graph
+    gives eager's values and gradients at two sequence lengths."""
+    torch._dynamo.reset()
+    fn = DYNAMIC_CALLS[call]
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for nq, nk in ((9, 11), (13, 17)):
+        q, k, v = (x.requires_grad_() for x in qkv(nq=nq, nk=nk))
+        args = (q, k, v, 0.3, 5.0, 4, 7)
+        out, out_c = fn(*args), compiled(*args)
+        torch.testing.assert_close(out_c, out)
+        if out.requires_grad:
+            for g, g_c in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                              torch.autograd.grad(out_c.square().sum(), (q, k, v))):
+                torch.testing.assert_close(g_c, g)
+
+
 def test_compile_fullgraph_one_tensor_as_q_k_and_v():
     """attention(x, x, x) under torch.compile: Dynamo refuses an autograd.Function given one
     tensor as two inputs, so the call passes k and v as aliases of their own there."""

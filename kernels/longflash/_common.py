@@ -91,7 +91,10 @@ def check_window_size(window_size):
 
 def check_alibi_shape(shape, batch, nheads):
     """ALiBi slopes: (nheads,) or (batch, nheads)."""
-    if tuple(shape) not in ((nheads,), (batch, nheads)):
+    shape = tuple(shape)  # compared entry by entry: `in` (Python's identity-or-equality) on
+    # sizes that torch.compile(dynamic=True) made symbolic is False for equal ones, unguarded
+    if not ((len(shape) == 1 and shape[0] == nheads)
+            or (len(shape) == 2 and shape[0] == batch and shape[1] == nheads)):
         raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
                          f"got {tuple(shape)}")
 
@@ -101,7 +104,7 @@ def check_attn_mask_shape(shape, batch, nheads, seqlen_q, seqlen_k, keys_at_leas
     (a decoding mask, over the cache's key positions): its last dimension may also exceed
     seqlen_k, the longest sequence's keys (None: unknown, not checked)."""
     shape, target = tuple(shape), (batch, nheads, seqlen_q, seqlen_k)
-    fits = [n in (1, t) for n, t in zip(shape[::-1], target[::-1])]
+    fits = [n == 1 or n == t for n, t in zip(shape[::-1], target[::-1])]  # not `in`: above
     if keys_at_least and shape:
         fits[0] = shape[-1] == 1 or seqlen_k is None or shape[-1] >= seqlen_k
     if len(shape) > 4 or not all(fits):
@@ -169,7 +172,7 @@ def check_descale_kind(name, descale, shape, cache_is_fp8, cache_dtype, is_float
             raise ValueError(f"{name} must be positive and finite, got {descale}")
         return "float"
     dims = tuple(getattr(descale, "shape", ()))
-    if not is_float32(descale) or len(dims) > 2 or any(n not in (1, m) for n, m in
+    if not is_float32(descale) or len(dims) > 2 or any(n != 1 and n != m for n, m in
                                                         zip(dims[::-1], shape[::-1])):
         raise TypeError(f"{name} must be a float, or a float32 {kind} broadcastable to (batch, "
                         f"nheads_kv) = {tuple(shape)}, got "
@@ -196,7 +199,8 @@ def check_offsets(name, offsets, total, max_len):
 def check_softcap(softcap):
     """softcap: a finite real >= 0 (0: no softcap)."""
     check_real("softcap", softcap, "a float >= 0")
-    if not (math.isfinite(softcap) and softcap >= 0):
+    if not 0 <= softcap < math.inf:  # comparisons, not math.isfinite: a SymFloat under
+        # torch.compile(dynamic=True) (which makes float arguments and defaults symbolic)
         raise ValueError(f"softcap must be a finite float >= 0 (0: no softcap), got {softcap}")
 
 
@@ -205,7 +209,7 @@ def resolve_softmax_scale(softmax_scale, headdim):
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
     check_real("softmax_scale", softmax_scale, "a positive float or None")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+    if not 0 < softmax_scale < math.inf:  # comparisons: check_softcap
         raise ValueError(f"softmax_scale must be a positive finite float or None, "
                          f"got {softmax_scale}")
     return float(softmax_scale)
