@@ -169,6 +169,47 @@ def test_generate_left_padding_with_cache(arch):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+COMPILED = [("llama-gqa", "left"), ("llama-gqa", "right"), ("mistral-window4", "left"),
+            ("deepseek-v3-mla", "right")]
+
+
+@pytest.mark.parametrize("arch, padding", COMPILED, ids=[f"{a}-{p}" for a, p in COMPILED])
+def test_compiled_fullgraph_with_padding(arch, padding):
+    """torch.compile(model, fullgraph=True): with padding and sliding windows the eager plans
+    pack the valid tokens (data-dependent sizes, which a graph cannot hold), so there the
+    kernels read the mask instead (the valid keys beside causal, or transformers' own mask),
+    padding queries zeroed as packed: logits and gradients equal LongFlash's eager ones."""
+    (model,) = make_models(arch, (torch.float32,), (NAME,))
+    input_ids, mask, position_ids = make_batch(padding)
+    valid = mask.bool()
+    weight = torch.randn(*input_ids.shape, 100, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out, grads = logits_and_grads(model, input_ids, mask, position_ids, weight, valid)
+    out_c, grads_c = logits_and_grads(compiled, input_ids, mask, position_ids, weight, valid)
+    grads_c = {name.removeprefix("_orig_mod."): g for name, g in grads_c.items()}
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    assert grads_c.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "mistral-window4"])
+def test_generate_compiled_with_a_static_cache(arch):
+    """generate(cache_implementation="static") builds each step's masks before the forward
+    and passes them in (the mask function's PaddingMask and SegmentMask come back to it, and
+    to a compiled forward made outside its graph): a forward compiled with fullgraph=True
+    picks eager's tokens from a left-padded batch."""
+    (model,) = make_models(arch, (torch.float32,), (NAME,))
+    input_ids, mask, _ = make_batch("left", seqlen=9)
+    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    eager = model.generate(input_ids=input_ids, **options)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    static = model.generate(input_ids=input_ids, cache_implementation="static", **options)
+    assert torch.equal(static, eager)
+
+
 def test_4d_padding_mask_is_read_exactly():
     """A user's additive 4D mask (0 / dtype min) equal to causal x left padding is accepted."""
     ref64, eager32, longflash32 = make_models("llama-gqa")

@@ -67,6 +67,15 @@ implementation computes:
   `module.is_causal`, sliding window from the `sliding_window` argument, as transformers'
   FlashAttention-2 path does.
 
+Under torch.compile (fullgraph=True), a graph holds no data-dependent size nor branch on the
+mask's values, so nothing is packed or compared there: a `PaddingMask` runs with its valid
+keys as a broadcast `attn_mask` beside bottom-right causal (O(seqlen)) or, where the queries
+are not the last keys (a static cache), transformers' dense mask, padding queries zeroed as
+packed; a 4D mask is read by the kernels as it is; a `SegmentMask` (made outside the graph:
+generate() builds a static cache's masks before the compiled forward and passes them in)
+runs as its dense mask. The mask function returns a PaddingMask or SegmentMask passed back to
+it as it is (`ndim` 4 keeps transformers from reading them as 2D padding masks).
+
 Attention sinks (gpt-oss: the `s_aux` argument, or `module.sinks`) run as LongFlash's
 `learnable_sink`, forward and backward. `position_bias` (T5's relative position bias, learned)
 runs as a float `attn_mask`, its gradient included (with padding, added to the layer's mask
@@ -103,6 +112,8 @@ class PaddingMask:
     causal: bool
     q_offset: int
 
+    ndim = 4  # it stands for a (batch, 1, seqlen_q, seqlen_k) mask (see longflash_mask)
+
 
 @dataclass(frozen=True)
 class SegmentMask:
@@ -129,6 +140,8 @@ class SegmentMask:
     first_key: torch.Tensor
     last_key: torch.Tensor
 
+    ndim = 4  # as PaddingMask's
+
     @property
     def padded(self):
         return self.first_key.numel() < self.valid.numel()
@@ -137,9 +150,11 @@ class SegmentMask:
         """The mask as transformers defines it on the tokens that are not padding (padding
         queries see no key), (batch, 1, seqlen, seqlen) bool, O(seqlen^2)."""
         packed = _packed_positions(self.valid)[:, None, :]  # (batch, 1, seqlen) of the keys
-        first = torch.full_like(self.valid, self.first_key.numel(), dtype=packed.dtype)
-        last = torch.full_like(self.valid, -1, dtype=packed.dtype)
-        first[self.valid], last[self.valid] = self.first_key, self.last_key
+        # masked_scatter, not indexing by valid: no data-dependent size (torch.compile)
+        first = torch.full_like(self.valid, self.first_key.numel(), dtype=packed.dtype) \
+            .masked_scatter(self.valid, self.first_key)
+        last = torch.full_like(self.valid, -1, dtype=packed.dtype).masked_scatter(
+            self.valid, self.last_key)
         return ((packed >= first[..., None]) & (packed <= last[..., None])
                 & self.valid[:, None, :])[:, None]
 
@@ -184,6 +199,11 @@ def longflash_mask(**kwargs):
     causal / full masks, else the (batch, 1, seqlen_q, seqlen_k) boolean mask of sdpa."""
     from transformers import masking_utils
 
+    if isinstance(kwargs.get("attention_mask"), (PaddingMask, SegmentMask)):
+        # made by this function for this step already: generate() builds the masks before the
+        # forward with a compileable (static) cache, and the forward asks again with them
+        # (`ndim` 4 keeps transformers from reading them as 2D padding masks)
+        return kwargs["attention_mask"]
     mask_function = kwargs.get("mask_function", masking_utils.causal_mask_function)
     if mask_function is masking_utils.causal_mask_function:
         causal = True
@@ -313,7 +333,10 @@ def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
     if mask.valid_k is not None and tuple(mask.valid_k.shape) != (batch, seqlen_k):
         raise _unsupported(f"a padding mask of shape {tuple(mask.valid_k.shape)} for a batch "
                            f"of {batch} sequences of {seqlen_k} keys")
+    traced = torch.compiler.is_compiling()  # a graph cannot pack: data-dependent sizes
     if not mask.causal:
+        if traced and mask.valid_k is not None:  # the valid keys, read by the kernels
+            return False, -1, None, None, mask.valid_k.to(device)[:, None, None, :]
         return False, -1, None, mask.valid_k  # every query row attends to the valid keys
     if mask.valid_k is None and offset == seqlen_k - seqlen_q:
         return True, -1, None, None
@@ -325,6 +348,10 @@ def _plan_padding(mask, batch, seqlen_q, seqlen_k, device):
         valid_k = torch.ones(batch, seqlen_k, dtype=torch.bool, device=device)
     positions = torch.arange(offset, offset + seqlen_q, device=valid_k.device)
     valid_q = valid_k[:, positions]  # a query is real iff its own token is
+    if traced:  # the mask read by the kernels, padding queries zeroed (_run), as packed
+        if offset == seqlen_k - seqlen_q:  # bottom-right causal beside the valid keys: O(N)
+            return True, -1, valid_q, None, valid_k.to(device)[:, None, None, :]
+        return False, -1, valid_q, None, _padding_dense(mask, batch, seqlen_q, seqlen_k, device)
     # Query r of a sequence sees the keys up to its own position; packed, the bottom-right
     # rule gives it keys up to rank r + nk - nq. Equal iff this count matches for each r.
     keys_seen = valid_k.cumsum(-1)[:, positions]  # (batch, seqlen_q)
@@ -366,6 +393,8 @@ def _plan_dense(mask, batch, seqlen_q, seqlen_k, sliding_window):
             return False, -1, None, None, mask
     else:
         raise _unsupported(f"a mask of dtype {mask.dtype}")
+    if torch.compiler.is_compiling():  # read by the kernels: a graph has no data-dependent
+        return False, -1, None, None, mask  # branch on its values nor packing
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
         return False, -1, None, None, mask  # a mask that differs between heads
     allowed = allowed[:, 0].expand(batch, seqlen_q, seqlen_k)
@@ -398,6 +427,8 @@ def _plan_segments(mask, batch, seqlen_q, seqlen_k):
                            f"of {batch} sequences of {seqlen_q} queries and {seqlen_k} keys")
     if not mask.padded and mask.cu_seqlens.numel() == batch + 1:  # one segment a row
         return mask.causal, mask.window_left, None, None
+    if torch.compiler.is_compiling():  # made outside the graph (generate's masks for a
+        return False, -1, None, None, mask.dense()  # static cache); a graph cannot pack
     return mask
 
 
@@ -444,9 +475,11 @@ def _run_segments(q, k, v, mask, **kwargs):
 def _run(q, k, v, causal, window_left, valid_q, valid_k, attn_mask=None, **kwargs):
     """q: (B, Nq, H, D), k: (B, Nk, Hkv, D), v: (B, Nk, Hkv, Dv) views -> o: (B, Nq, H, Dv)."""
     window = (window_left, -1)
-    if valid_q is None and valid_k is None:
-        return attention(q, k, v, causal=causal, window_size=window, attn_mask=attn_mask,
-                         **kwargs)
+    if valid_k is None and (valid_q is None or attn_mask is not None):
+        o = attention(q, k, v, causal=causal, window_size=window, attn_mask=attn_mask,
+                      **kwargs)
+        # valid_q beside a mask (a plan under torch.compile): padding query rows 0, as packed
+        return o if valid_q is None else o * valid_q.to(o.device, o.dtype)[:, :, None, None]
     if valid_q is None:
         valid_q = torch.ones(q.shape[:2], dtype=torch.bool, device=q.device)
     if valid_k is None:
