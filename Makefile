@@ -18,11 +18,13 @@ ifeq ($(HAVE_DEPS),yes)
 PYTHON ?= python3
 ENV_READY :=
 else
-PYTHON ?= $(CURDIR)/.venv/bin/python
+PYTHON ?= .venv/bin/python
 ENV_READY := .venv/.installed
 endif
 
-# Run from the working tree, installed or not.
+# Run from the working tree, installed or not. Paths in rules and commands are relative to the
+# repository root (make runs every recipe there): a checkout whose path has spaces works, which
+# an absolute $(CURDIR) in a target or an unquoted command word would not.
 export PYTHONPATH := $(CURDIR)/kernels:$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 # One command per research question; each writes results/<rq>/<device>.csv.
@@ -75,11 +77,11 @@ size = $(if $(QUICK),$(1),$(if $(GPU),$(2),$(3)))
 # notebooks/plotting.py and experiments/results.py) and builds the paper there: a trial run
 # never mixes its tiny-size numbers into this machine's real results. The tree starts with the
 # committed compiler report (results/codegen), which make reproduce does not regenerate.
-QUICK_DIR := $(CURDIR)/build/quick
+QUICK_DIR := build/quick
 ifneq ($(QUICK),)
-export LONGFLASH_RESULTS := $(QUICK_DIR)/results
-export LONGFLASH_FIGURES := $(QUICK_DIR)/figures
-export LONGFLASH_GENERATED := $(QUICK_DIR)/paper/generated
+export LONGFLASH_RESULTS := $(CURDIR)/$(QUICK_DIR)/results
+export LONGFLASH_FIGURES := $(CURDIR)/$(QUICK_DIR)/figures
+export LONGFLASH_GENERATED := $(CURDIR)/$(QUICK_DIR)/paper/generated
 QUICK_TREE := $(QUICK_DIR)/.tree
 endif
 $(QUICK_DIR)/.tree:
@@ -140,7 +142,7 @@ gpu-image-check: $(GPU_IMAGE)/.installed
 	$(GPU_IMAGE)/bin/python -c "import sys, torch, triton, numpy; print(sys.version.split()[0], \
 	    torch.__version__, triton.__version__, numpy.__version__)"
 	$(GPU_IMAGE)/bin/python -m pytest -q
-	$(MAKE) gpu-dry PYTHON=$(CURDIR)/$(GPU_IMAGE)/bin/python ENV_READY=
+	$(MAKE) gpu-dry PYTHON=$(GPU_IMAGE)/bin/python ENV_READY=
 
 # Code generation of the Triton kernels for sm_90a / sm_80, offline (no GPU): registers, spills,
 # wgmma / TMA / cp.async counts (experiments/codegen.py). The full report compiles every
