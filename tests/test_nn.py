@@ -560,7 +560,9 @@ def _ring_cache_worker(rank, world_size, x, window_size):
 
     def spy(*args, **kwargs):
         checks.append(kwargs["check_ranks"])
+        views.append(args[1].shape[1])  # the cache's rows given: from the window's first
         return sharded(*args, **kwargs)
+    views = []
     with torch.no_grad(), unittest.mock.patch.object(lf_nn, "attention_with_sharded_kvcache", spy):
         outs = [unshard_sequence(module(shard_sequence(x[:, :8]), cache))]
         lengths = [(cache.seqlen, cache.position)]
@@ -570,7 +572,7 @@ def _ring_cache_worker(rank, world_size, x, window_size):
             lengths.append((cache.seqlen, cache.position))
             start += n
     assert checks == [True] + [False] * (len(RING_STEPS) - 1), checks  # the first step only
-    return outs, lengths
+    return outs, lengths, views, cache.capacity
 
 
 @pytest.mark.parametrize("world_size, window_size", [(2, (-1, -1)), (4, (-1, -1)), (2, (3, 0)),
@@ -578,14 +580,19 @@ def _ring_cache_worker(rank, world_size, x, window_size):
                          ids=["P2", "P4", "P2-window3", "P4-window4"])
 def test_ring_module_with_a_sharded_kv_cache(world_size, window_size):
     """attn_impl="ring" over a KV cache on gloo ranks (float64; rotary, GQA, sinks, and a
-    sliding window: each rank's mask from its rows' positions): the prompt's shard through
+    sliding window: each rank's mask from its rows' positions, the rows before the window left
+    out): the prompt's shard through
     ring attention, then steps of 2, 1 and 2 new tokens over every rank's part, give what
     "longflash" gives on the whole sequence at once; each step's keys land on rank
     position % P; the ranks' arguments are compared at the first step only."""
     from experiments.scaling import spawn_ranks
     x = torch.randn(1, 8 + sum(RING_STEPS), 64, generator=torch.Generator().manual_seed(5),
                     dtype=torch.float64)
-    outs, lengths = spawn_ranks(world_size, _ring_cache_worker, x, window_size, timeout_s=120)
+    outs, lengths, views, capacity = spawn_ranks(world_size, _ring_cache_worker, x, window_size,
+                                                 timeout_s=120)
+    # with a window, rows before the first query's window are not given to the kernel (rank
+    # 0's rows: a view of the cache from the first of them in it)
+    assert (min(views) < capacity) == (window_size != (-1, -1)), (views, capacity)
     module = _ring_module(window_size)
     module.attn_impl, module.attn = "longflash", attention_function("longflash", "torch")
     with torch.no_grad():

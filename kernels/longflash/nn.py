@@ -160,8 +160,11 @@ class KVCache:
         self.seqlen = self.position = 0
         self.ranks_checked = False  # attn_impl "ring": the ranks' arguments compared once
         # attn_impl "ring": each row's position in the whole sequence (a rank's rows are not
-        # consecutive positions), for sliding windows; -1 where no token is stored
+        # consecutive positions), for sliding windows; -1 where no token is stored. Also on
+        # the host (set_row_positions), to find a window's first row with no device read
         self.row_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self._host_positions = torch.full((capacity,), -1, dtype=torch.long)
+        self._in_order = True  # the rows' positions increase (they do as the module stores)
         self._rotary = {}
 
     @property
@@ -190,8 +193,26 @@ class KVCache:
         if rows is not None:
             self.row_positions.index_copy_(0, rows, positions)
         elif positions is not None:
-            self.row_positions[self.seqlen:self.seqlen + n] = positions
+            self.set_row_positions(positions)
         self.seqlen = min(self.seqlen + n, self.capacity) if self.rolling else self.seqlen + n
+
+    def set_row_positions(self, positions, host=None):
+        """Rows seqlen .. seqlen + n - 1 hold the tokens at positions (n,) (not rolling); host:
+        the same on the CPU, if at hand (else read: a ring's prompt, once)."""
+        n, host = positions.shape[0], positions.cpu() if host is None else host
+        self.row_positions[self.seqlen:self.seqlen + n] = positions
+        self._host_positions[self.seqlen:self.seqlen + n] = host
+        if n:
+            last = self._host_positions[self.seqlen - 1] if self.seqlen else -1
+            self._in_order = self._in_order and bool((host.diff() > 0).all()) and \
+                bool(host[0] > last)
+
+    def first_row_at(self, position):
+        """The first of the stored rows whose position is at least `position`, if the rows are
+        in position order (else 0), from the host's copy of the positions."""
+        if not self._in_order:
+            return 0
+        return int(torch.searchsorted(self._host_positions[:self.seqlen], position))
 
     def as_stored(self, k, v, quantized=False):
         """k, v as the cache holds them: a float8 cache's quantized values (kvcache.quantize)
@@ -420,17 +441,23 @@ class MultiheadSelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         append_rank = kv_cache.position % dist.get_world_size(self.ring_group)
         appends = dist.get_rank(self.ring_group) == append_rank
+        first, mask = 0, None
+        if self.window_size != (-1, -1):
+            # Rows before the first query's window are left out (a view from the first row in
+            # it: no block of them is read); with one query every row after is in its window.
+            first = kv_cache.first_row_at(kv_cache.position - self.window_size[0])
         if appends:
-            kv_cache.row_positions[kv_cache.seqlen:kv_cache.seqlen + n] = positions
-        mask = None
-        if self.window_size != (-1, -1):  # (1, 1, n, capacity): query i, this rank's row j
-            mask = visible(positions[:, None], kv_cache.row_positions[None, :], 0, 0,
+            kv_cache.set_row_positions(positions, torch.arange(kv_cache.position,
+                                                               kv_cache.position + n))
+        if self.window_size != (-1, -1) and (n > 1 or first == 0):
+            # (1, 1, n, capacity - first): query i, this rank's row first + j
+            mask = visible(positions[:, None], kv_cache.row_positions[None, first:], 0, 0,
                            self.window_size[0], 0)[None, None]
         o = attention_with_sharded_kvcache(
-            q, kv_cache.k, kv_cache.v, k, v, kv_cache.seqlen, causal=True, backend=self.backend,
-            group=self.ring_group, append_rank=append_rank, learnable_sink=self.sinks,
-            attn_mask=mask, k_descale=kv_cache.k_descale, v_descale=kv_cache.v_descale,
-            check_ranks=not kv_cache.ranks_checked)
+            q, kv_cache.k[:, first:], kv_cache.v[:, first:], k, v, kv_cache.seqlen - first,
+            causal=True, backend=self.backend, group=self.ring_group, append_rank=append_rank,
+            learnable_sink=self.sinks, attn_mask=mask, k_descale=kv_cache.k_descale,
+            v_descale=kv_cache.v_descale, check_ranks=not kv_cache.ranks_checked)
         kv_cache.ranks_checked = True
         if appends:
             kv_cache.seqlen += n
