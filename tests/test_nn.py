@@ -272,6 +272,14 @@ def test_gpt_with_a_float8_kv_cache(backend, cache_dtype):
     assert out.shape == (2, 9) and torch.equal(out[:, :5], idx[:, :5])
 
 
+def greedy(model, prompt, n):
+    """prompt and n tokens, each the most likely after one forward pass over all before it."""
+    tokens = prompt
+    for _ in range(n):
+        tokens = torch.cat([tokens, model(tokens)[0][:, -1].argmax(-1, keepdim=True)], 1)
+    return tokens
+
+
 ROLLING_CASES = [  # (backend, window_left, capacity, cache dtype, chunks of new tokens)
     pytest.param("torch", 3, 4, None, (9, 1, 1, 2, 1, 7, 1, 1, 1), id="torch-w3-C4"),
     pytest.param("torch", 3, 6, None, (2, 1, 3, 1, 5, 1, 1, 2), id="torch-w3-C6"),
@@ -325,11 +333,7 @@ def test_gpt_generates_over_a_rolling_cache(monkeypatch):
     monkeypatch.setattr(model, "new_kv_cache", lambda *args: made.append(new_kv_cache(*args))
                         or made[-1])
     prompt = torch.randint(0, 256, (2, 6))
-    recomputed = prompt
-    for _ in range(8):
-        next_token = model(recomputed)[0][:, -1].argmax(-1, keepdim=True)
-        recomputed = torch.cat([recomputed, next_token], 1)
-    assert torch.equal(model.generate(prompt, 8, temperature=0), recomputed)
+    assert torch.equal(model.generate(prompt, 8, temperature=0), greedy(model, prompt, 8))
     assert all(layer.rolling and layer.capacity == 4 for layer in made[0])
 
 
@@ -357,10 +361,7 @@ def test_gpt_generate():
     keeps the prompt. (The kernels' steps: test_gpt_with_kv_cache_gives_the_full_forward_logits.)"""
     model = on_backend(tiny_gpt().eval(), "torch")
     prompt = torch.randint(0, 256, (2, 5))
-    recomputed = prompt
-    for _ in range(6):
-        next_token = model(recomputed)[0][:, -1].argmax(-1, keepdim=True)
-        recomputed = torch.cat([recomputed, next_token], 1)
+    recomputed = greedy(model, prompt, 6)
     assert torch.equal(model.generate(prompt, 6, temperature=0), recomputed)
     draws = [model.generate(prompt, 4, top_k=1 if k == 1 else 40,
                             generator=torch.Generator().manual_seed(3)) for k in (40, 40, 1)]
