@@ -512,6 +512,32 @@ def test_t5_relative_position_bias(monkeypatch):
         check_close(f"d {name}", out_grads[name], low_grads[name], ref_grads[name])
 
 
+def test_t5_compiled_fullgraph_with_padding():
+    """T5 under torch.compile(fullgraph=True) with padded encoder and decoder inputs: the
+    position bias beside a causal padding mask, whose plan there is the valid keys beside
+    causal, keeps causal (it was dropped once: the bias replaced the plan's mask); the valid
+    positions' logits equal eager LongFlash's."""
+    config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_heads=4, relative_attention_num_buckets=8,
+                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration._from_config(
+        config, attn_implementation=NAME).eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = dict(input_ids=torch.randint(1, 100, (3, 11), generator=gen),
+                  attention_mask=torch.ones(3, 11, dtype=torch.long),
+                  decoder_input_ids=torch.randint(1, 100, (3, 6), generator=gen),
+                  decoder_attention_mask=torch.ones(3, 6, dtype=torch.long))
+    inputs["attention_mask"][1, 7:], inputs["attention_mask"][2, :3] = 0, 0
+    inputs["decoder_attention_mask"][1, 4:], inputs["decoder_attention_mask"][2, :2] = 0, 0
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(**inputs).logits
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs).logits
+    valid = inputs["decoder_attention_mask"].bool()
+    torch.testing.assert_close(compiled[valid], eager[valid], rtol=1e-5, atol=1e-5)
+
+
 def test_causal_padding_mask_with_keys_after_the_queries():
     """A causal PaddingMask whose valid keys go on past the queries (queries at key positions
     2..5 of 10) is no packed bottom-right problem: it runs on the dense mask transformers

@@ -440,7 +440,10 @@ def _with_bias(plan, bias, attention_mask, batch, seqlen_q, seqlen_k, device):
         plan = (False, -1, None, None, plan.dense())
     if len(plan) == 4 and plan[2] is None and plan[3] is None:
         return (*plan, bias)
-    dense = plan[4] if len(plan) == 5 else attention_mask
+    # a PaddingMask's own dense mask: a plan's mask under torch.compile may be its valid keys
+    # alone, beside causal (_plan_padding), which the bias would drop
+    dense = plan[4] if len(plan) == 5 and not isinstance(attention_mask, PaddingMask) \
+        else attention_mask
     if isinstance(dense, PaddingMask):
         dense = _padding_dense(dense, batch, seqlen_q, seqlen_k, device)
     if dense.dtype == torch.bool:
