@@ -171,12 +171,15 @@ def check_descale_kind(name, descale, shape, cache_is_fp8, cache_dtype, is_float
         if not 0 < descale < float("inf"):
             raise ValueError(f"{name} must be positive and finite, got {descale}")
         return "float"
-    dims = tuple(getattr(descale, "shape", ()))
-    if not is_float32(descale) or len(dims) > 2 or any(n != 1 and n != m for n, m in
-                                                        zip(dims[::-1], shape[::-1])):
+    # .shape read only of a float32 tensor / array: torch 2.4's Dynamo cannot trace getattr
+    # with a default on a tensor (the error's message may)
+    dims = tuple(descale.shape) if is_float32(descale) else None
+    if dims is None or len(dims) > 2 or any(n != 1 and n != m for n, m in
+                                            zip(dims[::-1], shape[::-1])):
         raise TypeError(f"{name} must be a float, or a float32 {kind} broadcastable to (batch, "
                         f"nheads_kv) = {tuple(shape)}, got "
-                        f"{getattr(descale, 'dtype', type(descale))} {dims}")
+                        f"{getattr(descale, 'dtype', type(descale))} "
+                        f"{tuple(getattr(descale, 'shape', ()))}")
     return "array"
 
 
