@@ -97,9 +97,17 @@ from ..interface import BACKENDS, attention, attention_varlen
 # lowercase substring "flash" as a FlashAttention kernel to be loaded from its hub.
 NAME = "LongFlash"
 _backend = "auto"
-# transformers.masking_utils, imported by register(): not inside the mask function, where
-# torch.compile (2.11's Dynamo) cannot import from transformers' lazy top-level module
+# transformers.masking_utils, imported once (by register()): not inside a compiled graph, where
+# torch 2.11's Dynamo cannot import from transformers' lazy top-level module
 _masking_utils = None
+
+
+def _masking():
+    global _masking_utils
+    if _masking_utils is None:
+        from transformers import masking_utils
+        _masking_utils = masking_utils
+    return _masking_utils
 
 
 @dataclass(frozen=True)
@@ -200,7 +208,7 @@ def longflash_mask(**kwargs):
     positions (q_length and q_offset, or cache_position), mask_function and the 2D padding
     attention_mask (batch, >= kv_offset + kv_length). Returns a `PaddingMask` for plain
     causal / full masks, else the (batch, 1, seqlen_q, seqlen_k) boolean mask of sdpa."""
-    masking_utils = _masking_utils
+    masking_utils = _masking()
 
     if isinstance(kwargs.get("attention_mask"), (PaddingMask, SegmentMask)):
         # made by this function for this step already: generate() builds the masks before the
@@ -255,7 +263,7 @@ def _segments(kwargs):
     starts anew (full); then the runs must equal, exactly, those of causal attention within
     each segment, under one sliding window (window_left: the largest distance to a first key
     that is not the segment's start), or full attention within each segment."""
-    masking_utils = _masking_utils
+    masking_utils = _masking()
     batch, n = kwargs["batch_size"], kwargs.get("q_length")
     if n is None:  # transformers 5.0: cache_position
         n = kwargs["cache_position"].numel()
@@ -554,7 +562,7 @@ def register(backend="auto", name=NAME):
         the Hugging Face hub, so attn_implementation="longflash" cannot work.
     Returns the name.
     """
-    global _backend, _masking_utils
+    global _backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(name, str) or not name or "flash" in name or "/" in name:
@@ -562,12 +570,13 @@ def register(backend="auto", name=NAME):
                          f"by transformers for FlashAttention kernels) and without '/' (hub "
                          f"kernels), got {name!r}")
     try:
-        from transformers import AttentionInterface, masking_utils
+        from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
         raise ImportError("longflash.integrations.transformers needs transformers >= 5.0: "
                           "pip install 'longflash[transformers]'") from e
-    _backend, _masking_utils = backend, masking_utils
+    _backend = backend
+    _masking()
     AttentionInterface.register(name, longflash_attention_forward)
     AttentionMaskInterface.register(name, longflash_mask)
     return name
