@@ -106,10 +106,10 @@ ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
 FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles", "mask"]
-FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "fp8"]
+FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "fp8", "mla"]
 KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged", "fp8"], "preprocess": ["plain", "varlen"],
-                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "fp8"],
-                "decode_merge": ["plain"],
+                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "fp8", "mla"],
+                "decode_merge": ["plain", "mla"],
                 "decode_append": ["plain", "paged", "rotary", "fp8"]}
 # "fp8": a float8 cache with (batch, nheads_kv) scales, in the format each architecture's
 # Triton converts: float8_e4m3fn on sm_90 (8.9 and later), float8_e5m2 on sm_80.
@@ -117,6 +117,10 @@ FP8_CACHE = {"sm90a": ("*fp8e4nv", torch.float8_e4m3fn), "sm80": ("*fp8e5", torc
 # The decoding step the decode kernels are compiled for: 32 query heads on 8 KV heads, batch 1,
 # 128K keys, 132 SMs (H100 SXM).
 DECODE_GROUP, DECODE_PROGRAMS, DECODE_KEYS, H100_SMS = 4, 8, 131072, 132
+# "mla": DeepSeek-V3's absorbed MLA decoding step (attention_with_kvcache's qv): 128 query
+# heads over one latent KV head, 16 a GPU under 8-way tensor parallelism, batch 1; q and k
+# the rotary part (head dim 64, the only head dim it compiles at), v and qv the 512-dim latent.
+MLA_GROUP, MLA_HEADDIM, MLA_HEADDIM_V = 16, 64, 512
 HEADDIMS = [64, 128, 256]
 DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 H100_MAX_SHARED_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90 (CUDA guide)
@@ -136,7 +140,7 @@ class Config:
 
 
 QUICK = dict(archs=("sm90a",), headdims=(64, 128), dtypes=("bfloat16",),
-             flags=("plain", "full_tiles"))
+             flags=("plain", "full_tiles", "mla"))
 
 
 def ptxas_path(capability=90):
@@ -181,16 +185,24 @@ def kernel_flags(kernel):
 def configs_for(kernel, major, headdim, flags="plain"):
     """The triton.Configs the launcher may choose for `kernel` on this major capability (for
     the decoding kernel, with these variant flags)."""
+    if flags == "mla" and headdim != MLA_HEADDIM:
+        return []
+    mla = flags == "mla"
+    group, headdim_v = (MLA_GROUP, MLA_HEADDIM_V) if mla else (DECODE_GROUP, headdim)
     if kernel == "decode":  # a decoding step (16 packed rows), and 16 queries a sequence
         # (speculative decoding; a shared prefix's call): 64 packed rows, the largest tile
-        return [decode_triton.launch_config(n, DECODE_GROUP, headdim, masked=flags == "mask")
-                for n in (1, 16)]
+        configs = [decode_triton.launch_config(n, group, headdim, headdim_v,
+                                               masked=flags == "mask", qv=mla)
+                   for n in (1, 16 // (group // DECODE_GROUP))]
+        return list({config_name(c): c for c in configs}.values())  # "mla": may be one
     if kernel == "decode_append":
         return [decode_triton.append_config(headdim)]
     if kernel == "decode_merge":
-        block_n = decode_triton.launch_config(1, DECODE_GROUP, headdim).kwargs["BLOCK_N"]
+        block_n = decode_triton.launch_config(1, group, headdim, headdim_v, qv=mla).kwargs[
+            "BLOCK_N"]
+        programs = 1 if mla else DECODE_PROGRAMS
         return [decode_triton.merge_config(decode_triton.num_splits_heuristic(
-            DECODE_PROGRAMS, DECODE_KEYS, block_n, H100_SMS))]
+            programs, DECODE_KEYS, block_n, H100_SMS), headdim_v)]
     return flash_triton.configs_for(kernel, major, headdim)
 
 
@@ -210,24 +222,26 @@ def kernel_spec(kernel, dtype, flags, headdim, arch="sm90a"):
             INTERLEAVED=False, Q_IN_ORDER=True, HEAD_DIM=headdim, HEAD_DIM_V=headdim,
             **(decode_triton._fp8_format(FP8_CACHE[arch][1]) if fp8 else {}))
     if kernel in ("decode", "decode_merge"):
-        block_d = max(16, triton.next_power_of_2(headdim))
+        headdim_v = MLA_HEADDIM_V if flags == "mla" else headdim
         tensors = dict(Q=p, K_CACHE=cache, V_CACHE=cache, O=p, BLOCK_TABLE="*i32",
                        SEQLENS_K="*i32", LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32",
-                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", **fp8)
+                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", **fp8,
+                       **(dict(QV=p) if flags == "mla" else {}))
         if kernel == "decode_merge":
-            return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim, BLOCK_D=block_d)
+            return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim_v)
         # split: the long-cache case the goal is about (SPLIT=False only drops the merge)
         # UNIFORM_SEQLEN: one length for every sequence (an int cache_seqlens, as RQ1 times
         # it); paged and left-padded caches come with per-sequence lengths
         return decode_triton._fwd_splitkv, tensors, dict(
             UNIFORM_SEQLEN=flags not in ("paged", "leftpad"), PAGED=flags == "paged",
             SPLIT=True, HAS_LEFTPAD=flags == "leftpad", HAS_SOFTCAP=flags == "softcap",
-            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, HEAD_DIM_V=headdim,
+            HAS_ALIBI=flags == "alibi", HEAD_DIM=headdim, HEAD_DIM_V=headdim_v,
             INPUT_PRECISION="tf32",
             # a boolean mask (read as uint8), its keys contiguous: stride 1, which Triton
             # specializes as a constant
             **(dict(BIAS_KIND=2, stride_bn=1) if flags == "mask" else {}),
-            **(dict(HAS_DESCALE=True) if fp8 else {}))
+            **(dict(HAS_DESCALE=True) if fp8 else {}),
+            **(dict(HAS_QV=True) if flags == "mla" else {}))
 
 
 def compile_one(kernel, dtype, flags, headdim, arch, cfg):
@@ -663,6 +677,9 @@ def check(rows):
         if m.get("ws_offset_twice", (0,))[0] > 0:
             problems.append(f"{where}: a compute partition's row index adds its offset twice "
                             f"(ws_offset_twice {m['ws_offset_twice'][0]:.0f}: rows 64 too far)")
+        if kernel == "decode" and flags == "mla" and spills > 0:  # spill-free when added
+            problems.append(f"{where}: MLA's decoding config must be spill-free "
+                            f"(spills {spills:.0f} B)")
         if flags not in ("plain", "gqa", "full_tiles") or headdim == 256:
             continue  # variants and d=256: reported, no limit (d=256 must compile)
         if kernel == "fwd" and (spills > 0 or wgmma == 0 or mma > 0):

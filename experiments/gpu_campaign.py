@@ -121,8 +121,9 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
   8  env        as in stage 1 (the next window: an H200's, the only kind lent now)
      pytest_fp8   as in stage 7 (4 of 5 failed there on -0, since fixed), and float8 pages
                 read in place by the forward kernel (chunked prefill; new)
-     pytest_shared_prefix  cascade decoding over a shared prefix, and a masked tree of 16
-                queries (the split-KV kernel's 64-row tile), against float64 (new)
+     pytest_shared_prefix  cascade decoding over a shared prefix, a masked tree of 16 queries
+                (the split-KV kernel's 64-row tile), and MLA absorbed decoding (qv), against
+                float64 (new)
      pytest_graphs  a training forward and backward captured in CUDA graphs, bit for bit eager
      speedup_decode  as in stage 7 (not reached there), before the gate
      host_time  as in stage 7, with each LongFlash call's cProfile to the log (--profile)
@@ -652,8 +653,9 @@ def stage_steps(stage, dry):
             # autotuned compile)
             _pytest("pytest_fp8", "fp8", estimate_s=30, timeout_s=120, reserve_s=300),
             # cascade decoding over a shared prefix and a masked tree of 16 queries, both on the
-            # split-KV kernel's 64-row tile (its 8-warp masked config new), against float64
-            _pytest("pytest_shared_prefix", "shared_prefix or 64rows", estimate_s=15,
+            # split-KV kernel's 64-row tile (its 8-warp masked config new), and MLA absorbed
+            # decoding (qv, 512-dim latents: a config of its own, new), against float64
+            _pytest("pytest_shared_prefix", "shared_prefix or 64rows or mla", estimate_s=20,
                     timeout_s=90, reserve_s=300),
             # a training forward and backward in CUDA graphs (make_graphed_callables, and the
             # backward alone as the sweep's time_ms_graph captures it, which failed at d256 1K

@@ -9,9 +9,10 @@ from conftest import ROOT, needs_triton, run_uninterpreted
 
 SCRIPTS = {  # script: specs (capability:dtype:features:headdim)
     "compile_for_gpu.py": ["90:bfloat16:plain:80", "90:float16:all:256", "80:bfloat16:all:128"],
-    # the split-KV decoding and merge kernels
+    # the split-KV decoding and merge kernels (mla: absorbed, qv and 512-dim latents)
     "compile_decode_for_gpu.py": ["90:bfloat16:paged:128", "90:float16:all:80",
-                                  "80:bfloat16:all:128", "90:bfloat16:plain:128"],
+                                  "80:bfloat16:all:128", "90:bfloat16:plain:128",
+                                  "90:bfloat16:mla:512"],
 }
 
 

@@ -44,7 +44,8 @@ FLASH_ATTN_SIGNATURES = {
 
 # Keyword-only arguments after FlashAttention-2's (FlashAttention-3's names), which cannot
 # shift a positional call's meaning.
-KEYWORD_ONLY = {"flash_attn_with_kvcache": [("k_descale", None), ("v_descale", None)]}
+KEYWORD_ONLY = {"flash_attn_with_kvcache": [("k_descale", None), ("v_descale", None),
+                                             ("qv", None)]}
 
 
 @pytest.mark.parametrize("name", list(FLASH_ATTN_SIGNATURES))

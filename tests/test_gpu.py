@@ -538,6 +538,26 @@ def test_shared_prefix_gpu():
     check_shared_prefix(case, torch.bfloat16, "triton", device="cuda")
 
 
+# MLA absorbed decoding (qv): DeepSeek-V3's shapes under 8-way tensor parallelism, 16 query
+# heads on one latent KV head, rotary dims 64 for q and k, 512-dim latents in v_cache and qv
+MLA_GPU = [
+    ("mla-H16/1-D64-V512-paged64", 3, 1, 16, 1, 64, 512, 64, 80, [5000, 0, 1234], 1,
+     dict(causal=True)),
+    ("mla-spec2-H16/1-D64-V512-8K", 1, 2, 16, 1, 64, 512, None, 8200, [8100], 2,
+     dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("fp8", [None, (torch.float8_e4m3fn, "tensors")], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("case", MLA_GPU, ids=lambda case: case[0])
+def test_mla_decoding_gpu(case, fp8):
+    """attention_with_kvcache's qv in bf16 on the split-KV kernel's MLA config (32 rows, 512
+    latent columns), the splits chosen by the heuristic, and over a float8 cache with its
+    scales, against float64 per sequence (tolerance rule): q' = [q, qv] over [keys, latents]."""
+    from test_mla_decoding import check_mla
+    check_mla(case, torch.bfloat16, "triton", 0, device="cuda", fp8=fp8)
+
+
 def test_attn_mask_routes_decoding_to_split_kv_gpu(route_small):
     """attention() with a key-padding attn_mask, 4 queries over 5K keys, no gradient: the
     split-KV kernel, in bf16 within the tolerance rule."""

@@ -722,7 +722,8 @@ def test_stage8_checks_what_no_gpu_ran_first_then_times_it_and_the_goals():
         argv = _argv(8, False, name)
         assert "--full" in argv and argv[argv.index("--parts") + 1] == part
     shared = by_name["pytest_shared_prefix"].argv
-    assert shared[shared.index("-k") + 1] == "shared_prefix or 64rows"
+    assert shared[shared.index("-k") + 1] == "shared_prefix or 64rows or mla"
+    assert "test_mla_decoding_gpu" in dir(test_gpu)
     assert "test_shared_prefix_gpu" in dir(test_gpu)
     assert "spec16-tree-64rows" in open(test_gpu.__file__).read()
     assert _argv(8, False, "speedup_short")[_argv(8, False, "speedup_short").index(

@@ -260,8 +260,9 @@ def test_errors_name_the_argument():
         longflash.attention(q, k, torch.zeros(1, 6, 2, 300))
     with pytest.raises(ValueError, match="k and v must agree in"):
         longflash.attention(q, k, v[:, :5])
-    with pytest.raises(ValueError, match="headdim of v must be between 1 and 256"):
-        longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 300),
+    # decoding takes latents up to 512 (MLA absorbed: qv, tests/test_mla_decoding.py)
+    with pytest.raises(ValueError, match="headdim of v must be between 1 and 512"):
+        longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 600),
                                          cache_seqlens=4)
     with pytest.raises(ValueError, match=r"\(\.\.\., 16\) \(the caches' head dims\)"):
         longflash.attention_with_kvcache(q, torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 16),

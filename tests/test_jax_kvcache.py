@@ -188,6 +188,41 @@ def test_rotary_as_longflash_attention_with_kvcache(interleaved, causal):
         np.testing.assert_allclose(np.asarray(got), expected.numpy(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+def test_mla_qv_as_longflash_attention_with_kvcache(page_size):
+    """MLA absorbed (qv: 40-dim latents in v_cache, head dim 16 for q and k), float64: o and
+    lse those of longflash.attention_with_kvcache (the PyTorch path) and of the reference over
+    [q, qv] against [keys, latents] (default scale 1/sqrt(16 + 40)), the caches appended."""
+    import longflash
+    case = (2, 2, 4, 1, 16, 40, 60, [33, 4], 2, dict(causal=True, window_size=(25, -1)))
+    q, k_cache, v_cache, k, v, lengths = make_inputs(case)
+    qv = jnp.asarray(np.random.default_rng(7).standard_normal((2, 2, 4, 40)))
+    caches, table = [k_cache, v_cache], None
+    if page_size:
+        (k_pages, table), (v_pages, _) = (paged(c, page_size) for c in caches)
+        caches = [k_pages, v_pages]
+    (o, lse), k_out, v_out = lj.attention_with_kvcache(
+        q, *caches, k, v, lengths, table, return_lse=True, qv=qv, block_n=16, **case[-1])
+    t = [to_torch(x) for x in (q, *caches, k, v, qv)]
+    o_t, lse_t = longflash.attention_with_kvcache(
+        *t[:5], cache_seqlens=to_torch(lengths).long(),
+        block_table=None if table is None else to_torch(table), return_lse=True, qv=t[5],
+        backend="torch", **case[-1])
+    np.testing.assert_allclose(np.asarray(o), o_t.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), lse_t.numpy(), rtol=1e-10, atol=1e-12)
+    k_full, v_full = (jnp.asarray(appended(c, x, lengths)) for c, x in ((k_cache, k), (v_cache, v)))
+    for out, full in ((k_out, k_full), (v_out, v_full)):
+        got = np.asarray(out) if table is None else unpaged(out, table, 60)
+        np.testing.assert_array_equal(got, np.asarray(full))
+    keys = jnp.concatenate([k_full, v_full], -1)  # [rotary part, latent] of every token
+    outs = [lj.attention_ref(jnp.concatenate([q[b:b + 1], qv[b:b + 1]], -1),
+                             keys[b:b + 1, :n + 2], v_full[b:b + 1, :n + 2],
+                             softmax_scale=56 ** -0.5, **case[-1])[0]
+            for b, n in enumerate(np.asarray(lengths))]
+    np.testing.assert_allclose(np.asarray(o), np.asarray(jnp.concatenate(outs)), rtol=1e-10,
+                               atol=1e-12)
+
+
 def test_a_sequence_without_keys():
     """Length 0 and nothing appended: o = 0 and lse = -inf for it, the others unaffected."""
     case = (2, 2, 4, 2, 32, 32, 40, [0, 25], 0, dict(causal=True))
@@ -371,6 +406,10 @@ def _bad_inputs():
         (dict(rotary_cos=x((3, 8), np.float32), rotary_sin=x((3, 8), np.float32)), ValueError,
          "position 3 is needed"),
         (dict(k_descale=0.5), ValueError, "k_descale dequantizes a float8 cache"),
+        (dict(qv=[1.0]), TypeError, "qv must be a jax.Array"),
+        (dict(qv=x((2, 1, 4, 16), np.float32)), ValueError,
+         r"qv must have shape .* \(2, 1, 4, 32\)"),
+        (dict(qv=x((2, 1, 4, 32), np.float64)), TypeError, "qv has dtype float64"),
         (dict(k_cache=x((2, 40, 2, 32), jnp.float8_e4m3fn)), TypeError,
          "a float8 cache's keys and values must have one dtype"),
         (dict(k_cache=x((2, 40, 2, 32), jnp.float8_e5m2), v_cache=x((2, 40, 2, 32),

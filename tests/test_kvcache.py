@@ -571,21 +571,23 @@ def test_compile_fullgraph_with_fp8_cache(backend):
 def test_opcheck(backend):
     """torch.library's consistency checks of the decoding op (fake vs real, schema), with
     lengths as a tensor and as one int, with and without cache_leftpad, and with an
-    attn_mask."""
+    attn_mask, and with MLA's qv."""
     case = ("op", 2, 2, 4, 2, 16, None, 30, [20, 20], 0, {})
     q, k_cache, v_cache, _, _, cache_seqlens, _, _ = make_case(case, torch.float32)
     rest = (True, 0.25, -1, -1, 0.0, None, 0, backend)
     leftpad = torch.tensor([3, 17], dtype=torch.int32)
+    qv = torch.randn_like(q)
     for lengths in ((cache_seqlens.long(), 0, 20), (None, 20, 20)):
-        for pads, mask in ((None, None), (leftpad, None), (None, make_mask("bool-keys", q, 20))):
+        for pads, mask, mla in ((None, None, None), (leftpad, None, None),
+                                (None, make_mask("bool-keys", q, 20), None), (None, None, qv)):
             torch.library.opcheck(torch.ops.longflash.kvcache_forward.default,
                                   lengths + (q, k_cache, v_cache, None, pads) + rest
-                                  + (mask, None, None))
+                                  + (mask, None, None, mla))
     fp8 = [c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache)]
     scales = (torch.rand(2, 2) + 0.5, torch.rand(1, 1).expand(2, 2))  # (batch, nheads_kv)
     # test_schema multiplies the inputs, which torch does not do in float8 on the CPU
     torch.library.opcheck(torch.ops.longflash.kvcache_forward.default,
-                          (None, 20, 20, q, *fp8, None, None) + rest + (None, *scales),
+                          (None, 20, 20, q, *fp8, None, None) + rest + (None, *scales, None),
                           test_utils=("test_faketensor", "test_autograd_registration",
                                       "test_aot_dispatch_dynamic"))
 

@@ -59,9 +59,12 @@ def test_attention_example():
 def test_decoding_example():
     got = run(example("k_cache = torch.zeros"), "import torch, longflash",
               dict(tree="list(tree.shape)", o="list(o.shape)", length="int(lengths[0])",
-                   appended="bool(k_cache[:, 100].abs().sum() > 0)"))
-    # o: the float8 cache's step, the last one; the first step appended its key at row 100
-    assert got == dict(tree=[1, 1, 7, 108], o=[8, 1, 32, 128], length=101, appended=True)
+                   appended="bool(k_cache[:, 100].abs().sum() > 0)",
+                   o_mla="list(o_mla.shape)", latent="bool(latents[:, 100].abs().sum() > 0)"))
+    # o: the float8 cache's step; the first step appended its key at row 100, the MLA step
+    # its latent
+    assert got == dict(tree=[1, 1, 7, 108], o=[8, 1, 32, 128], length=101, appended=True,
+                       o_mla=[8, 1, 16, 512], latent=True)
 
 
 def test_shared_prefix_example():

@@ -40,6 +40,8 @@ class Case:
     fp8: bool = False            # float8_e4m3fn caches with per-(batch, head) scales
     window_left: int = -1        # a sliding window over the global sequence, as rank masks
     alibi: bool = False          # ALiBi over the global sequence, as float rank masks
+    headdim_v: int = 0           # the values' head dim (0: headdim's)
+    qv: bool = False             # MLA absorbed: qv (batch, seqlen_q, nheads, headdim_v)
 
     @property
     def id(self):
@@ -50,7 +52,12 @@ class Case:
                 + ("-sink" if self.sink else "") + ("-int" if self.int_seqlens else "")
                 + ("-paged" if self.paged else "") + ("-fp8" if self.fp8 else "")
                 + (f"-window{self.window_left}" if self.window_left >= 0 else "")
-                + ("-alibi" if self.alibi else ""))
+                + ("-alibi" if self.alibi else "")
+                + (f"-dv{self.headdim_v}" if self.headdim_v else "") + ("-qv" if self.qv else ""))
+
+    @property
+    def dv(self):
+        return self.headdim_v or self.headdim
 
 
 CASES = [
@@ -64,6 +71,7 @@ CASES = [
     Case(fp8=True, append_last=True),
     Case(seqlen_q=2, window_left=6),                           # some ranks' rows see no key
     Case(seqlen_q=3, alibi=True, append_last=True, nheads_kv=4),
+    Case(nheads_kv=1, headdim=16, headdim_v=40, qv=True, append_last=True),  # MLA absorbed
 ]
 BATCH, PAGE = 2, 4
 
@@ -78,24 +86,25 @@ def part_lengths(case, world_size):
 
 def full_inputs(case, world_size):
     """q, new k and v (or None), each rank's (k part, v part) at full precision (float32, NaN
-    past each part's length), the float8 scales, the sink."""
+    past each part's length), the float8 scales, the sink, qv (or None)."""
     gen = torch.Generator().manual_seed(11)
     rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = rand(BATCH, case.seqlen_q, case.nheads, case.headdim)
-    k, v = (rand(BATCH, case.seqlen_q, case.nheads_kv, case.headdim) if case.new else None
-            for _ in range(2))
+    k, v = (rand(BATCH, case.seqlen_q, case.nheads_kv, d) if case.new else None
+            for d in (case.headdim, case.dv))
     lengths = part_lengths(case, world_size)
     capacity = -(-(max(max(n) for n in lengths) + case.seqlen_q + 2) // PAGE) * PAGE
     parts = []
     for r in range(world_size):
-        kp, vp = (rand(BATCH, capacity, case.nheads_kv, case.headdim) for _ in range(2))
+        kp, vp = (rand(BATCH, capacity, case.nheads_kv, d) for d in (case.headdim, case.dv))
         for b, n in enumerate(lengths[r]):
             kp[b, n:], vp[b, n:] = float("nan"), float("nan")
         parts.append((kp, vp))
     descale = ((rand(BATCH, case.nheads_kv).abs() * 0.05 + 0.01) if case.fp8 else None
                for _ in range(2))
     sink = rand(case.nheads) if case.sink else None
-    return q, k, v, parts, lengths, tuple(descale), sink
+    qv = rand(BATCH, case.seqlen_q, case.nheads, case.dv) if case.qv else None
+    return q, k, v, parts, lengths, tuple(descale), sink, qv
 
 
 SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625])
@@ -132,9 +141,9 @@ def _cache_dtype(case):
 
 def _rank_call(case, world_size, rank, backend):
     """This rank's call; returns (o, lse, its cache after, in the caller's layout)."""
-    q, k, v, parts, lengths, (k_descale, v_descale), sink = full_inputs(case, world_size)
+    q, k, v, parts, lengths, (k_descale, v_descale), sink, qv = full_inputs(case, world_size)
     dt = case.dtype
-    q, k, v = (None if x is None else x.to(dt) for x in (q, k, v))
+    q, k, v, qv = (None if x is None else x.to(dt) for x in (q, k, v, qv))
     k_part, v_part = parts[rank]
     if case.fp8:  # NaN past the parts: quantized as NaN, never read
         k_part, v_part = (quantize(x, s, torch.float8_e4m3fn)
@@ -155,7 +164,7 @@ def _rank_call(case, world_size, rank, backend):
         q, k_part, v_part, k, v, seqlens, block_table=block_table, causal=case.causal,
         softcap=case.softcap, return_lse=True, backend=backend, append_rank=append_rank,
         learnable_sink=sink, attn_mask=rank_mask(case, world_size, rank, parts[rank][0].shape[1]),
-        k_descale=k_descale, v_descale=v_descale)
+        k_descale=k_descale, v_descale=v_descale, qv=qv)
     if case.paged:  # back to (batch, slots, ...) for the parent
         k_part, v_part = (x[block_table.long().flatten()].view(BATCH, -1, *x.shape[2:])
                           for x in (k_part, v_part))
@@ -178,7 +187,7 @@ def reference(case, world_size, dtype):
     """(o, lse) of attention over each sequence's parts, in rank order, then its new keys,
     computed in `dtype` (float64: the reference; the input dtype: the tolerance's yardstick),
     the sink included; float8 parts and new keys as the cache holds them, times the scales."""
-    q, k, v, parts, lengths, (k_descale, v_descale), sink = full_inputs(case, world_size)
+    q, k, v, parts, lengths, (k_descale, v_descale), sink, qv = full_inputs(case, world_size)
     low = dtype != torch.float64
     rnd = lambda x: x.to(case.dtype).to(dtype)  # noqa: E731 - rounded to the input dtype
     if case.fp8:
@@ -195,11 +204,16 @@ def reference(case, world_size, dtype):
             values.append(deq(v, v_descale)[b:b + 1])
         kb, vb = torch.cat(keys, 1), torch.cat(values, 1)
         qb = rnd(q[b:b + 1])
+        scale = None
+        if qv is not None:  # the absorbed scores: [q, qv] against [keys, values]
+            qb, kb = torch.cat([qb, rnd(qv[b:b + 1])], -1), torch.cat([kb, vb], -1)
+            scale = (case.headdim + case.dv) ** -0.5
         if kb.shape[1] == 0:
-            o = qb.new_zeros(1, case.seqlen_q, case.nheads, case.headdim)
+            o = qb.new_zeros(1, case.seqlen_q, case.nheads, case.dv)
             lse = qb.new_full((1, case.nheads, case.seqlen_q), float("-inf"))
         else:
             o, lse = attention_ref(qb, kb, vb, causal=case.causal and case.new,
+                                   softmax_scale=scale,
                                    softcap=case.softcap, upcast=not low,
                                    learnable_sink=None if sink is None else sink.to(dtype),
                                    window_size=(case.window_left, -1),
@@ -230,7 +244,7 @@ def check_case(everyone, case, world_size):
         assert torch.equal(everyone[rank][case.id][0], o0)
         assert torch.equal(everyone[rank][case.id][1], lse0)
     # the new keys written on the appending rank only, at its parts' ends; the rest unchanged
-    q, k, v, parts, lengths, (k_descale, v_descale), _ = full_inputs(case, world_size)
+    q, k, v, parts, lengths, (k_descale, v_descale), _, _ = full_inputs(case, world_size)
     append_rank = world_size - 1 if case.append_last else 0
     for rank in range(world_size):
         k_after, v_after = everyone[rank][case.id][2:]

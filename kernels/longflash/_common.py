@@ -16,6 +16,10 @@ POISON_OUTPUTS = False
 
 
 MAX_HEADDIM = 256
+# Decoding's values may be wider (attention_with_kvcache): MLA's absorbed form reads a shared
+# latent of 512 per token as the values (DeepSeek-V2/V3's kv_lora_rank), beside 64 rotary dims
+# as the keys.
+MAX_HEADDIM_V_KVCACHE = 512
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # a KV cache's, in decoding
 
 
@@ -46,11 +50,11 @@ def define_op(name, impl, fake):
 
 # -- validation shared by the PyTorch and JAX front ends (shapes as tuples, plain Python) --
 
-def check_shapes(q_shape, k_shape, v_shape):
+def check_shapes(q_shape, k_shape, v_shape, max_headdim_v=MAX_HEADDIM):
     """q: (batch, seqlen_q, nheads, headdim), k: (batch, seqlen_k, nheads_kv, headdim) and
     v: (batch, seqlen_k, nheads_kv, headdim_v) with nheads % nheads_kv == 0; headdim_v may
-    differ from headdim (MLA). Returns (nheads, nheads_kv, headdim); raises naming the
-    argument otherwise."""
+    differ from headdim (MLA), up to max_headdim_v. Returns (nheads, nheads_kv, headdim);
+    raises naming the argument otherwise."""
     if tuple(k_shape[:3]) != tuple(v_shape[:3]):
         raise ValueError(f"k and v must agree in (batch, seqlen_k, nheads_kv), got shapes "
                          f"{tuple(k_shape)} and {tuple(v_shape)}")
@@ -59,9 +63,10 @@ def check_shapes(q_shape, k_shape, v_shape):
         raise ValueError(f"q and k must have the same batch size, got {batch} and {k_shape[0]}")
     if k_shape[3] != headdim:
         raise ValueError(f"q and k must have the same headdim, got {headdim} and {k_shape[3]}")
-    for name, d in (("headdim", headdim), ("headdim of v", v_shape[3])):
-        if not 1 <= d <= MAX_HEADDIM:
-            raise ValueError(f"{name} must be between 1 and {MAX_HEADDIM}, got {d}")
+    for name, d, most in (("headdim", headdim, MAX_HEADDIM),
+                          ("headdim of v", v_shape[3], max_headdim_v)):
+        if not 1 <= d <= most:
+            raise ValueError(f"{name} must be between 1 and {most}, got {d}")
     nheads_kv = k_shape[2]
     if nheads_kv == 0 or nheads % nheads_kv != 0:
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads_kv of k and v "
@@ -181,6 +186,22 @@ def check_descale_kind(name, descale, shape, cache_is_fp8, cache_dtype, is_float
                         f"{getattr(descale, 'dtype', type(descale))} "
                         f"{tuple(getattr(descale, 'shape', ()))}")
     return "array"
+
+
+def check_qv(qv, q, headdim_v, is_array, kind):
+    """MLA's absorbed queries for both bindings' attention_with_kvcache: is_array(qv) (a
+    tensor / array, kind names it), of shape (batch, seqlen_q, nheads, headdim_v) = q's first
+    three dims and v_cache's head dim, and q's dtype. Returns the default softmax scale with
+    qv, 1 / sqrt(headdim + headdim_v) (FlashAttention-3's)."""
+    if not is_array(qv):
+        raise TypeError(f"qv must be a {kind} or None, got {type(qv).__name__}")
+    shape = (*q.shape[:3], headdim_v)
+    if tuple(qv.shape) != shape:
+        raise ValueError(f"qv must have shape (batch, seqlen_q, nheads, headdim_v of v_cache) "
+                         f"= {shape}, got {tuple(qv.shape)}")
+    if qv.dtype != q.dtype:
+        raise TypeError(f"qv has dtype {qv.dtype}, q has {q.dtype}: they must match")
+    return (q.shape[3] + headdim_v) ** -0.5
 
 
 def check_offsets(name, offsets, total, max_len):

@@ -218,12 +218,15 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                  BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
                  stride_bn=0, mask_len=0, HAS_DESCALE: tl.constexpr = False, K_DESCALE=None,
-                 V_DESCALE=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0):
+                 V_DESCALE=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
+                 HAS_QV: tl.constexpr = False, QV=None, stride_qvb=0, stride_qvn=0,
+                 stride_qvh=0):
     """BIAS_KIND, BIAS: attn_mask (flash_triton._bias), (batch, nheads, seqlen_q, mask_len)
     through its strides, indexed by key position. A float8 cache's tiles are converted to
     q's dtype as they are loaded (exact); HAS_DESCALE: its scales K_DESCALE, V_DESCALE
     (batch, nheads_kv), the key's folded into the softmax scale, the value's into the
-    output."""
+    output. HAS_QV: QV (batch, seqlen_q, nheads, HEAD_DIM_V), MLA's absorbed queries: each
+    score adds qv v^T (times the value scale), the value tile loaded before the scores."""
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
@@ -247,14 +250,20 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     q_ptrs = Q + off_b * stride_qb + (i.to(tl.int64) * stride_qn + off_h * stride_qh)[:, None] \
         + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if HAS_QV:
+        qv = tl.load(QV + off_b * stride_qvb + (i.to(tl.int64) * stride_qvn
+                                                + off_h * stride_qvh)[:, None] + offs_dv[None, :],
+                     mask=m_mask[:, None] & dv_mask[None, :], other=0.0)
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah, mask=m_mask, other=0.0)
     diag = i + (seqlen_k - seqlen_q)  # (BLOCK_M,) key aligned with each row
     if HAS_DESCALE:
         k_scale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
-        qk_scale *= k_scale
-        softmax_scale *= k_scale
+        v_scale = tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
+        if not HAS_QV:  # with qv, each product takes its own scale in the loop
+            qk_scale *= k_scale
+            softmax_scale *= k_scale
     bias = Q  # attn_mask's row of each (query, head) pair (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h[:, None].to(tl.int64) * stride_bh
@@ -283,7 +292,16 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         k = tl.load(_kv_ptrs(K_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_d, n_mask,
                              page_size, stride_kb, stride_kn, stride_kh, stride_tb, PAGED),
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        if HAS_QV:  # the value tile serves both products
+            v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_dv, n_mask,
+                                 page_size, stride_vb, stride_vn, stride_vh, stride_tb, PAGED),
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if HAS_QV and HAS_DESCALE:
+            qk = qk * k_scale + tl.dot(qv, tl.trans(v), input_precision=INPUT_PRECISION) \
+                * v_scale
+        elif HAS_QV:
+            qk = tl.dot(qv, tl.trans(v), qk, input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
             s = _tanh(qk * (softmax_scale / softcap)) * (softcap * 1.4426950408889634)
         else:
@@ -307,9 +325,10 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         # -- update output accumulator --
-        v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_dv, n_mask,
-                             page_size, stride_vb, stride_vn, stride_vh, stride_tb, PAGED),
-                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0).to(q.dtype)
+        if not HAS_QV:
+            v = tl.load(_kv_ptrs(V_CACHE, BLOCK_TABLE, off_b, off_hk, offs_n, offs_dv, n_mask,
+                                 page_size, stride_vb, stride_vn, stride_vh, stride_tb, PAGED),
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
@@ -318,7 +337,7 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     if HAS_DESCALE:
-        acc = acc * tl.load(V_DESCALE + off_b * stride_vdb + off_hk * stride_vdh)
+        acc = acc * v_scale
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) / 1.4426950408889634)
     out_mask = m_mask[:, None] & dv_mask[None, :]
     if SPLIT:  # partials (num_splits, batch, nheads, seqlen_q, headdim_v), float32
@@ -342,13 +361,14 @@ def _merge_splits(O_PARTIAL, LSE_PARTIAL, O, LSE,
                   stride_ob, stride_on, stride_oh, stride_lb, stride_lh,
                   nheads, num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_S: tl.constexpr):
-    """One program per (batch * nheads, query): o and lse from the splits' partials, fp32."""
+    """One program per (batch * nheads, query, BLOCK_D columns of the head dim): o and lse
+    from the splits' partials, fp32 (every column block writes the same lse)."""
     off_bh = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
     offs_s = tl.arange(0, BLOCK_S)
     s_mask = offs_s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     lse_s = tl.load(LSE_PARTIAL + offs_s * stride_qs + off_b * stride_qsb + off_h * stride_qsh
                     + i, mask=s_mask, other=float("-inf"))
@@ -396,10 +416,11 @@ def _block_d(headdim):
 
 
 @functools.lru_cache(maxsize=None)  # read-only Configs, looked up on every decoding step
-def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False):
+def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False, qv=False):
     """The split kernel's tile sizes and launch options: BLOCK_M (packed rows: at least 16,
     the smallest tl.dot), BLOCK_N, BLOCK_D, BLOCK_DV (values' head dim, default headdim's);
-    masked: with an attn_mask (its tile of scores' bias). One place for forward() and
+    masked: with an attn_mask (its tile of scores' bias); qv: with MLA's absorbed queries (a
+    (BLOCK_M, BLOCK_DV) tile of them held through the loop). One place for forward() and
     experiments.codegen."""
     block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
     block_d, block_dv = _block_d(headdim), _block_d(headdim_v or headdim)
@@ -409,10 +430,16 @@ def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False):
     # spilled on sm_90a with Triton 3.6 at head dim 256 (120-200 B) and with a mask (52-512 B
     # at every head dim); 8 warps, and with a mask half the keys a tile, compile spill-free
     # (results/codegen/, config 64/...)
-    if block_m == 64 and (masked or max(block_d, block_dv) > 128):
+    if block_m == 64 and (masked or qv or max(block_d, block_dv) > 128):
         warps = 8
     if block_m == 64 and masked and not _INTERPRET:
         block_n = 64 if max(block_d, block_dv) <= 128 else 32
+    # MLA's 512-dim latents (with qv, its tile too): 64 rows spilled on sm_90a with Triton 3.6
+    # at every tile and warp count tried (68-4200 B); 32 rows of 32 keys in 8 warps, 3 stages:
+    # 176 registers, 110 KiB of shared memory, no spill (experiments/codegen.py, flags mla)
+    if block_dv > 256:
+        block_m, warps = min(block_m, 32), 8
+        block_n = 16 if _INTERPRET else 32
     return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                               BLOCK_DV=block_dv), num_warps=warps,
                          num_stages=1 if _INTERPRET else 3)
@@ -427,9 +454,13 @@ def append_config(headdim, headdim_v=None):
 
 
 @functools.lru_cache(maxsize=None)
-def merge_config(num_splits):
-    """The merge kernel's launch: all splits of a row in one tile."""
-    return triton.Config(dict(BLOCK_S=max(2, triton.next_power_of_2(num_splits))), num_warps=4)
+def merge_config(num_splits, headdim):
+    """The merge kernel's launch: all splits of a row in one tile, (BLOCK_S, BLOCK_D) at most
+    8192 partial outputs (64 registers a thread in 4 warps), the head dim in column blocks
+    of BLOCK_D (at 128 splits and MLA's 512 dims, 8 programs a row of 64 columns)."""
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    block_d = max(16, min(_block_d(headdim), 8192 // block_s))
+    return triton.Config(dict(BLOCK_S=block_s, BLOCK_D=block_d), num_warps=4)
 
 
 def _bias_args(mask):
@@ -500,7 +531,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
 
 
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None,
-            leftpad_k=None):
+            leftpad_k=None, qv=None):
     """o like q (v_cache's head dim) and lse (batch, nheads, seqlen_q), float32; seqlens_k
     (batch,) after the append, or an int when every sequence has that many keys (a kernel
     argument: no tensor to fill, no fill kernel in a decoding step). max_seqlen_k:
@@ -508,7 +539,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     read; None: read from seqlens_k (a synchronization; under torch.compile, kvcache passes
     the cache's capacity instead).
     leftpad_k: (batch,) integer tensor or None: sequence b's keys are [leftpad_k[b],
-    seqlens_k[b]), positions counted from the start of the cache."""
+    seqlens_k[b]), positions counted from the start of the cache. qv: None, or (batch,
+    seqlen_q, nheads, headdim_v), MLA's absorbed queries (kvcache.forward's)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, seqlen_q, nheads, headdim = q.shape
@@ -518,7 +550,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
     check_cache(k_cache, v_cache)
-    cfg = launch_config(seqlen_q, group, headdim, headdim_v, opts.attn_mask is not None)
+    cfg = launch_config(seqlen_q, group, headdim, headdim_v, opts.attn_mask is not None,
+                        qv is not None)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = _cdiv(seqlen_q * group, block_m)
     uniform = not isinstance(seqlens_k, torch.Tensor)  # an int
@@ -547,6 +580,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     optional = {} if opts.attn_mask is None else _bias_args(opts.attn_mask)
     if opts.k_descale is not None or opts.v_descale is not None:
         optional.update(HAS_DESCALE=True, **_descale_args(opts.k_descale, opts.v_descale, q.device))
+    if qv is not None:
+        qv = qv if qv.stride(-1) == 1 else qv.contiguous()
+        optional.update(HAS_QV=True, QV=qv, stride_qvb=qv.stride(0), stride_qvn=qv.stride(1),
+                        stride_qvh=qv.stride(2))
     _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
         q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
         seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,
@@ -564,9 +601,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **optional,
         **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
-        merge = merge_config(num_splits)
-        _merge_splits[(batch * nheads, seqlen_q)](
+        merge = merge_config(num_splits, headdim_v)
+        _merge_splits[(batch * nheads, seqlen_q, _cdiv(headdim_v, merge.kwargs["BLOCK_D"]))](
             o_partial, lse_partial, o, lse, *o_partial.stride()[:4], *lse_partial.stride()[:3],
             *o.stride()[:3], *lse.stride()[:2], nheads, num_splits, HEAD_DIM=headdim_v,
-            BLOCK_D=cfg.kwargs["BLOCK_DV"], **merge.kwargs, num_warps=merge.num_warps)
+            **merge.kwargs, num_warps=merge.num_warps)
     return o, lse

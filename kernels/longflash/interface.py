@@ -18,10 +18,11 @@ from typing import Optional
 import torch
 
 from . import blockwise
-from ._common import (FP8_DTYPES, Options, check_alibi_shape, check_attn_mask_shape,
-                      check_bools, check_learnable_sink, check_offsets, check_real, check_shapes,
-                      check_softcap, check_window_size, define_op, empty_outputs, paged_rows,
-                      resolve_softmax_scale, triton_problem, with_learnable_sink)
+from ._common import (FP8_DTYPES, MAX_HEADDIM, Options, check_alibi_shape,
+                      check_attn_mask_shape, check_bools, check_learnable_sink, check_offsets,
+                      check_real, check_shapes, check_softcap, check_window_size, define_op,
+                      empty_outputs, paged_rows, resolve_softmax_scale, triton_problem,
+                      with_learnable_sink)
 
 BACKENDS = ("auto", "triton", "torch")
 _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,10 +50,12 @@ def _check_tensor(name, x):
 
 def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, generator=None,
-                  deterministic=False, batch=None, learnable_sink=None):
+                  deterministic=False, batch=None, learnable_sink=None,
+                  max_headdim_v=MAX_HEADDIM):
     """Validate arguments; return (softmax_scale, backend) resolved to concrete values.
     q, k, v are 4-D here (packed sequences arrive with a leading batch of 1); batch is the
-    number of sequences for ALiBi slopes (default q.shape[0])."""
+    number of sequences for ALiBi slopes (default q.shape[0]); max_headdim_v: v's widest
+    head dim (decoding's is wider)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     accepted = "torch.float16, torch.bfloat16, torch.float32 (torch.float64 on backend='torch')"
@@ -64,7 +67,7 @@ def _check_inputs(q, k, v, causal, softmax_scale, backend, window_size=(-1, -1),
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, "
                          f"{v.device}")
-    nheads, _, _ = check_shapes(q.shape, k.shape, v.shape)
+    nheads, _, _ = check_shapes(q.shape, k.shape, v.shape, max_headdim_v)
     check_bools(causal=causal, deterministic=deterministic)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[3])
     check_window_size(window_size)

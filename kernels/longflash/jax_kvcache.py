@@ -12,7 +12,8 @@ inside a jitted step whose caches are donated (`jax.jit(step, donate_argnums=...
 writes them in place; an eager call, or one without donation, copies each cache.
 A float8 cache (k_descale, v_descale) as the PyTorch path keeps one: new keys quantized as
 `kvcache.quantize` quantizes them, each tile converted as it is read, the key scale folded
-into the softmax scale and the value scale into the output.
+into the softmax scale and the value scale into the output. qv (MLA absorbed) as there: each
+score adds qv v^T (times the value scale) from the value tile already read.
 """
 
 import functools
@@ -23,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._common import LN2, LOG2E, check_bools, check_descale_kind, check_rotary, check_softcap, \
-    check_window_size, resolve_softmax_scale
+from ._common import LN2, LOG2E, check_bools, check_descale_kind, check_qv, check_rotary, \
+    check_softcap, check_window_size, resolve_softmax_scale
 from .jax import (_DTYPES, _HIGHEST, _accumulator_dtype, _check_sink, _check_slopes, _mask_array,
                   _with_sink)
 
@@ -46,7 +47,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            return_lse=False, *, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=True, learnable_sink=None, attn_mask=None,
-                           k_descale=None, v_descale=None, block_n=BLOCK_N):
+                           k_descale=None, v_descale=None, qv=None, block_n=BLOCK_N):
     """Attention of a few new queries over a KV cache, after appending new keys and values
     (FlashAttention-2's flash_attn_with_kvcache, and `longflash.attention_with_kvcache`, with
     JAX's immutable arrays: the updated caches are returned).
@@ -101,6 +102,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             to (batch, nheads_kv), only with a float8 cache: the keys and values attended are
             k_cache * k_descale and v_cache * v_descale, in float32, as in
             `longflash.attention_with_kvcache`.
+        qv: None, or (batch, seqlen_q, nheads, headdim of v_cache), q's dtype: MLA's absorbed
+            queries against the values, each score softmax_scale * (q k^T + qv v^T), default
+            softmax_scale 1 / sqrt(headdim + headdim_v), as in
+            `longflash.attention_with_kvcache` (rotary embeddings turn q, not qv).
         block_n: keys a tile (default 256; capped at the capacity).
     Returns (out, k_cache, v_cache): out is o (batch, seqlen_q, nheads, headdim of v_cache),
     or (o, lse) with return_lse; the caches with k and v appended (the same arrays without
@@ -125,12 +130,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                 for name, x in (("k_descale", k_descale), ("v_descale", v_descale))]
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
         raise ValueError(f"block_n must be a positive int, got {block_n!r}")
+    if qv is not None:
+        scale = check_qv(qv, q, v_cache.shape[3], lambda x: isinstance(x, (jax.Array, np.ndarray)),
+                         "jax.Array (or numpy array)")
+        qv, softmax_scale = jnp.asarray(qv), scale if softmax_scale is None else softmax_scale
     cfg = _Config(float(resolve_softmax_scale(softmax_scale, q.shape[3])), int(window_size[0]),
                   0 if causal else int(window_size[1]), float(softcap), block_n)
     if rotary is not None:
         q, k = _rotate(q, k, *rotary, rotary_interleaved, seqlens, q_in_order)
     o, lse, k_cache, v_cache = _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes,
-                                        bias, *descales, cfg)
+                                        bias, *descales, qv, cfg)
     if learnable_sink is not None:
         o, lse = _with_sink(o, lse, learnable_sink)
     return ((o, lse) if return_lse else o), k_cache, v_cache
@@ -290,7 +299,7 @@ def _check_seqlens(cache_seqlens, batch, seqlen_new, capacity):
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes, bias, k_descale,
-             v_descale, cfg):
+             v_descale, qv, cfg):
     """Checked arguments -> (o, lse, k_cache, v_cache)."""
     seqlen_new = 0
     if k is not None:
@@ -300,7 +309,7 @@ def _kvcache(q, k_cache, v_cache, k, v, seqlens, block_table, slopes, bias, k_de
         k_cache = _append(k_cache, k, seqlens, block_table)
         v_cache = _append(v_cache, v, seqlens, block_table)
     o, lse = _forward(q, k_cache, v_cache, seqlens + seqlen_new, block_table, slopes, bias,
-                      k_descale, v_descale, cfg)
+                      k_descale, v_descale, qv, cfg)
     return o, lse, k_cache, v_cache
 
 
@@ -330,11 +339,11 @@ def _read(cache, block_table, start_n, block_n):
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, k_descale, v_descale,
-             cfg):
+             qv, cfg):
     """o (B, Nq, H, Dv) in q's dtype and lse (B, H, Nq) in the accumulator dtype, over the
     first seqlens_k[b] keys of each sequence. slopes: None or ALiBi's (B or 1, H); bias: None
     or attn_mask, 4-D (B or 1, H or 1, Nq or 1, L); k_descale, v_descale: None or a float8
-    cache's scales, (B, Hkv) float32."""
+    cache's scales, (B, Hkv) float32; qv: None or MLA's absorbed queries (B, Nq, H, Dv)."""
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_kv, headdim_v = k_cache.shape[2], v_cache.shape[3]
     group = nheads // nheads_kv
@@ -343,12 +352,16 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, k_descal
     block_n = max(min(cfg.block_n, capacity), 1)
     # -- GQA packing: rows r = i * group + g, (B, Hkv, M, D) with M = seqlen_q * group --
     M = seqlen_q * group
-    q_packed = q.astype(dtype).reshape(batch, seqlen_q, nheads_kv, group, headdim).transpose(
-        0, 2, 1, 3, 4).reshape(batch, nheads_kv, M, headdim)
+    q_packed, qv_packed = (
+        None if x is None else x.astype(dtype).reshape(batch, seqlen_q, nheads_kv, group, -1)
+        .transpose(0, 2, 1, 3, 4).reshape(batch, nheads_kv, M, x.shape[3]) for x in (q, qv))
     i = jnp.arange(M) // group  # query position of each row
     qk_scale = cfg.softmax_scale  # a float8 cache's key scale folds into it: (B, Hkv, 1, 1)
     if k_descale is not None:
         qk_scale = k_descale.astype(dtype)[:, :, None, None] * qk_scale
+    qv_scale = cfg.softmax_scale  # qv v^T's: the value scale's
+    if v_descale is not None:
+        qv_scale = v_descale.astype(dtype)[:, :, None, None] * qv_scale
     offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
     diag = (offset[:, None] + i)[:, None, :, None]  # (B, 1, M, 1)
     if slopes is not None:  # (B or 1, H) -> (B or 1, Hkv, M, 1): row r's head's slope
@@ -379,6 +392,8 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, slopes, bias, k_descal
         v_j = jnp.where(in_seq[:, None, :, None], v_j, 0)
         # -- compute scores (B, Hkv, M, BN), in FlashAttention-2's order --
         qk = jnp.einsum("bhmd,bhnd->bhmn", q_packed, k_j, precision=_HIGHEST) * qk_scale
+        if qv_packed is not None:  # MLA absorbed: the value block serves both products
+            qk = qk + jnp.einsum("bhmd,bhnd->bhmn", qv_packed, v_j, precision=_HIGHEST) * qv_scale
         if cfg.softcap > 0:
             qk = cfg.softcap * jnp.tanh(qk / cfg.softcap)
         if slopes is not None:

@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from ._common import (FP8_DTYPES, LN2, LOG2E, Options, accumulator_dtype, as_bytes,
-                      check_bools, check_descale_kind, check_rotary, define_op, empty_outputs,
-                      paged_rows, take)
+from ._common import (FP8_DTYPES, LN2, LOG2E, MAX_HEADDIM_V_KVCACHE, Options,
+                      accumulator_dtype, as_bytes, check_bools, check_descale_kind, check_qv,
+                      check_rotary, define_op, empty_outputs, paged_rows, take)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -82,7 +82,7 @@ def _block_view(cache, start_n, split_stride, block_n):
 
 @torch.no_grad()
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, block_n=None,
-            leftpad_k=None):
+            leftpad_k=None, qv=None):
     """Split-KV forward. q: (batch, seqlen_q, nheads, headdim); seqlens_k: (batch,) int, the
     number of keys of each sequence (after any append), or one int for every sequence;
     leftpad_k: (batch,) int or None, the first key of each sequence (keys before it are
@@ -91,7 +91,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     position, L = 1 or at least every sequence's key count. opts.k_descale, opts.v_descale:
     None, or (batch, nheads_kv) float32 views: a float8 cache's keys and values are
     k_cache * k_descale and v_cache * v_descale (applied to the scores and to the output, as
-    the kernel does, not to the cache). Returns o like q and lse
+    the kernel does, not to the cache). qv: None, or (batch, seqlen_q, nheads, headdim_v):
+    MLA's absorbed queries against the values, each score q k^T + qv v^T (the cache's value
+    scale on its own term). Returns o like q and lse
     (batch, nheads, seqlen_q), natural log (-inf and o = 0 for a row that sees no key); o has
     v_cache's head dim, which may differ from q's and k_cache's."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -112,11 +114,11 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
             slopes, mask, k_scale, v_scale = (
                 None if x is None else x[one]
                 for x in (opts.alibi_slopes, opts.attn_mask, opts.k_descale, opts.v_descale))
-            pad = None if leftpad_k is None else leftpad_k[one]
+            pad, qv_one = (None if x is None else x[one] for x in (leftpad_k, qv))
             o[one], lse[one] = forward(q[one], k_cache[one], v_cache[one], seqlens_k[one], None,
                                        opts._replace(alibi_slopes=slopes, attn_mask=mask,
                                                      k_descale=k_scale, v_descale=v_scale),
-                                       num_splits, block_n, pad)
+                                       num_splits, block_n, pad, qv_one)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
     device = q.device
@@ -124,13 +126,17 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     num_splits = num_splits or 1
     # -- GQA packing: rows r = i * group + g, (B, Hkv, M, D) with M = seqlen_q * group --
     M = seqlen_q * group
-    q_packed = q.to(dtype).view(batch, seqlen_q, nheads_kv, group, headdim).permute(
-        0, 2, 1, 3, 4).reshape(batch, nheads_kv, 1, M, headdim)
+    q_packed, qv_packed = (
+        None if x is None else x.to(dtype).view(batch, seqlen_q, nheads_kv, group, -1).permute(
+            0, 2, 1, 3, 4).reshape(batch, nheads_kv, 1, M, x.shape[-1]) for x in (q, qv))
     offs_m = torch.arange(M, device=device)
     i = (offs_m // group)[:, None]  # (M, 1) query position of each row
     qk_scale = opts.softmax_scale  # a float8 cache's key scale folds into it: (B, Hkv, 1, 1, 1)
     if opts.k_descale is not None:
         qk_scale = opts.k_descale.to(dtype).view(batch, nheads_kv, 1, 1, 1) * qk_scale
+    qv_scale = opts.softmax_scale  # qv v^T's: the value scale's
+    if qv is not None and opts.v_descale is not None:
+        qv_scale = opts.v_descale.to(dtype).view(batch, nheads_kv, 1, 1, 1) * qv_scale
     slope = None
     if opts.alibi_slopes is not None:  # (batch, nheads) -> (B, Hkv, 1, M, 1)
         slope = opts.alibi_slopes.to(dtype).view(batch, nheads_kv, 1, group)
@@ -201,6 +207,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
             v = v.masked_fill(outside[:, None, :, :, None], 0)
         # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
         qk = q_packed @ k.transpose(-1, -2) * qk_scale
+        if qv_packed is not None:  # MLA absorbed: the value block read once, for both products
+            qk = qk + qv_packed @ v.transpose(-1, -2) * qv_scale
         if opts.softcap > 0:
             qk = opts.softcap * torch.tanh(qk / opts.softcap)
         j = offs_n[:, None, :, None, :]  # (B, 1, S, 1, BN)
@@ -572,7 +580,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            return_lse=False, backend="auto", *, num_splits=0,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                            cache_batch_idx=None, cache_leftpad=None, learnable_sink=None,
-                           attn_mask=None, k_descale=None, v_descale=None):
+                           attn_mask=None, k_descale=None, v_descale=None, qv=None):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
     (FlashAttention-2's flash_attn_with_kvcache).
 
@@ -652,6 +660,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             kernels fold the key scale into the softmax scale and the value scale into the
             output (the cache is read once, in its 8 bits, and converted to q's dtype for the
             dot products, which is exact). q, k and v stay 16- or 32-bit; o has q's dtype.
+        qv: None, or (batch, seqlen_q, nheads, headdim_v), q's dtype (FlashAttention-3's
+            argument): queries against the values too, each score
+            softmax_scale * (q k^T + qv v^T), default softmax_scale 1/sqrt(headdim + headdim_v).
+            MLA decoding in its absorbed form (DeepSeek-V2/V3): v_cache holds each token's
+            compressed latent (headdim_v up to 512, one KV head shared by every query head),
+            k_cache its rotary part (headdim 64), q the queries' rotary part and qv their
+            no-rotary part times the key up-projection; the output is the attention over the
+            latents (the value up-projection follows outside). The value tile is read once,
+            for both products: the same result as q' = [q, qv] over k' = [k_cache, v_cache],
+            without that second copy of the latents. Rotary embeddings turn q, not qv.
+            With a float8 cache, v_descale scales qv v^T as it scales the output.
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
     sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only
     (no autograd in q and the caches; a learnable_sink's gradient flows).
@@ -677,6 +696,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             "cache_batch_idx"
     seqlens, seqlen_new, max_seqlen = _check_cache(q, k_cache, v_cache, k, v, cache_seqlens,
                                                    block_table, table_name, cache_leftpad)
+    if qv is not None:
+        scale = check_qv(qv, q, v_cache.shape[-1], torch.is_tensor, "torch.Tensor")
+        if qv.device != q.device:
+            raise ValueError(f"qv is on {qv.device}, q on {q.device}: they must match")
+        softmax_scale = scale if softmax_scale is None else softmax_scale
     k_descale = check_descale("k_descale", k_descale, q.shape[0], k_cache, q.device)
     v_descale = check_descale("v_descale", v_descale, q.shape[0], k_cache, q.device)
     # The remaining checks (dtype, head dims, scale, window, softcap, ALiBi, backend) are
@@ -686,7 +710,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                     for c in (k_cache, v_cache))
     softmax_scale, backend = _check_inputs(q, keys, values, causal, softmax_scale, backend,
                                            window_size, alibi_slopes, softcap,
-                                           learnable_sink=learnable_sink)
+                                           learnable_sink=learnable_sink,
+                                           max_headdim_v=MAX_HEADDIM_V_KVCACHE)
     _check_attn_mask(attn_mask, q, None if max_seqlen is None else max_seqlen + seqlen_new,
                      keys_at_least=True)
     q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
@@ -713,21 +738,22 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
-                      cache_leftpad, attn_mask, k_descale, v_descale)
+                      cache_leftpad, attn_mask, k_descale, v_descale, qv)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
              softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None, leftpad_k=None,
-             attn_mask=None, k_descale=None, v_descale=None):
+             attn_mask=None, k_descale=None, v_descale=None, qv=None):
     """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
     of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
     device); None: found from seqlens_k when needed. leftpad_k: each sequence's first key
     (cache_leftpad) or None. attn_mask: None, or broadcastable to (batch, nheads, seqlen_q,
     L), indexed by key position. k_descale, v_descale: None or (batch, nheads_kv) float32, a
-    float8 cache's scales."""
+    float8 cache's scales. qv: None or (batch, seqlen_q, nheads, headdim_v)."""
     args = (q, k_cache, v_cache, block_table, leftpad_k, causal, softmax_scale, *window_size,
-            float(softcap), alibi_slopes, num_splits, backend, attn_mask, k_descale, v_descale)
+            float(softcap), alibi_slopes, num_splits, backend, attn_mask, k_descale, v_descale,
+            qv)
     if not torch.compiler.is_compiling():
         return _run(seqlens_k, max_seqlen_k, *args)
     # Traced by torch.compile: one opaque op, since the PyTorch path loops over as many key
@@ -744,7 +770,7 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
 
 def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
          softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, backend,
-         attn_mask=None, k_descale=None, v_descale=None):
+         attn_mask=None, k_descale=None, v_descale=None, qv=None):
     batch, seqlen_q, nheads, _ = q.shape
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(batch, nheads)
@@ -756,9 +782,9 @@ def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, c
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
-                                     num_splits, max_seqlen_k, leftpad_k)
+                                     num_splits, max_seqlen_k, leftpad_k, qv)
     return forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits,
-                   leftpad_k=leftpad_k)
+                   leftpad_k=leftpad_k, qv=qv)
 
 
 def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqlen_k: int,
@@ -768,14 +794,14 @@ def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqle
                      window_left: int, window_right: int, softcap: float,
                      alibi_slopes: Optional[torch.Tensor], num_splits: int,
                      backend: str, attn_mask: Optional[torch.Tensor],
-                     k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+                     qv: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """_run under torch.compile. seqlens_k: (batch,) lengths, or None for one length seqlen_k
     of every sequence."""
     lengths = seqlen_k if seqlens_k is None else seqlens_k
     return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits,
-                backend, attn_mask, k_descale, v_descale)
+                backend, attn_mask, k_descale, v_descale, qv)
 
 
 def _kvcache_fake(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):

@@ -42,7 +42,7 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
                                    group=None, append_rank=0, num_splits=0,
                                    cache_batch_idx=None, cache_leftpad=None,
                                    learnable_sink=None, attn_mask=None, k_descale=None,
-                                   v_descale=None, check_ranks=True):
+                                   v_descale=None, qv=None, check_ranks=True):
     """Attention of new queries over a KV cache whose tokens are spread over the ranks of a
     process group, appending the new keys/values on one rank.
 
@@ -62,8 +62,9 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
             their own (query i sees new key j iff j <= i + seqlen_new - seqlen_q, the decoding
             kernel's bottom-right rule on the appending rank). With seqlen_q > 1 it needs k, v
             (the queries' own keys); with one query it changes nothing.
-        softmax_scale (default 1/sqrt(headdim)), softcap, backend, learnable_sink (counted once
-            per row, after the merge): as in `attention_with_kvcache`.
+        softmax_scale (default 1/sqrt(headdim), with qv 1/sqrt(headdim + headdim_v)), softcap,
+            backend, learnable_sink (counted once per row, after the merge), qv (MLA's absorbed
+            queries, the same on every rank, as q): as in `attention_with_kvcache`.
         attn_mask: this rank's own mask over its part, as `attention_with_kvcache` takes it
             (boolean or float, broadcastable to (batch, nheads, seqlen_q, L), the last
             dimension this rank's cache rows, on the appending rank after the append); ranks
@@ -103,7 +104,8 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
                                   "keys (appended on append_rank, where they are the last keys)")
     check_learnable_sink(learnable_sink, q.shape[2], q.device)
     if check_ranks:
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        dims = q.shape[-1] + (0 if not isinstance(qv, torch.Tensor) else qv.shape[-1])
+        scale = dims ** -0.5 if softmax_scale is None else float(softmax_scale)
         _check_same_on_all_ranks(
             ring, q.device, q_shape=q.shape, dtype=_dtype_code(q.dtype),
             k_shape=(-1,) * 4 if k is None else k.shape, causal=(bool(causal),),
@@ -116,7 +118,7 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
             block_table, softmax_scale, causal and appends, softcap=softcap, return_lse=True,
             backend=backend, num_splits=num_splits, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, attn_mask=attn_mask, k_descale=k_descale,
-            v_descale=v_descale)
+            v_descale=v_descale, qv=qv)
         error = None
     except Exception as e:  # noqa: BLE001 - raised below, after the others have been told
         error, o, lse = e, None, None

@@ -111,16 +111,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, k_descale=None, v_descale=None):
+                            return_softmax_lse=False, *, k_descale=None, v_descale=None,
+                            qv=None):
     """Decoding over a KV cache, appending k, v in place: `longflash.attention_with_kvcache`
     in FlashAttention's argument order (any page size; no multiple of 256 needed).
     k_descale, v_descale (keyword-only, FlashAttention-3's names; FlashAttention-2 has no
     float8 cache): the scales of a float8_e4m3fn / float8_e5m2 cache, a float or a float32
     tensor broadcastable to (batch, nheads_kv); k, v are quantized by them as they are
-    appended."""
+    appended. qv (keyword-only, FlashAttention-3's): MLA's absorbed queries against the
+    values, (batch, seqlen_q, nheads, headdim_v), each score softmax_scale * (q k^T + qv v^T),
+    default scale 1/sqrt(headdim + headdim_v) as FlashAttention-3's."""
     return attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
         window_size, softcap, alibi_slopes, return_softmax_lse, num_splits=num_splits,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, k_descale=k_descale,
-        v_descale=v_descale)
+        v_descale=v_descale, qv=qv)
