@@ -206,3 +206,27 @@ def test_latents_beyond_512_are_refused():
     k_cache, v_cache = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 520)
     with pytest.raises(ValueError, match="headdim"):
         longflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, qv=qv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_with_cache_batch_idx_attn_mask_and_sink(backend):
+    """qv beside the options that take another route: serving slots (cache_batch_idx), a
+    boolean attn_mask over the keys and a learnable sink, as the concatenated call gives them
+    (float32, to rounding)."""
+    case = ("slots", 2, 2, 4, 1, 16, 24, None, 30, [17, 9], 2, dict(causal=True))
+    q, qv, k_cache, v_cache, k, v, seqlens, _, kw = make_mla(case, torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    rows = torch.tensor([2, 0])  # sequence b's row of a cache of 3
+    k_slots, v_slots = (torch.randn(3, 30, 1, x.shape[-1], generator=gen) for x in (k, v))
+    mask = torch.rand(2, 1, 2, 19, generator=gen) < 0.8
+    sink = torch.randn(4, generator=gen)
+    extra = dict(cache_batch_idx=rows, attn_mask=mask, learnable_sink=sink, **kw)
+    kv = [k_slots.clone(), v_slots.clone()]
+    o = longflash.attention_with_kvcache(q, *kv, k, v, seqlens, backend=backend, qv=qv, **extra)
+    cat = [torch.cat([k_slots, v_slots], -1), v_slots.clone()]
+    want = longflash.attention_with_kvcache(
+        torch.cat([q, qv], -1), *cat, torch.cat([k, v], -1), v, seqlens, backend=backend,
+        softmax_scale=40 ** -0.5, **extra)
+    torch.testing.assert_close(o, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kv[1], cat[1])
+    torch.testing.assert_close(kv[0], cat[0][..., :16])
