@@ -57,6 +57,11 @@ prefix, LongFlash's cascade call (the prefix read once for the batch) against th
 over caches that each hold a copy of the prefix (LongFlash and SDPA). It runs after part
 prefill.
 
+Part "mla" (experiments/mla_decode.py): a decoding step of DeepSeek-V3's multi-head latent
+attention in its absorbed form, LongFlash's call with qv (the latents read once for both
+products) against the attention of [q, qv] over concatenated caches (LongFlash and SDPA). It
+runs last, after part shared_prefix.
+
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
 dim 128: time and the cache bytes read per second, LongFlash's split-KV kernel with and
@@ -162,7 +167,7 @@ class Config:
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
     ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
-    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix")
+    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix", "mla")
     decode_seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768)   # part decode: cache tokens
     decode_batches: tuple = (1, 8)
     decode_nheads: int = 32               # part decode: a Llama-like GQA shape
@@ -178,6 +183,11 @@ class Config:
     shared_batches: tuple = (4,)            # part shared_prefix: sequences sharing the prefix
     shared_prefixes: tuple = (4096, 16384)  # part shared_prefix: the shared prefix's tokens
     shared_suffix_len: int = 256            # part shared_prefix: each sequence's own tokens
+    mla_seqlens: tuple = (1024, 8192)       # part mla: cache tokens
+    mla_batches: tuple = (4,)
+    mla_nheads: int = 16                    # part mla: DeepSeek-V3 under 8-way tensor parallelism
+    mla_rope_dim: int = 64                  # q and k: the rotary part
+    mla_latent_dim: int = 512               # v_cache and qv: the compressed latent
 
 
 FULL = dict(  # the GPU sweep of the issue; see the module docstring
@@ -190,14 +200,16 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     decode_seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
     prefill_seqlens=(4096, 16384, 65536), prefill_chunks=(128, 512, 2048), prefill_batch=4,
     prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128,
-    shared_batches=(8, 32), shared_prefixes=(4096, 32768), shared_suffix_len=512)
+    shared_batches=(8, 32), shared_prefixes=(4096, 32768), shared_suffix_len=512,
+    mla_seqlens=(4096, 16384, 65536), mla_batches=(1, 16))
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
     ceiling_matmul_n=256, ceiling_copy_mb=16, ceiling_rep_ms=50, decode_seqlens=(256, 1024),
     decode_batches=(1, 2), decode_nheads=4, decode_nheads_kv=2, decode_headdim=16,
     prefill_seqlens=(256,), prefill_chunks=(32,), prefill_nheads=4, prefill_nheads_kv=2,
-    prefill_headdim=16, shared_batches=(2,), shared_prefixes=(256,), shared_suffix_len=32)
+    prefill_headdim=16, shared_batches=(2,), shared_prefixes=(256,), shared_suffix_len=32,
+    mla_seqlens=(256,), mla_batches=(2,), mla_nheads=4, mla_rope_dim=16, mla_latent_dim=48)
 
 
 class Unsupported(Exception):
@@ -562,9 +574,11 @@ def run(cfg, device, out, resume=False, resume_after=None):
                    threads=threads if device == "cpu" else math.nan,
                    mem_budget_mb=cfg.cpu_mem_budget_mb if device == "cpu" else math.nan)
     ceiling_rows = measure_ceilings(cfg, device, machine, "start")
-    # A resumed run that measures no row reported against the ceilings (a part such as prefill
-    # added later) leaves the file's alone: they belong to the runs that measured its rows.
-    ceilings_pending = resume and _file_has_ceilings(out)
+    # A run that measures no row reported against the ceilings (resumed, or of parts such as
+    # prefill or mla only) leaves the file's alone: they belong to the runs that measured its
+    # rows.
+    ceilings_pending = (resume or not set(cfg.parts) & set(CEILING_PARTS)) and \
+        _file_has_ceilings(out)
     if resume:
         ceiling_rows = _best_ceilings(ceiling_rows, out)
     if not ceilings_pending:
@@ -655,6 +669,12 @@ def run(cfg, device, out, resume=False, resume_after=None):
             out, resume_after) if resume else set())
         if rows:
             write_measured(rows, "shared_prefix", key_columns=shared_prefix.KEY_COLUMNS)
+    if "mla" in cfg.parts:
+        from experiments import mla_decode
+        rows = mla_decode.run(cfg, device, log, machine, start, mla_decode.existing_keys(
+            out, resume_after) if resume else set())
+        if rows:
+            write_measured(rows, "mla", key_columns=mla_decode.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
     if ceilings_pending:
         log(f"ceilings of {out} kept: this run measured no rows of "
@@ -763,6 +783,12 @@ def summary(out, device):
             index="call", columns=["batch", "prefix_len"], values="value", aggfunc="first")
         log(f"\ntime_ms per decoding step over a shared prefix, by batch and prefix length "
             f"({device}):\n{table.round(2).to_string()}")
+    if (rows["part"] == "mla").any():
+        mla = rows[(rows["part"] == "mla") & (rows["metric"] == "time_ms")]
+        table = mla.assign(call=mla["provider"] + " " + mla["route"]).pivot_table(
+            index="call", columns=["batch", "seqlen_k"], values="value", aggfunc="first")
+        log(f"\ntime_ms per MLA decoding step, absorbed and concatenated, by batch and cache "
+            f"length ({device}):\n{table.round(2).to_string()}")
 
 
 def main():

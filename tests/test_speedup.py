@@ -3,8 +3,9 @@ provider, mode, configuration and metric, in the results schema, with the right 
 over-budget configuration is an "oom" row; part decode (experiments/decode.py) one row per
 provider, split choice, batch, cache length and metric; part prefill (experiments/prefill.py)
 one row per route, cache dtype, key count, chunk and metric; part shared_prefix
-(experiments/shared_prefix.py) one row per provider, route, batch, prefix length and metric.
-No timing is asserted."""
+(experiments/shared_prefix.py) one row per provider, route, batch, prefix length and metric;
+part mla (experiments/mla_decode.py) one row per provider, route, batch, cache length and
+metric. No timing is asserted."""
 
 import math
 import os
@@ -45,7 +46,8 @@ def test_schema_and_one_row_per_measurement(quick):
     assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype", "route",
                                             "prefix_len"]).any()
     assert set(df["experiment"]) == {"speedup"}
-    assert set(df["part"]) == {"batch", "long", "decode", "prefill", "shared_prefix", "ceiling"}
+    assert set(df["part"]) == {"batch", "long", "decode", "prefill", "shared_prefix", "mla",
+                               "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
     runs = df[df["part"].isin(["batch", "long"])]
     groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
@@ -201,6 +203,37 @@ def test_shared_prefix_part(quick):
     assert shared_prefix.existing_keys(out, "2999-01-01T00:00:00") == set()
 
 
+def test_mla_part(quick):
+    """Part mla: at every batch and cache length, LongFlash's absorbed call (qv) and the
+    concatenated form (LongFlash's and SDPA's); bandwidth from the cache bytes each route reads
+    (the latents once, or twice) and the time; LongFlash's output against float64."""
+    from experiments import mla_decode
+    out, df, stdout = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    mla = df[df["part"] == "mla"]
+    assert set(mla["status"]) == {"ok"} and (mla["seqlen_q"] == 1).all()
+    assert (mla["nheads"] == cfg.mla_nheads).all() and (mla["nheads_kv"] == 1).all()
+    assert (mla["headdim"] == cfg.mla_rope_dim).all()
+    index = ["provider", "route", "batch", "seqlen_k"]
+    wide = mla.pivot_table(index=index, columns="metric", values="value").reset_index()
+    calls = {("longflash", "absorbed"), ("longflash", "concatenated"),
+             ("sdpa_cpu", "concatenated"), ("sdpa_cpu", "heads_as_rows")}
+    assert set(zip(wide["provider"], wide["route"])) == calls
+    assert len(wide) == len(calls) * len(cfg.mla_batches) * len(cfg.mla_seqlens)
+    dims = (cfg.mla_rope_dim + cfg.mla_latent_dim
+            + cfg.mla_latent_dim * (wide["route"] != "absorbed"))
+    read = wide["batch"] * wide["seqlen_k"] * dims * 4  # float32
+    assert ((read / (wide["time_ms"] * 1e-3) / 1e9 - wide["read_gbps"]).abs()
+            <= 1e-9 * wide["read_gbps"]).all()
+    errors = wide[wide["provider"] == "longflash"]["max_err_o_sampled"]
+    assert len(errors) == 2 * len(cfg.mla_batches) * len(cfg.mla_seqlens)
+    assert (errors < 1e-5).all()
+    assert "time_ms per MLA decoding step" in stdout
+    keys = mla_decode.existing_keys(out)
+    assert len(keys) == len(wide)
+    assert mla_decode.existing_keys(out, "2999-01-01T00:00:00") == set()
+
+
 def test_resume_measures_nothing_twice(quick, tmp_path):
     out, df, _ = quick
     copy = tmp_path / "cpu.csv"
@@ -208,7 +241,7 @@ def test_resume_measures_nothing_twice(quick, tmp_path):
     proc = run_quick(copy, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not [line for line in proc.stdout.splitlines()
-                if line.startswith(("[", "decode ", "prefill "))]
+                if line.startswith(("[", "decode ", "prefill ", "mla "))]
     again = pd.read_csv(copy)
     assert len(again) == len(df)
     runs = lambda d: d[d["provider"] != "ceiling"].sort_values(  # noqa: E731
