@@ -135,6 +135,8 @@ error, or the failure in the note). The warp-specialized candidates are opt-in
                 over caches that each hold a copy of the prefix
      speedup_prefill  RQ1 part prefill (new): chunked prefill over bf16 and float8 pages read
                 in place, and over float8 pages gathered into a dequantized copy first
+     speedup_mla  RQ1 part mla (new): MLA's absorbed decoding step (qv) against SDPA over
+                the concatenated form
      speedup_short, speedup_long  as speedup_batch at 1K-2K and 32K-128K
      preflight_ws  as in stage 7 (cut at 30 s there by the budget)
      scaling_exact  as in stage 5 (no window has reached it)
@@ -696,6 +698,10 @@ def stage_steps(stage, dry):
             # by the forward kernel")
             _speedup("speedup_prefill", ["--quick" if dry else "--full", "--parts", "prefill"],
                      estimate_s=45, timeout_s=120, reserve_s=30, tail_s=30),
+            # RQ1 part mla: MLA's absorbed decoding step (qv) against SDPA over the
+            # concatenated form (PERFLOG "MLA absorbed decoding"; new)
+            _speedup("speedup_mla", ["--quick" if dry else "--full", "--parts", "mla"],
+                     estimate_s=10, timeout_s=120, reserve_s=30, tail_s=30),
             _speedup("speedup_short", short, estimate_s=30, timeout_s=160, reserve_s=30),
             _speedup("speedup_long", long_, estimate_s=30, timeout_s=200, reserve_s=60),
             # dK/dV's WS candidate at d128 beside WS_TRIALS' tiles (cut at 30 s twice in the

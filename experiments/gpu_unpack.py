@@ -38,8 +38,8 @@ import tempfile
 
 import pandas as pd
 
-from experiments import (decode, gpu_campaign, host_time, long_context_training, ncu, prefill,
-                         scaling, shared_prefix, variants)
+from experiments import (decode, gpu_campaign, host_time, long_context_training, mla_decode,
+                         ncu, prefill, scaling, shared_prefix, variants)
 from experiments.results import (PROVENANCE_COLUMNS, _keys, atomic_write, earlier_runs,
                                  write_results)
 
@@ -48,10 +48,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE_JSON = re.compile(r"-stage\d+-[\w.-]+\.json$")
 
 # Extra key columns of each results folder's CSVs (beside results.KEY_COLUMNS): those its
-# writers pass to write_results (speedup: its parts decode's, prefill's and shared_prefix's,
-# together: a part's rows are empty in the others'; io_complexity on the GPU: the ncu probe's).
+# writers pass to write_results (speedup: its parts decode's, prefill's, shared_prefix's and
+# mla's, together: a part's rows are empty in the others'; io_complexity on the GPU: the ncu
+# probe's).
 KEY_COLUMNS = {"speedup": tuple(dict.fromkeys(decode.KEY_COLUMNS + prefill.KEY_COLUMNS
-                                                 + shared_prefix.KEY_COLUMNS)),
+                                                 + shared_prefix.KEY_COLUMNS
+                                                 + mla_decode.KEY_COLUMNS)),
                "io_complexity": ncu.KEY_COLUMNS,
                "scaling": scaling.KEY_COLUMNS, "gpu_campaign": gpu_campaign.KEY_COLUMNS,
                "long_context_training": long_context_training.KEY_COLUMNS,

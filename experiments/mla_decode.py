@@ -1,7 +1,7 @@
 """RQ1, part "mla": a decoding step of multi-head latent attention in its absorbed form.
 
     python -m experiments.speedup --parts mla                 # CPU: caches of 1K and 8K tokens
-    python -m experiments.speedup --full --parts mla          # GPU: 4K..64K, bfloat16
+    python -m experiments.speedup --full --parts mla          # GPU: 4K and 32K, bfloat16
 
 DeepSeek-V3's decoding shape under 8-way tensor parallelism (Config.mla_*): 16 query heads
 over one KV head, each token cached as its 512-dim latent and its 64-dim rotary key; the

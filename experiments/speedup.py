@@ -201,7 +201,7 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     prefill_seqlens=(4096, 16384, 65536), prefill_chunks=(128, 512, 2048), prefill_batch=4,
     prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128,
     shared_batches=(8, 32), shared_prefixes=(4096, 32768), shared_suffix_len=512,
-    mla_seqlens=(4096, 16384, 65536), mla_batches=(1, 16))
+    mla_seqlens=(4096, 32768), mla_batches=(1, 16))
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,

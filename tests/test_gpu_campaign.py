@@ -693,7 +693,7 @@ def test_stage8_checks_what_no_gpu_ran_first_then_times_it_and_the_goals():
     usable = gc.BUDGET_S - gc.ARCHIVE_RESERVE_S
     names = ["env", "pytest_fp8", "pytest_shared_prefix", "pytest_graphs", "speedup_decode",
              "host_time", "pytest_ws_fwd", "speedup_batch", "speedup_shared_prefix",
-             "speedup_prefill", "speedup_short", "speedup_long", "preflight_ws",
+             "speedup_prefill", "speedup_mla", "speedup_short", "speedup_long", "preflight_ws",
              "scaling_exact"]
     for dry in (False, True):
         steps = gc.stage_steps(8, dry)
@@ -718,7 +718,8 @@ def test_stage8_checks_what_no_gpu_ran_first_then_times_it_and_the_goals():
     assert [n for n in dir(test_gpu) if n.startswith("test_")
             and graphs[graphs.index("-k") + 1] in n] == ["test_training_cuda_graphs_gpu"]
     assert _argv(8, False, "preflight_ws")[-2:] == ["128", "ws"]
-    for name, part in (("speedup_prefill", "prefill"), ("speedup_shared_prefix", "shared_prefix")):
+    for name, part in (("speedup_prefill", "prefill"), ("speedup_shared_prefix", "shared_prefix"),
+                       ("speedup_mla", "mla")):
         argv = _argv(8, False, name)
         assert "--full" in argv and argv[argv.index("--parts") + 1] == part
     shared = by_name["pytest_shared_prefix"].argv
