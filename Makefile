@@ -187,7 +187,7 @@ test-triton36: $(TRITON36)/.installed
 OLDEST := .venv-oldest
 LIBRARY_TESTS := test_api test_correctness test_variants test_attn_mask test_headdim_v \
 	test_learnable_sink test_kvcache test_paged_varlen test_cascade test_flash_attn_compat \
-	test_compile test_memory test_nn test_parallel
+	test_compile test_memory test_nn test_parallel test_mla_decoding test_latent_attention
 test-oldest: $(OLDEST)/.installed
 	PYTHONPATH=kernels:. $(OLDEST)/bin/python -m pytest -q -n auto -p no:cacheprovider \
 		-k "not scaling_experiment" $(LIBRARY_TESTS:%=tests/%.py)

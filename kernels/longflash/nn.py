@@ -140,7 +140,8 @@ class KVCache:
     attn_impl="ring"). A float8 dtype (torch.float8_e4m3fn or float8_e5m2)
     keeps them quantized, with k_descale, v_descale as attention_with_kvcache takes them (a
     float or a float32 tensor broadcastable to (batch, nheads_kv); None: 1): half a 16-bit
-    cache's memory and bytes read per step.
+    cache's memory and bytes read per step. headdim_v: the values' head dim, if not headdim's
+    (MultiheadLatentAttention's cache: the rotary keys and the latents).
 
     rolling=True (a layer with a sliding window, attn_impl "longflash"): the rows are a ring
     buffer holding the last `capacity` tokens only, token p at row p % capacity (seqlen is
@@ -152,9 +153,10 @@ class KVCache:
     and its own keys. capacity w + 1 is enough for decoding one token at a time."""
 
     def __init__(self, batch, capacity, nheads_kv, headdim, dtype=None, device=None,
-                 k_descale=None, v_descale=None, rolling=False):
+                 k_descale=None, v_descale=None, rolling=False, headdim_v=None):
         self.k = torch.zeros(batch, capacity, nheads_kv, headdim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.v = torch.zeros(batch, capacity, nheads_kv, headdim_v or headdim, dtype=dtype,
+                             device=device)
         self.k_descale, self.v_descale = k_descale, v_descale
         self.rolling = bool(rolling)
         self.seqlen = self.position = 0
@@ -472,5 +474,14 @@ class MultiheadSelfAttention(nn.Module):
                 f"attn_impl={self.attn_impl!r}")
 
 
-__all__ = ["MultiheadSelfAttention", "KVCache", "attention_function", "apply_rotary",
-           "rotary_cos_sin", "ATTN_IMPLEMENTATIONS"]
+def __getattr__(name):
+    """longflash.nn.MultiheadLatentAttention, from its own module (which builds on this one's
+    KVCache and rotary helpers), imported when first asked for."""
+    if name == "MultiheadLatentAttention":
+        from .latent_attention import MultiheadLatentAttention
+        return MultiheadLatentAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["MultiheadSelfAttention", "MultiheadLatentAttention", "KVCache",
+           "attention_function", "apply_rotary", "rotary_cos_sin", "ATTN_IMPLEMENTATIONS"]
