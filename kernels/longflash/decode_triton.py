@@ -14,7 +14,10 @@ the group of query heads that share a KV head reads each key block once, and a d
 step (seqlen_q = 1) with group 8 fills 8 of the tile's 16 rows instead of 1.
 
 Values may have a head dim of their own (HEAD_DIM_V, MLA): the v tiles, the accumulator and
-the outputs take it; q and k keep HEAD_DIM.
+the outputs take it; q and k keep HEAD_DIM. MLA's absorbed form (HAS_QV): a second query tile
+QV of HEAD_DIM_V columns, held through the loop, adds qv v^T to each score; the value tile is
+loaded before the scores and serves qv v^T and p v (at 512 columns, tiles of at most 32 rows:
+launch_config). The merge kernel covers the head dim in column blocks.
 
 Caches: contiguous (batch, capacity, nheads_kv, headdim), or paged (num_pages, page_size,
 nheads_kv, headdim) with block_table (batch, max_pages): the key at position n of sequence b

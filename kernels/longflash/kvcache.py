@@ -13,6 +13,10 @@ GQA packing: the `group = nheads // nheads_kv` query heads that share a KV head 
 of one tile (row r = i * group + g for query i and head g of the group), so one read of a key
 block serves the whole group and the tile's rows are used even when seqlen_q = 1.
 
+MLA's absorbed form (qv, FlashAttention-3's argument): each score adds qv v^T from the value
+block already read, so a cache of latents (v) and their rotary part (k) is attended without a
+second copy of the latents.
+
 This module holds the public function (validation; the in-place append and rotary embedding,
 in PyTorch ops or, on the Triton backend, decode_triton's append kernel) and the PyTorch
 implementation of the split-KV forward. Its tensor dimensions are the kernel's grid
