@@ -137,3 +137,21 @@ def test_standard_is_the_reference_path():
     x = torch.randn(1, 7, 48, dtype=torch.float64)
     torch.testing.assert_close(module(x), ref(x), rtol=1e-10, atol=1e-12)
     assert isinstance(longflash.nn.MultiheadLatentAttention(48, 4), torch.nn.Module)
+
+
+def test_compiles_fullgraph():
+    """torch.compile(fullgraph=True) (aot_eager) of the module: training's forward and backward
+    and the decoding steps over its cache, as eager computes them."""
+    torch._dynamo.reset()
+    module = make(torch.float32)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 9, 48, requires_grad=True)
+    y, want = compiled(x), module(x)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0],
+                               torch.autograd.grad(want.sum(), x)[0], rtol=1e-6, atol=1e-6)
+    caches = [module.make_cache(2, 16) for _ in range(2)]
+    with torch.no_grad():
+        for step in (x[:, :6], x[:, 6:7], x[:, 7:9], x[:, 8:9]):
+            torch.testing.assert_close(compiled(step, kv_cache=caches[0]),
+                                       module(step, kv_cache=caches[1]), rtol=1e-6, atol=1e-6)
