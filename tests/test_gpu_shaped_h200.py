@@ -65,7 +65,7 @@ def test_figures_readme_and_paper_on_an_h200(tmp_path, monkeypatch):
 
 def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch):
     """The committed results (the H100's four windows, the CPU's) and an H200's stage 8
-    (GPU-shaped: RQ1's decode, batch, long, prefill and shared_prefix parts against SDPA's
+    (GPU-shaped: RQ1's decode, batch, long, prefill, shared_prefix and mla parts against SDPA's
     FlashAttention-2 and cuDNN backends, RQ3's exactness): RQ1 reports each GPU in a paragraph,
     goals table and figure of its own, the headline sentences stay the first GPU's (the H100's),
     the README has a GPU row for each."""
@@ -80,7 +80,8 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
     monkeypatch.setattr(gpu_shaped, "TAG", TAG)
     rows = pd.read_csv(gpu_speedup.write(res, stages=(8,), gates_pass=True))
     gpu_scaling.write(res, pieces=("exactness",))
-    assert set(rows["part"]) == {"ceiling", "decode", "batch", "long", "prefill", "shared_prefix"}
+    assert set(rows["part"]) == {"ceiling", "decode", "batch", "long", "prefill", "shared_prefix",
+                                 "mla"}
     gen, fig, out = gpu_shaped.run_notebooks(tmp_path, ["speedup", "scaling"], copy_figures=True,
                                              timeout=1200, classes=["h100", TAG])
     devices = gpu_shaped.macros(gen / "devices.tex")
@@ -97,6 +98,13 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
     own = t["duplicated"] / t["cascade"]
     assert m[f"Speedup{PREFIX}SharedOverDuplicatedMin"] == f"{own.min():.2f}"
     assert m[f"Speedup{PREFIX}SharedConfigs"] == str(len(own)) == "4"
+    # MLA's absorbed call against the fastest SDPA route, recomputed from the rows
+    mla = rows[(rows["part"] == "mla") & (rows["metric"] == "time_ms") & (rows["status"] == "ok")]
+    t = mla.assign(call=mla["provider"] + " " + mla["route"]).pivot_table(
+        index=["batch", "seqlen_k"], columns="call", values="value")
+    best = t.drop(columns="longflash absorbed").min(axis=1) / t["longflash absorbed"]
+    assert m[f"Speedup{PREFIX}MlaOverBestPeerMin"] == f"{best.min():.2f}"
+    assert m[f"Speedup{PREFIX}MlaConfigs"] == str(len(best)) == "4"
     # the gate passed: RQ1's rows after it ran with the forward's WS on, which the paper says
     timed = rows[(rows["provider"] == "longflash") & rows["part"].isin(["batch", "long"])
                  & (rows["metric"] == "time_ms") & (rows["status"] == "ok")]
@@ -117,6 +125,8 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
         first, second = flat.index(f"On {h100}. In bfloat16"), flat.index(f"On {GPU}. In bfloat16")
         assert first < second
         assert "With a prefix shared by the batch" in flat[second:]
+        assert "Multi-head latent attention decoded in its absorbed form (16" in flat[second:]
+        assert "absorbed form (qv) was not measured on this GPU" in flat[first:second]
         assert "ran with kernel switches other than the package" in flat[second:]
         assert "ran with kernel switches" not in flat[first:second]
         assert flat.count("The goals set for LongFlash on a GPU, on") == 2

@@ -268,16 +268,55 @@ def shared_prefix_rows(cfg, rng, error_parts=()):
     return rows
 
 
+def mla_rows(cfg, rng, error_parts=()):
+    """Part mla's rows (experiments.mla_decode, through decode.step_rows): each route's step
+    bandwidth-bound on the cache bytes it reads (made up: LongFlash's absorbed call reads the
+    latents once; its concatenated route and cuDNN's refuse 576-dim queries; SDPA's math
+    backend at a tenth of the copy rate)."""
+    from experiments import decode, mla_decode
+    rows = []
+    dims = {"absorbed": cfg.mla_rope_dim + cfg.mla_latent_dim}
+    dims["concatenated"] = dims["heads_as_rows"] = dims["absorbed"] + cfg.mla_latent_dim
+    for batch in cfg.mla_batches:
+        for seqlen_k in cfg.mla_seqlens:
+            base = dict(experiment="speedup", part="mla", mode="fwd", dtype=cfg.dtype,
+                        causal=False, batch=batch, seqlen_q=1, seqlen_k=seqlen_k,
+                        nheads=cfg.mla_nheads, nheads_kv=1, headdim=cfg.mla_rope_dim,
+                        load_avg_1m=0.6, **MACHINE)
+            for provider in [p for p in cfg.providers if p in mla_decode.GPU_PROVIDERS]:
+                for route in (("absorbed", "concatenated") if provider == "longflash"
+                              else ("concatenated", "heads_as_rows")):
+                    cache_bytes = batch * seqlen_k * dims[route] * 2  # bf16
+                    status = ("error" if "mla" in error_parts else "unsupported"
+                              if (provider, route) in (("longflash", "concatenated"),)
+                              or provider == "sdpa_cudnn" else "ok")
+                    r = dict(status=status, err=math.nan, quant_err=math.nan,
+                             times=(math.nan,) * 3,
+                             message="" if status == "ok" else "made-up failure",
+                             graph=((math.nan,) * 3, status, "made-up failure"))
+                    if status == "ok":
+                        frac = {"longflash": 0.7, "sdpa_efficient": 0.5, "sdpa_math": 0.1}[provider]
+                        ms = cache_bytes / (COPY_GBPS * 1e9 * frac) * 1e3 + 0.01
+                        ms *= rng.uniform(0.97, 1.03)
+                        r.update(times=(ms, ms * 0.99, ms * 1.02),
+                                 graph=((ms - 0.006, ms * 0.99 - 0.006, ms * 1.02 - 0.006),
+                                        "ok", ""),
+                                 err=3.9e-3 if provider == "longflash" else math.nan)
+                    rows += decode.step_rows(dict(base, provider=provider, route=route), route,
+                                             r, cache_bytes, lambda message: None)
+    return rows
+
+
 def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=(),
           prefill=True, gates_pass=False):
     """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it, and
     with `prefill` stage 8's part prefill (--full --parts prefill) after them where `stages`
-    has none. error_parts ("batch", "long", "decode", "prefill", "shared_prefix") /
+    has none. error_parts ("batch", "long", "decode", "prefill", "shared_prefix", "mla") /
     error_providers: every such row has status "error" (a part that failed, for the
     partial-results tests); decode_errors: see decode_rows; gates_pass: the steps after a
     stage's gate ran with its switches (their command names them, as results.this_command
     writes it). Returns the path."""
-    from experiments import decode, shared_prefix
+    from experiments import decode, mla_decode, shared_prefix
     from experiments import prefill as prefill_part
     from experiments.results import write_results
     out = path(results_dir, "speedup")
@@ -304,4 +343,7 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), dec
             if "shared_prefix" in cfg.parts:
                 write_results(shared_prefix_rows(cfg, rng, error_parts), out, command=command,
                               key_columns=shared_prefix.KEY_COLUMNS)
+            if "mla" in cfg.parts:
+                write_results(mla_rows(cfg, rng, error_parts), out, command=command,
+                              key_columns=mla_decode.KEY_COLUMNS)
     return out
