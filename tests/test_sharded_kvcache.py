@@ -291,6 +291,9 @@ def _errors(rank):
             torch.randn(1, 1 + rank, 2, 8), cache, cache, cache_seqlens=2, backend="torch"),
         "append_rank_differs": lambda: attention_with_sharded_kvcache(
             q, cache, cache, new, new, 2, append_rank=rank, backend="torch"),
+        "qv_differs": lambda: attention_with_sharded_kvcache(
+            q, cache, cache, cache_seqlens=2, backend="torch",
+            qv=torch.randn(1, 1, 2, 8) if rank else None),
         "append_rank_outside": lambda: attention_with_sharded_kvcache(
             q, cache, cache, new, new, 2, append_rank=2),
         "causal_without_keys": lambda: attention_with_sharded_kvcache(
@@ -307,6 +310,7 @@ def _errors(rank):
 EXPECTED_ERRORS = {  # name -> (rank 0's, rank 1's): (type, a piece of the message)
     "q_differs": [("ValueError", "q_shape differs across ranks")] * 2,
     "append_rank_differs": [("ValueError", "append_rank differs across ranks")] * 2,
+    "qv_differs": [("ValueError", "qv_shape differs across ranks")] * 2,
     "append_rank_outside": [("ValueError", "append_rank must be a rank of the group")] * 2,
     "causal_without_keys": [("NotImplementedError", "needs k and v")] * 2,
     "one_rank_fails": [("RuntimeError", "failed on another rank"),

@@ -74,8 +74,8 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
         group: the process group (default: the default group); P = its size.
         append_rank: the rank of group that appends k, v (default 0). A caller that rotates it
             from step to step keeps the ranks' parts balanced.
-        check_ranks: compare q's shape and dtype, k's shape, causal, softmax_scale, softcap,
-            append_rank and learnable_sink across ranks first (default True: one all_gather
+        check_ranks: compare q's shape and dtype, k's and qv's shapes, causal, softmax_scale,
+            softcap, append_rank and learnable_sink across ranks first (default True: one all_gather
             of a few numbers, and after the attention a flag read back to the host, which makes
             every rank raise when one rank's call raised); False skips both (no host
             synchronization), for the steps of a decoding loop whose first step was checked:
@@ -108,7 +108,9 @@ def attention_with_sharded_kvcache(q, k_cache, v_cache, k=None, v=None, cache_se
         scale = dims ** -0.5 if softmax_scale is None else float(softmax_scale)
         _check_same_on_all_ranks(
             ring, q.device, q_shape=q.shape, dtype=_dtype_code(q.dtype),
-            k_shape=(-1,) * 4 if k is None else k.shape, causal=(bool(causal),),
+            k_shape=(-1,) * 4 if k is None else k.shape,
+            qv_shape=(-1,) * 4 if not isinstance(qv, torch.Tensor) else qv.shape,
+            causal=(bool(causal),),
             softmax_scale=(scale,), softcap=(float(softcap),), append_rank=(append_rank,),
             learnable_sink=_slopes_fingerprint(learnable_sink))
     appends = ring.rank == append_rank
