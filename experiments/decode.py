@@ -113,19 +113,26 @@ def _max_err(o, q, k, v, k_descale=None, v_descale=None):
     return (o[:1].double() - ref).abs().max().item()
 
 
-def existing_keys(path, after=None):
-    """Keys of the part-decode time_ms rows already in path (for --resume), but those with
-    status error and, with after (an ISO time), those measured before it
-    (speedup._existing_keys)."""
+def measured_rows(path, part, column, after=None):
+    """The time_ms rows of `part` in the CSV at path that --resume counts as measured: all
+    but those with status error and, with after (an ISO time), those measured before it; None
+    if there is no file or it has no `column` (a key column of the part: no row of it yet)."""
     if not os.path.exists(path):
-        return set()
+        return None
     import pandas as pd
     df = pd.read_csv(path)
-    if "num_splits" not in df:
+    if column not in df:
+        return None
+    df = df[(df["part"] == part) & (df["metric"] == "time_ms") & (df["status"] != "error")]
+    return df[~measured_before(df, after)] if after else df
+
+
+def existing_keys(path, after=None):
+    """Keys of the part-decode time_ms rows already in path (for --resume), as measured_rows
+    counts them (speedup._existing_keys)."""
+    df = measured_rows(path, "decode", "num_splits", after)
+    if df is None:
         return set()
-    df = df[(df["part"] == "decode") & (df["metric"] == "time_ms") & (df["status"] != "error")]
-    if after:
-        df = df[~measured_before(df, after)]
     kv = df["kv_dtype"] if "kv_dtype" in df else [""] * len(df)  # older files: none
     return {_key(p, n, d, b, s, c) for (p, n, d, b, s), c in
             zip(df[["provider", "num_splits", "dtype", "batch", "seqlen_k"]].itertuples(

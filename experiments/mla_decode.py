@@ -34,15 +34,14 @@ route), as part decode's (experiments.decode.step_rows):
 """
 
 import math
-import os
 import time
 
 import torch
 
 import longflash
 from longflash._common import MAX_HEADDIM
-from experiments.decode import _time, prepare_step, step_rows
-from experiments.results import load_average, measured_before
+from experiments.decode import _time, measured_rows, prepare_step, step_rows
+from experiments.results import load_average
 from experiments.speedup import SDPA_BACKENDS, Unsupported, sdpa
 
 GPU_PROVIDERS = ("longflash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math")
@@ -98,17 +97,11 @@ def _max_err(o, q, k, v, scale):
 
 
 def existing_keys(path, after=None):
-    """Keys of the part-mla time_ms rows already in path (for --resume), but those with status
-    error and, with after (an ISO time), those measured before it."""
-    if not os.path.exists(path):
+    """Keys of the part-mla time_ms rows already in path (for --resume), as
+    experiments.decode.measured_rows counts them."""
+    df = measured_rows(path, "mla", "route", after)
+    if df is None:
         return set()
-    import pandas as pd
-    df = pd.read_csv(path)
-    if "part" not in df or "route" not in df:
-        return set()
-    df = df[(df["part"] == "mla") & (df["metric"] == "time_ms") & (df["status"] != "error")]
-    if after:
-        df = df[~measured_before(df, after)]
     return {_key(*row) for row in df[["provider", "route", "dtype", "batch",
                                       "seqlen_k"]].itertuples(index=False)}
 

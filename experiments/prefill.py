@@ -33,7 +33,6 @@ No CUDA-graph timing: a paged call reads the lengths and the block table back to
 """
 
 import math
-import os
 import time
 
 import torch
@@ -109,18 +108,12 @@ def _max_err(o, inputs, seqlen_q, seqlen_k, kv_dtype):
 
 
 def existing_keys(path, after=None):
-    """Keys of the part-prefill time_ms rows already in path (for --resume), but those with
-    status error and, with after (an ISO time), those measured before it."""
-    if not os.path.exists(path):
+    """Keys of the part-prefill time_ms rows already in path (for --resume), as
+    experiments.decode.measured_rows counts them."""
+    from experiments.decode import measured_rows
+    df = measured_rows(path, "prefill", "route", after)
+    if df is None:
         return set()
-    import pandas as pd
-    from experiments.results import measured_before
-    df = pd.read_csv(path)
-    if "route" not in df:
-        return set()
-    df = df[(df["part"] == "prefill") & (df["metric"] == "time_ms") & (df["status"] != "error")]
-    if after:
-        df = df[~measured_before(df, after)]
     return {_key(*row) for row in df[["dtype", "seqlen_q", "seqlen_k", "kv_dtype",
                                       "route"]].itertuples(index=False)}
 

@@ -28,14 +28,14 @@ route and prefix_len), as part decode's (experiments.decode.step_rows):
 """
 
 import math
-import os
 import time
 
 import torch
 
 import longflash
-from experiments.decode import _max_err, _time, make_decode, prepare_step, step_rows
-from experiments.results import load_average, measured_before
+from experiments.decode import (_max_err, _time, make_decode, measured_rows, prepare_step,
+                                step_rows)
+from experiments.results import load_average
 
 GPU_PROVIDERS = ("longflash", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 CPU_PROVIDERS = ("longflash", "sdpa_cpu")
@@ -66,18 +66,11 @@ def make_cascade(device):
 
 
 def existing_keys(path, after=None):
-    """Keys of the part-shared_prefix time_ms rows already in path (for --resume), but those
-    with status error and, with after (an ISO time), those measured before it."""
-    if not os.path.exists(path):
+    """Keys of the part-shared_prefix time_ms rows already in path (for --resume), as
+    experiments.decode.measured_rows counts them."""
+    df = measured_rows(path, "shared_prefix", "prefix_len", after)
+    if df is None:
         return set()
-    import pandas as pd
-    df = pd.read_csv(path)
-    if "prefix_len" not in df:
-        return set()
-    df = df[(df["part"] == "shared_prefix") & (df["metric"] == "time_ms")
-            & (df["status"] != "error")]
-    if after:
-        df = df[~measured_before(df, after)]
     return {_key(*row) for row in df[["provider", "route", "dtype", "batch",
                                       "prefix_len"]].itertuples(index=False)}
 

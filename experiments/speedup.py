@@ -777,18 +777,16 @@ def summary(out, device):
                                 aggfunc="first")
         log(f"\ntime_ms per prefill chunk, by keys and chunk length ({device}):\n"
             f"{table.round(2).to_string()}")
-    if (rows["part"] == "shared_prefix").any():
-        sp = rows[(rows["part"] == "shared_prefix") & (rows["metric"] == "time_ms")]
-        table = sp.assign(call=sp["provider"] + " " + sp["route"]).pivot_table(
-            index="call", columns=["batch", "prefix_len"], values="value", aggfunc="first")
-        log(f"\ntime_ms per decoding step over a shared prefix, by batch and prefix length "
-            f"({device}):\n{table.round(2).to_string()}")
-    if (rows["part"] == "mla").any():
-        mla = rows[(rows["part"] == "mla") & (rows["metric"] == "time_ms")]
-        table = mla.assign(call=mla["provider"] + " " + mla["route"]).pivot_table(
-            index="call", columns=["batch", "seqlen_k"], values="value", aggfunc="first")
-        log(f"\ntime_ms per MLA decoding step, absorbed and concatenated, by batch and cache "
-            f"length ({device}):\n{table.round(2).to_string()}")
+    for part, columns, what in (
+            ("shared_prefix", ["batch", "prefix_len"],
+             "decoding step over a shared prefix, by batch and prefix length"),
+            ("mla", ["batch", "seqlen_k"],
+             "MLA decoding step, absorbed and concatenated, by batch and cache length")):
+        if (rows["part"] == part).any():  # one row a provider and route
+            r = rows[(rows["part"] == part) & (rows["metric"] == "time_ms")]
+            table = r.assign(call=r["provider"] + " " + r["route"]).pivot_table(
+                index="call", columns=columns, values="value", aggfunc="first")
+            log(f"\ntime_ms per {what} ({device}):\n{table.round(2).to_string()}")
 
 
 def main():
