@@ -20,7 +20,9 @@ on CPU tensors with Triton's driver a stand-in of the target GPU, so Triton spec
 argument as at that call. The flags of a flash kernel are launches (launch_inputs): "plain" is
 RQ1's call (batch 1, 16 heads, 4000 tokens, non-causal, no variant); "gqa" the same with 4 KV
 heads (grouped query heads); "softcap", "alibi", "dropout" that variant; "mask" an attn_mask
-(a boolean key-padding mask, broadcast: no warp-specialized candidate); "varlen" packed
+(a boolean key-padding mask, broadcast: no warp-specialized candidate); "sparse" a block_mask
+(block-sparse attention, 128 x 128 blocks, one mask per head; no warp-specialized candidate
+either); "varlen" packed
 sequences; "paged" (forward) packed sequences whose keys are read from a paged cache through a
 block table, "fp8" (forward) the same over float8 pages with their scales; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
@@ -105,7 +107,8 @@ from longflash._common import Options, empty_outputs  # noqa: E402
 ARCHS = {"sm90a": 90, "sm80": 80}
 PTXAS_NAMES = {"sm90a": "sm_90a", "sm80": "sm_80"}
 KERNELS = ["fwd", "preprocess", "dkdv", "dq", "decode", "decode_merge", "decode_append"]
-FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles", "mask"]
+FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_tiles", "mask",
+               "sparse"]
 FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "fp8", "mla"]
 KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged", "fp8"], "preprocess": ["plain", "varlen"],
                 "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "fp8", "mla"],
@@ -290,7 +293,8 @@ class StandInGPU:
 # packed sequences of 1000 and 3000 tokens; "paged" the same with the keys and values in a
 # paged cache of 256-token pages read through the block table (forward only). "mask": an
 # attn_mask, a (1, 1, 1, 4000) boolean key-padding mask broadcast over heads and rows (stride
-# 0), the common case; no warp-specialized candidate runs with a mask.
+# 0), the common case; no warp-specialized candidate runs with a mask. "sparse": a block_mask of
+# (1, 16, 32, 32) 128 x 128 blocks, one per head (a per-head sparsity pattern).
 LAUNCH_TOKENS, LAUNCH_TOKENS_FULL, LAUNCH_HEADS, LAUNCH_KV_HEADS_GQA = 4000, 4096, 16, 4
 LAUNCH_SEQLENS, LAUNCH_PAGE = (1000, 3000), 256
 LAUNCHED = {"fwd": "_attn_fwd", "preprocess": "_attn_bwd_preprocess", "dkdv": "_attn_bwd_dkdv",
@@ -330,6 +334,9 @@ def launch_inputs(flags, dtype, headdim, arch="sm90a"):
     if flags == "mask":  # as interface.py passes it: broadcast to (batch, nheads, N, N)
         opts.update(attn_mask=torch.empty(1, 1, 1, tokens, dtype=torch.bool).expand(
             1, LAUNCH_HEADS, tokens, tokens))
+    if flags == "sparse":
+        blocks = -(-tokens // flash_triton.BLOCK_SPARSE_UNIT)
+        opts.update(block_mask=torch.empty(1, LAUNCH_HEADS, blocks, blocks, dtype=torch.bool))
     if flags == "fp8":
         dt = FP8_CACHE[arch][1]
         opts.update(k_descale=torch.empty(len(LAUNCH_SEQLENS), kv_heads),
@@ -611,12 +618,13 @@ def sweep(conf, log=print):
                         # full_tiles: what the warp-specialized candidates compile to;
                         # paged (fp8 too): only the pointer candidates run it (no TMA tile
                         # across pages);
-                        # mask: no warp-specialized candidate runs it
+                        # mask, sparse: no warp-specialized candidate runs them
                         for cfg in [c for c in candidates
                                     if (flags != "full_tiles" or c.kwargs.get("WARP_SPECIALIZE"))
                                     and (flags not in ("paged", "fp8")
                                          or not c.kwargs.get("USE_TMA"))
-                                    and (flags != "mask" or not c.kwargs.get("WARP_SPECIALIZE"))]:
+                                    and (flags not in ("mask", "sparse")
+                                         or not c.kwargs.get("WARP_SPECIALIZE"))]:
                             mode = "bwd" if kernel in ("preprocess", "dkdv", "dq") else "fwd"
                             key = dict(arch=arch, kernel=kernel, config=config_name(cfg),
                                        flags=flags, experiment="codegen", provider="longflash",

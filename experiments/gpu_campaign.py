@@ -435,6 +435,8 @@ def stage_steps(stage, dry):
                  "--parts", "batch"] if dry else
                 ["--full", "--headdims", "256", "--seqlens", "1024,2048,4096,8192,16384",
                  "--long-seqlens", "", "--parts", "batch"])
+        sparse = (["--quick", "--parts", "sparse", "--providers", "longflash,sdpa_cpu"] if dry
+                  else ["--full", "--parts", "sparse"])
         return [
             _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
@@ -458,7 +460,12 @@ def stage_steps(stage, dry):
                  tail_s=30),
             # RQ1 at d256 (moved from stage 2, which had no time left for it; 1K took 42 s
             # with autotuning), then the GPU tests stage 1 leaves: whatever is left.
-            _speedup("speedup_d256", d256, estimate_s=60, timeout_s=300, reserve_s=60),
+            _speedup("speedup_d256", d256, estimate_s=60, timeout_s=300, reserve_s=90),
+            # RQ1 part sparse (block_mask, added after the H100's windows; not measured on a
+            # GPU yet): LongFlash and FlexAttention over the same blocks, 16K and 64K tokens,
+            # SDPA with the blocks as a mask at 16K; pytest_late then runs its GPU tests
+            # (test_block_sparse*_gpu) with the others
+            _speedup("speedup_sparse", sparse, estimate_s=60, timeout_s=200, reserve_s=30),
             _pytest("pytest_late", LATE_TESTS, estimate_s=30, timeout_s=300),
         ]
     if stage == 4:

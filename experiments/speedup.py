@@ -60,7 +60,12 @@ prefill.
 Part "mla" (experiments/mla_decode.py): a decoding step of DeepSeek-V3's multi-head latent
 attention in its absorbed form, LongFlash's call with qv (the latents read once for both
 products) against the attention of [q, qv] over concatenated caches (LongFlash and SDPA). It
-runs last, after part shared_prefix.
+runs after part shared_prefix.
+
+Part "sparse" (experiments/block_sparse.py): block-sparse attention (block_mask, blocks of 128
+x 128) at several fractions of blocks kept, LongFlash's kernels (which skip the hidden blocks)
+against FlexAttention's with the same blocks (GPU) and SDPA and standard attention with the
+blocks made an elementwise mask. It runs last.
 
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
@@ -167,7 +172,7 @@ class Config:
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
     ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
-    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix", "mla")
+    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix", "mla", "sparse")
     decode_seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768)   # part decode: cache tokens
     decode_batches: tuple = (1, 8)
     decode_nheads: int = 32               # part decode: a Llama-like GQA shape
@@ -188,6 +193,10 @@ class Config:
     mla_nheads: int = 16                    # part mla: DeepSeek-V3 under 8-way tensor parallelism
     mla_rope_dim: int = 64                  # q and k: the rotary part
     mla_latent_dim: int = 512               # v_cache and qv: the compressed latent
+    sparse_seqlens: tuple = (4096,)         # part sparse: tokens (batch 1, non-causal)
+    sparse_densities: tuple = (1.0, 0.5, 0.25, 0.125)  # fractions of blocks kept (1: dense)
+    sparse_nheads: int = 4
+    sparse_headdim: int = 64
 
 
 FULL = dict(  # the GPU sweep of the issue; see the module docstring
@@ -201,7 +210,8 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     prefill_seqlens=(4096, 16384, 65536), prefill_chunks=(128, 512, 2048), prefill_batch=4,
     prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128,
     shared_batches=(8, 32), shared_prefixes=(4096, 32768), shared_suffix_len=512,
-    mla_seqlens=(4096, 32768), mla_batches=(1, 16))
+    mla_seqlens=(4096, 32768), mla_batches=(1, 16), sparse_seqlens=(16384, 65536),
+    sparse_densities=(1.0, 0.5, 0.25, 0.125, 0.0625), sparse_nheads=16, sparse_headdim=128)
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
@@ -209,7 +219,8 @@ QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings me
     decode_batches=(1, 2), decode_nheads=4, decode_nheads_kv=2, decode_headdim=16,
     prefill_seqlens=(256,), prefill_chunks=(32,), prefill_nheads=4, prefill_nheads_kv=2,
     prefill_headdim=16, shared_batches=(2,), shared_prefixes=(256,), shared_suffix_len=32,
-    mla_seqlens=(256,), mla_batches=(2,), mla_nheads=4, mla_rope_dim=16, mla_latent_dim=48)
+    mla_seqlens=(256,), mla_batches=(2,), mla_nheads=4, mla_rope_dim=16, mla_latent_dim=48,
+    sparse_seqlens=(384,), sparse_densities=(1.0, 0.5), sparse_nheads=2, sparse_headdim=16)
 
 
 class Unsupported(Exception):
@@ -522,7 +533,7 @@ def _existing_keys(path, after=None):
         return set(), set()
     import pandas as pd
     df = pd.read_csv(path)
-    df = df[(df["metric"] == "time_ms") & same_switches(df)]
+    df = df[(df["metric"] == "time_ms") & same_switches(df) & df["part"].isin(("batch", "long"))]
     if after:
         df = df[~measured_before(df, after)]
     cols = ["provider", "mode", "dtype", "batch", "seqlen_q", "nheads", "headdim", "causal"]
@@ -675,6 +686,12 @@ def run(cfg, device, out, resume=False, resume_after=None):
             out, resume_after) if resume else set())
         if rows:
             write_measured(rows, "mla", key_columns=mla_decode.KEY_COLUMNS)
+    if "sparse" in cfg.parts:
+        from experiments import block_sparse
+        rows = block_sparse.run(cfg, device, log, machine, start, block_sparse.existing_keys(
+            out, resume_after) if resume else set())
+        if rows:
+            write_measured(rows, "sparse", key_columns=block_sparse.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
     if ceilings_pending:
         log(f"ceilings of {out} kept: this run measured no rows of "
@@ -787,6 +804,12 @@ def summary(out, device):
             table = r.assign(call=r["provider"] + " " + r["route"]).pivot_table(
                 index="call", columns=columns, values="value", aggfunc="first")
             log(f"\ntime_ms per {what} ({device}):\n{table.round(2).to_string()}")
+    if (rows["part"] == "sparse").any():
+        r = rows[(rows["part"] == "sparse") & (rows["metric"] == "time_ms")]
+        table = r.assign(call=r["provider"] + " " + r["mode"]).pivot_table(
+            index=["seqlen_q", "call"], columns="density", values="value", aggfunc="first")
+        log(f"\ntime_ms of block-sparse attention, by fraction of blocks kept ({device}):\n"
+            f"{table.round(2).to_string()}")
 
 
 def main():

@@ -477,6 +477,28 @@ def test_attn_mask_gradient_gpu():
                         "triton", device="cuda")
 
 
+@pytest.mark.parametrize("dims, block_size, kw", [("BH", 128, dict(causal=True)),
+                                                  ("11", (256, 128), dict(window_size=(600, 0)))],
+                         ids=["per-head-causal", "shared-256x128-window"])
+def test_block_sparse_gpu(dims, block_size, kw):
+    """block_mask in bf16 through the Triton kernels (the loops over each row's list of
+    visible tiles, TMA candidates included), forward and backward, against the float64
+    reference (tolerance rule), with a query block that sees no key."""
+    from test_block_sparse import _kwargs
+    from test_variants import check_variant
+    shape = (2, 1100, 1300, 8, 2, 128)
+    kw = _kwargs(shape, dims, block_size, kw)
+    kw["block_mask"] = kw["block_mask"].cuda()
+    check_variant(shape, torch.bfloat16, kw, "triton", device="cuda")
+
+
+def test_block_sparse_skips_hidden_blocks_gpu():
+    """NaN keys and values in the hidden blocks leave every output and gradient finite: the
+    kernels never load them (test_block_sparse's check, on the GPU)."""
+    from test_block_sparse import test_hidden_blocks_are_skipped
+    test_hidden_blocks_are_skipped("triton", device="cuda")
+
+
 # 16 queries x 4 heads a KV head: the split-KV kernel's 64-row tile (8 warps with a mask)
 SPEC16 = ("spec16-H32/8-D128-5K", 1, 16, 32, 8, 128, None, 5200, [5100], 16, dict(causal=True))
 

@@ -5,6 +5,7 @@ provider, split choice, batch, cache length and metric; part prefill (experiment
 one row per route, cache dtype, key count, chunk and metric; part shared_prefix
 (experiments/shared_prefix.py) one row per provider, route, batch, prefix length and metric;
 part mla (experiments/mla_decode.py) one row per provider, route, batch, cache length and
+metric; part sparse (experiments/block_sparse.py) one row per provider, mode, density and
 metric. No timing is asserted."""
 
 import math
@@ -44,10 +45,10 @@ def test_schema_and_one_row_per_measurement(quick):
     out, df, _ = quick
     assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
     assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype", "route",
-                                            "prefix_len"]).any()
+                                            "prefix_len", "density"]).any()
     assert set(df["experiment"]) == {"speedup"}
     assert set(df["part"]) == {"batch", "long", "decode", "prefill", "shared_prefix", "mla",
-                               "ceiling"}
+                               "sparse", "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
     runs = df[df["part"].isin(["batch", "long"])]
     groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
@@ -232,6 +233,51 @@ def test_mla_part(quick):
     keys = mla_decode.existing_keys(out)
     assert len(keys) == len(wide)
     assert mla_decode.existing_keys(out, "2999-01-01T00:00:00") == set()
+
+
+def test_sparse_part(quick):
+    """Part sparse: every CPU provider and mode at every density (density 1: no mask), the
+    fraction of blocks kept beside each row (density plus the diagonal), the rate over the
+    kept blocks' FLOPs only."""
+    from experiments import block_sparse
+    out, df, stdout = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    sp = df[df["part"] == "sparse"]
+    assert set(sp["status"]) == {"ok"} and (sp["causal"] == False).all()  # noqa: E712
+    assert set(sp["provider"]) == set(block_sparse.CPU_PROVIDERS)
+    wide = sp.pivot_table(index=["provider", "mode", "seqlen_q", "density", "blocks_kept"],
+                          columns="metric", values="value").reset_index()
+    assert len(wide) == (len(block_sparse.CPU_PROVIDERS) * len(block_sparse.MODES)
+                         * len(cfg.sparse_seqlens) * len(cfg.sparse_densities))
+    assert set(wide.columns) >= METRICS
+    dense = wide["density"] == 1
+    assert (wide[dense]["blocks_kept"] == 1).all()
+    assert ((wide[~dense]["blocks_kept"] >= wide[~dense]["density"] - 0.35)
+            & (wide[~dense]["blocks_kept"] < 1)).all()
+    fl = wide.apply(lambda r: flops(1, r["seqlen_q"], r["seqlen_q"], cfg.sparse_nheads,
+                                    cfg.sparse_headdim, False, r["mode"]), axis=1)
+    expect = tflops(fl, wide["time_ms"]) * wide["blocks_kept"]
+    assert ((wide["tflops"] - expect).abs() <= 1e-9 * expect).all()
+    assert "time_ms of block-sparse attention" in stdout
+    assert len(block_sparse.existing_keys(out)) == len(wide)
+
+
+def test_block_sparse_masks():
+    """The part's masks: the diagonal always kept; FlexAttention's BlockMask of them is the
+    same boolean mask (eager flex_attention on a CPU, forward, against the reference)."""
+    import torch
+    from experiments import block_sparse
+    from longflash import attention_ref
+    mask = block_sparse.block_mask(2, 384, 0.3, seed=1, device="cpu")
+    assert mask.shape == (1, 2, 3, 3) and mask.diagonal(dim1=-2, dim2=-1).all()
+    assert block_sparse.block_mask(2, 384, 1.0, seed=1, device="cpu") is None
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    blocks = block_sparse.flex_block_mask(mask, 384)
+    q, k, v = (torch.randn(1, 2, 384, 16, dtype=torch.float64) for _ in range(3))
+    o = flex.flex_attention(q, k, v, block_mask=blocks)
+    ref = attention_ref(*(x.transpose(1, 2) for x in (q, k, v)),
+                        block_mask=mask)[0].transpose(1, 2)
+    torch.testing.assert_close(o, ref)
 
 
 def test_resume_measures_nothing_twice(quick, tmp_path):

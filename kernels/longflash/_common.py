@@ -21,6 +21,10 @@ MAX_HEADDIM = 256
 # as the keys.
 MAX_HEADDIM_V_KVCACHE = 512
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # a KV cache's, in decoding
+# Block-sparse attention (block_mask): its blocks are multiples of this many queries and keys,
+# so that each tile of every kernel (at most 128 x 128, powers of two) lies inside one block
+# and a tile is computed or skipped whole, its bit read once (FlexAttention's default block).
+BLOCK_SPARSE_UNIT = 128
 
 
 # -- the operators torch.ops.longflash.* --
@@ -186,6 +190,44 @@ def check_descale_kind(name, descale, shape, cache_is_fp8, cache_dtype, is_float
                         f"{getattr(descale, 'dtype', type(descale))} "
                         f"{tuple(getattr(descale, 'shape', ()))}")
     return "array"
+
+
+def check_block_size(block_size):
+    """block_size: an int or (queries, keys), each a positive multiple of BLOCK_SPARSE_UNIT.
+    Returns (block_size_q, block_size_k)."""
+    sizes = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
+    try:
+        sizes = tuple(sizes)
+    except TypeError:
+        sizes = ()
+    if len(sizes) != 2 or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+                                  and n > 0 and n % BLOCK_SPARSE_UNIT == 0 for n in sizes):
+        raise ValueError(f"block_size must be a positive multiple of {BLOCK_SPARSE_UNIT}, or a "
+                         f"pair of them (queries, keys), got {block_size!r}")
+    return int(sizes[0]), int(sizes[1])
+
+
+def check_block_mask_shape(shape, batch, nheads, seqlen_q, seqlen_k, block_size_q,
+                           block_size_k):
+    """block_mask's shape: (batch or 1, nheads or 1, ceil(seqlen_q / block_size_q),
+    ceil(seqlen_k / block_size_k)) (packed sequences: of the longest)."""
+    blocks = (-(-seqlen_q // block_size_q), -(-seqlen_k // block_size_k))
+    shape = tuple(shape)
+    if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] not in (1, nheads) or \
+            shape[2:] != blocks:
+        raise ValueError(f"block_mask must have shape (batch or 1, nheads or 1, "
+                         f"ceil(seqlen_q / {block_size_q}), ceil(seqlen_k / {block_size_k})) = "
+                         f"({batch} or 1, {nheads} or 1, {blocks[0]}, {blocks[1]}), got {shape}")
+
+
+def block_mask_elements(block_mask, block_size_q, block_size_k, seqlen_q, seqlen_k,
+                        start_m=0, start_n=0):
+    """The (.., seqlen_q, seqlen_k) boolean mask that block_mask (.., query blocks, key
+    blocks) stands for: query i sees key j iff block_mask[.., i // block_size_q,
+    j // block_size_k]; of queries start_m.. and keys start_n.. (one tile), a copy."""
+    i = torch.arange(start_m, start_m + seqlen_q, device=block_mask.device) // block_size_q
+    j = torch.arange(start_n, start_n + seqlen_k, device=block_mask.device) // block_size_k
+    return block_mask[..., i[:, None], j[None, :]]
 
 
 def check_qv(qv, q, headdim_v, is_array, kind):
@@ -513,6 +555,9 @@ class Options(NamedTuple):
     v_descale: Optional[torch.Tensor] = None
     dropout_row0: int = 0
     dropout_col0: int = 0
+    block_mask: Optional[torch.Tensor] = None
+    block_size_q: int = BLOCK_SPARSE_UNIT
+    block_size_k: int = BLOCK_SPARSE_UNIT
 
     @property
     def varlen(self):

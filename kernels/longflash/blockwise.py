@@ -36,10 +36,12 @@ Autograd is registered once for all implementations in `interface.py`; these
 functions take and return plain tensors.
 """
 
+import math
+
 import torch
 
-from ._common import (LN2, LOG2E, accumulator_dtype, dropout_uniform, empty_like, empty_outputs,
-                      key_range, paged_rows, query_range, visible)
+from ._common import (LN2, LOG2E, accumulator_dtype, block_mask_elements, dropout_uniform,
+                      empty_like, empty_outputs, key_range, paged_rows, query_range, visible)
 
 # Larger tiles than on a GPU: on a CPU each tile is a batched matmul and the
 # Python loop overhead is paid per tile. 256 x 256 rather than 128 x 256: 12-23% faster on
@@ -73,7 +75,7 @@ class _Tile:
     """Index vectors and per-head constants of one (query block, key block) tile."""
 
     def __init__(self, start_m, size_m, start_n, size_n, seqlen_q, seqlen_k, batch_start, slopes,
-                 bias, device):
+                 bias, device, sparse=None):
         self.i = torch.arange(start_m, start_m + size_m, device=device)[:, None]
         self.j = torch.arange(start_n, start_n + size_n, device=device)[None, :]
         self.seqlen_q, self.seqlen_k, self.batch_start, self.slopes = (
@@ -81,6 +83,20 @@ class _Tile:
         # attn_mask's tile (B, Hkv, G, BM, BN), a view, or None
         self.bias = None if bias is None else \
             bias[..., start_m:start_m + size_m, start_n:start_n + size_n]
+        # block_mask's share of the tile: skip (False for every batch row and head: nothing to
+        # compute, as the kernels skip it), or blocks, the (B, Hkv, G, BM, BN) keys it hides
+        # (None: none): where the tile spans blocks (tiles given by the caller), or its block
+        # is kept for some batch rows or heads of the batched tile and not for others
+        self.skip, self.blocks = False, None
+        if sparse is not None:
+            blocks, bq, bk = sparse  # (B, Hkv, G, query blocks, key blocks)
+            first_m, first_n = start_m // bq, start_n // bk
+            bits = blocks[..., first_m:-(-(start_m + size_m) // bq),
+                          first_n:-(-(start_n + size_n) // bk)]
+            self.skip = not bool(bits.any())
+            if not self.skip and not bool(bits.all()):
+                self.blocks = block_mask_elements(bits, bq, bk, size_m, size_n,
+                                                  start_m - first_m * bq, start_n - first_n * bk)
 
 
 def _scores(q_i, k_j, tile, opts, masked):
@@ -95,6 +111,8 @@ def _scores(q_i, k_j, tile, opts, masked):
         if masked:
             s.masked_fill_(~visible(tile.i, tile.j, tile.seqlen_q, tile.seqlen_k,
                                     opts.window_left, opts.window_right), float("-inf"))
+        if tile.blocks is not None:
+            s.masked_fill_(~tile.blocks, float("-inf"))
         return s, None
     s = s * opts.softmax_scale
     t = None
@@ -111,6 +129,8 @@ def _scores(q_i, k_j, tile, opts, masked):
         mask = visible(tile.i, tile.j, tile.seqlen_q, tile.seqlen_k, opts.window_left,
                        opts.window_right)
         s = s.masked_fill(~mask, float("-inf"))
+    if tile.blocks is not None:
+        s = s.masked_fill(~tile.blocks, float("-inf"))
     return s * LOG2E, t
 
 
@@ -129,9 +149,12 @@ def _dropout_scale(p, tile, opts):
 def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, opts, ctx):
     dtype = acc.dtype
     for start_n in range(lo, hi, ctx["block_n"]):
+        size_n = min(ctx["block_n"], k.shape[-2] - start_n)
+        tile = _Tile(start_m, q_i.shape[-2], start_n, size_n, *ctx["tile_args"])
+        if tile.skip:  # block_mask hides it whole
+            continue
         k_j = k[..., start_n:start_n + ctx["block_n"], :].to(dtype)  # (B, Hkv, 1, BN, D)
         v_j = v[..., start_n:start_n + ctx["block_n"], :].to(dtype)
-        tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
         # -- compute scores --
         qk, _ = _scores(q_i, k_j, tile, opts, masked)
         # -- online softmax: new row max, rescale what was accumulated --
@@ -150,15 +173,26 @@ def _attn_fwd_inner(acc, l_i, m_i, q_i, k, v, start_m, lo, hi, masked, opts, ctx
 def _context(q, k, opts, batch_start, block_m, block_n):
     batch, seqlen_q, nheads = q.shape[:3]
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    slopes = bias = None
+    slopes = bias = sparse = None
     if opts.alibi_slopes is not None:  # (batch, nheads) -> (B, Hkv, G) for this slice
         slopes = opts.alibi_slopes[batch_start:batch_start + q.shape[0]]
         slopes = slopes.unflatten(1, (nheads_kv, -1)).to(accumulator_dtype(q.dtype))
     if opts.attn_mask is not None:  # -> (B, Hkv, G, Nq, Nk), a view (padded batches only)
         bias = opts.attn_mask.expand(batch, nheads, seqlen_q, seqlen_k)
         bias = bias.unflatten(1, (nheads_kv, -1))
-    return dict(block_m=block_m or BLOCK_M, block_n=block_n or BLOCK_N,
-                tile_args=(seqlen_q, seqlen_k, batch_start, slopes, bias, q.device))
+    block_m, block_n = block_m or BLOCK_M, block_n or BLOCK_N
+    if opts.block_mask is not None:  # -> (B, Hkv, G, query blocks, key blocks), this slice's
+        blocks = opts.block_mask
+        if blocks.shape[0] > 1:  # a packed sequence's row, or every row of a padded batch
+            blocks = blocks[batch_start:batch_start + batch]
+        blocks = blocks.expand(batch, nheads, *blocks.shape[2:]).unflatten(1, (nheads_kv, -1))
+        sparse = (blocks, opts.block_size_q, opts.block_size_k)
+        # tiles that divide the blocks (128 x 128 for blocks of 128), as the kernels' do: each
+        # then lies inside one block, computed or skipped whole
+        block_m, block_n = math.gcd(block_m, opts.block_size_q), math.gcd(block_n,
+                                                                           opts.block_size_k)
+    return dict(block_m=block_m, block_n=block_n,
+                tile_args=(seqlen_q, seqlen_k, batch_start, slopes, bias, q.device, sparse))
 
 
 def _forward_dense(q, k, v, opts, o, lse, batch_start=0, block_m=None, block_n=None):
@@ -279,8 +313,11 @@ def _backward_dense(do, q, k, v, o, lse, dlse, opts, dq, dk, dv, batch_start=0, 
                                              *window)
         for start_m in range(lo, hi, block_m):
             rows = slice(start_m, start_m + block_m)
+            tile = _Tile(start_m, min(block_m, seqlen_q - start_m), start_n, k_j.shape[-2],
+                         *ctx["tile_args"])
+            if tile.skip:  # block_mask hides it whole
+                continue
             q_i, do_i = q5[..., rows, :].to(dtype), do5[..., rows, :].to(dtype)
-            tile = _Tile(start_m, q_i.shape[-2], start_n, k_j.shape[-2], *ctx["tile_args"])
             masked = not mid_lo <= start_m < mid_hi
             p, t = _probs(q_i, k_j, lse2[..., rows], tile, opts, masked)
             p_kept = p * _dropout_scale(p, tile, opts) if opts.dropout_p > 0 else p

@@ -91,7 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, empty_like, empty_outputs, fix_triton_interpreter
+from ._common import BLOCK_SPARSE_UNIT, LOG2E, empty_like, empty_outputs, fix_triton_interpreter
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -216,14 +216,15 @@ def configs_for(kernel, major, headdim):
 
 @functools.lru_cache(maxsize=None)  # once per combination: a launch's host time counts
 def constexprs(headdim, dtype_is_fp32=False, varlen=False, softcap=False, alibi=False,
-               dropout=False, headdim_v=None, bias_kind=0):
+               dropout=False, headdim_v=None, bias_kind=0, block_sparse=False):
     """The compile-time arguments the launcher passes (without the tile sizes), read-only.
     headdim_v: the values' head dim (MLA: another than the queries' and keys'), default
-    headdim. bias_kind: attn_mask's kind (_bias_args)."""
+    headdim. bias_kind: attn_mask's kind (_bias_args). block_sparse: a block_mask
+    (_sparse_args)."""
     headdim_v = headdim_v or headdim
     return types.MappingProxyType(dict(
         HAS_SOFTCAP=softcap, HAS_ALIBI=alibi, HAS_DROPOUT=dropout, IS_VARLEN=varlen,
-        BIAS_KIND=bias_kind,
+        BIAS_KIND=bias_kind, BLOCK_SPARSE=block_sparse,
         HEAD_DIM=headdim, BLOCK_D=max(16, triton.next_power_of_2(headdim)), HEAD_DIM_V=headdim_v,
         BLOCK_DV=max(16, triton.next_power_of_2(headdim_v)),
         INPUT_PRECISION="ieee" if dtype_is_fp32 else "tf32"))
@@ -296,7 +297,7 @@ def _autotune(kernel):
                            key=["HEAD_DIM", "HEAD_DIM_V", "seqlen_bucket", "window_left",
                                 "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN",
-                                "BIAS_KIND", "tma_ok", "ws_ok"] + extra,
+                                "BIAS_KIND", "BLOCK_SPARSE", "tma_ok", "ws_ok"] + extra,
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache,
                            **reset)
 
@@ -451,6 +452,58 @@ def _bias(BIAS, rows, cols, n_rows, n_cols, stride_r, stride_c, BIAS_KIND: tl.co
     else:
         b = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32) * 1.4426950408889634
     return b
+
+
+@triton.jit
+def _tiles_before(row, t, tiles_per_block):
+    """How many of a loop's visible tiles come before its tile t: row[0..cols] is the
+    exclusive running count of the row's visible blocks (_block_lists), each block
+    tiles_per_block tiles."""
+    blk = t // tiles_per_block
+    rem = t - blk * tiles_per_block
+    before = tl.load(row + blk)
+    after = tl.load(row + blk + 1, mask=rem > 0, other=0)
+    return before * tiles_per_block + tl.where(rem > 0, (after - before) * rem, 0)
+
+
+@triton.jit
+def _sparse_span(row, start, end, TILE: tl.constexpr, block_size):
+    """[first, last): the positions, in the row's list of visible tiles, of those within
+    [start, end) (start a multiple of TILE): a loop over them visits exactly the tiles that
+    `range(start, end, TILE)` visits and block_mask keeps, in the same order."""
+    tiles_per_block = block_size // TILE
+    return (_tiles_before(row, start // TILE, tiles_per_block),
+            _tiles_before(row, tl.cdiv(end, TILE), tiles_per_block))
+
+
+@triton.jit
+def _sparse_tile(row, cols, i, TILE: tl.constexpr, block_size):
+    """The first index (query or key) of the row's i-th visible tile: row[cols + 1 ..] lists
+    the visible blocks in order (_block_lists)."""
+    tiles_per_block = block_size // TILE
+    blk = tl.load(row + cols + 1 + i // tiles_per_block)
+    return (blk * tiles_per_block + i % tiles_per_block) * TILE
+
+
+@triton.jit
+def _loop_span(lo, hi, row, TILE: tl.constexpr, block_size, BLOCK_SPARSE: tl.constexpr):
+    """A loop over the tiles of [lo, hi) runs `for i in range(first, last, step)` with
+    (first, last) from here, step `1 if BLOCK_SPARSE else TILE`, and each tile's start from
+    _loop_tile: [lo, hi) itself, or with BLOCK_SPARSE the positions of its visible tiles in
+    the row's list (_sparse_span)."""
+    first, last = lo, hi
+    if BLOCK_SPARSE:
+        first, last = _sparse_span(row, lo, hi, TILE, block_size)
+    return first, last
+
+
+@triton.jit
+def _loop_tile(i, row, cols, TILE: tl.constexpr, block_size, BLOCK_SPARSE: tl.constexpr):
+    """The start of the loop's tile i (_loop_span)."""
+    start = i
+    if BLOCK_SPARSE:
+        start = _sparse_tile(row, cols, i, TILE, block_size)
+    return start
 
 
 @triton.jit
@@ -705,13 +758,14 @@ def _attn_fwd_update(acc, l_i, m_i, qk, V, stride_vn, TABLE, stride_vp, page_siz
 def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_kp, stride_vp,
                     page_size, start_m, lo, hi, bh, seed_lo, seed_hi, drop_row0, drop_col0,
                     seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap,
-                    softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn,
-                    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    softmax_scale, slope, dropout_p, bias, stride_bm, stride_bn, sparse,
+                    sparse_cols, sparse_block, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr,
                     HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                     WARP_SPECIALIZE: tl.constexpr, PAGED: tl.constexpr, PIPELINE: tl.constexpr,
-                    BIAS_KIND: tl.constexpr):
+                    BIAS_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
     """Key blocks [lo, hi) of query block start_m, a step (_attn_fwd_qk, then
     _attn_fwd_update) each. WARP_SPECIALIZE (Hopper, a kernel with this one loop): Triton
     gives the loop's TMA copies a warpgroup of their own and splits the query rows between two
@@ -719,7 +773,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     software-pipelined by one block, q.k of block j + 1 issued before block j's softmax, so
     that on Hopper the asynchronous wgmma of the one runs beside the other's exp2s
     (FlashAttention-3's intra-warpgroup overlap), at the cost of a second score tile in
-    registers."""
+    registers. BLOCK_SPARSE (neither of those): the loop runs over the visible key tiles of
+    [lo, hi) only, from this query block's row of block_mask's lists (sparse: _block_lists;
+    sparse_block: the mask's key block size), each tile's keys by its index in the list: the
+    hidden blocks cost neither loads nor matmuls, and the loop stays one that Triton can
+    software-pipeline (a branch around each step would not be)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     qk_args = (q, K, stride_kn, TABLE, stride_kp, page_size)  # no constexpr in a tuple
     up_args = (V, stride_vn, TABLE, stride_vp, page_size, offs_m)
@@ -752,7 +810,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
                 HAS_DROPOUT, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION, USE_TMA, PAGED,
                 BIAS_KIND, q.dtype)
     else:
-        for start_n in range(lo, hi, BLOCK_N):
+        first, last = _loop_span(lo, hi, sparse, BLOCK_N, sparse_block, BLOCK_SPARSE)
+        for i in range(first, last, 1 if BLOCK_SPARSE else BLOCK_N):
+            start_n = _loop_tile(i, sparse, sparse_cols, BLOCK_N, sparse_block, BLOCK_SPARSE)
             qk = _attn_fwd_qk(*qk_args, start_n, seqlen_k, MASKED, HEAD_DIM, BLOCK_D, BLOCK_N,
                               INPUT_PRECISION, USE_TMA, PAGED)
             acc, l_i, m_i = _attn_fwd_update(
@@ -786,11 +846,17 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
               FULL_TILES: tl.constexpr, PIPELINE: tl.constexpr = False,
               BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0, stride_bh=0, stride_bm=0,
               stride_bn=0, HAS_DESCALE: tl.constexpr = False, K_DESCALE=None, V_DESCALE=None,
-              stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0):
+              stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
+              BLOCK_SPARSE: tl.constexpr = False, SPARSE=None, stride_sb=0, stride_sh=0,
+              stride_sr=0, sparse_cols=0, sparse_bq=128, sparse_bk=128):
     """PAGED pages may be float8 (a quantized KV cache): their tiles are converted to q's
     dtype as they are loaded (exact); HAS_DESCALE: their scales K_DESCALE, V_DESCALE (batch,
     nheads_kv), the key's folded into the softmax scale, the value's into the output, as in
-    decode_triton's split-KV kernel."""
+    decode_triton's split-KV kernel. BLOCK_SPARSE: SPARSE (batch, nheads, query blocks of
+    sparse_bq, 2 sparse_cols + 1) int32, block_mask's lists of visible key blocks (of
+    sparse_bk keys) per query block (_sparse_args); not warp-specialized nor pipelined."""
+    tl.static_assert(not (BLOCK_SPARSE and (WARP_SPECIALIZE or PIPELINE)),
+                     "block_mask runs on the plain key loop only")
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -813,6 +879,9 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     bias = LSE  # attn_mask of this (batch, head) (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h * stride_bh
+    sparse = CU_K  # block_mask's lists of this query block; never read without one
+    if BLOCK_SPARSE:
+        sparse = SPARSE + off_b * stride_sb + off_h * stride_sh + (start_m // sparse_bq) * stride_sr
     if HAS_DESCALE:
         k_scale = tl.load(K_DESCALE + off_b * stride_kdb + off_hk * stride_kdh)
         qk_scale *= k_scale
@@ -836,20 +905,21 @@ def _attn_fwd(Q, K, V, O, LSE, ALIBI, CU_Q, CU_K, TABLE,
     args = (K, V, stride_kn, stride_vn, TABLE, stride_kb, stride_vb, page_size, start_m)
     rest = (off_bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
             window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
-            stride_bn)
+            stride_bn, sparse, sparse_cols, sparse_bk)
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, lo, first_hi, *rest, not FULL_TILES,
                                     HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                     HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                    USE_TMA, WARP_SPECIALIZE, PAGED, PIPELINE, BIAS_KIND)
+                                    USE_TMA, WARP_SPECIALIZE, PAGED, PIPELINE, BIAS_KIND,
+                                    BLOCK_SPARSE)
     if not WARP_SPECIALIZE:
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_lo, mid_hi, *rest, False,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                        USE_TMA, False, PAGED, PIPELINE, BIAS_KIND)
+                                        USE_TMA, False, PAGED, PIPELINE, BIAS_KIND, BLOCK_SPARSE)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, *args, mid_hi, hi, *rest, True,
                                         HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                         HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                        USE_TMA, False, PAGED, PIPELINE, BIAS_KIND)
+                                        USE_TMA, False, PAGED, PIPELINE, BIAS_KIND, BLOCK_SPARSE)
 
     # -- epilogue: normalize; a row that saw no key gives o = 0, lse = -inf --
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -970,17 +1040,22 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, 
 def _attn_bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don, start_n, lo, hi,
                          bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
                          window_left, window_right, qk_scale, softcap, softmax_scale, slope,
-                         dropout_p, bias, stride_bm, stride_bn, MASKED: tl.constexpr,
+                         dropout_p, bias, stride_bm, stride_bn, sparse, sparse_cols,
+                         sparse_block, MASKED: tl.constexpr,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                          PASS: tl.constexpr, DQ_ACC, stride_dqn, ATOMIC_DQ: tl.constexpr,
-                         BIAS_KIND: tl.constexpr):
-    """Query blocks [lo, hi) of one query head for key block start_n."""
+                         BIAS_KIND: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+    """Query blocks [lo, hi) of one query head for key block start_n; BLOCK_SPARSE: only
+    those block_mask keeps, from this key block's row of its transposed lists (as in
+    _attn_fwd_inner)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    for start_m in range(lo, hi, BLOCK_M):
+    first, last = _loop_span(lo, hi, sparse, BLOCK_M, sparse_block, BLOCK_SPARSE)
+    for i in range(first, last, 1 if BLOCK_SPARSE else BLOCK_M):
+        start_m = _loop_tile(i, sparse, sparse_cols, BLOCK_M, sparse_block, BLOCK_SPARSE)
         dk, dv = _attn_bwd_dkdv_step(dk, dv, k, v, Q, DO, LSE, Delta, stride_qn, stride_don,
                                      offs_n, start_m, 0, bh, seed_lo, seed_hi, drop_row0,
                                      drop_col0, seqlen_q, seqlen_k, window_left, window_right,
@@ -999,16 +1074,19 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
                          q_start, start_n, lo, mid_lo, mid_hi, hi,
                          nheads, group_size, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q,
                          seqlen_k, window_left, window_right, qk_scale, softcap, softmax_scale,
-                         dropout_p, bias, stride_bh, stride_bm, stride_bn,
+                         dropout_p, bias, stride_bh, stride_bm, stride_bn, sparse, stride_sh,
+                         sparse_cols, sparse_bq,
                          HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                          HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-                         PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BIAS_KIND: tl.constexpr):
+                         PASS: tl.constexpr, ATOMIC_DQ: tl.constexpr, BIAS_KIND: tl.constexpr,
+                         BLOCK_SPARSE: tl.constexpr):
     """Every query head of key head off_hk's group, in turn, over the query blocks [lo, mid_lo)
     masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked. GQA without atomics: dK, dV are
-    deterministic (dQ, with ATOMIC_DQ, is not). bias: batch off_b's attn_mask (BIAS_KIND)."""
+    deterministic (dQ, with ATOMIC_DQ, is not). bias: batch off_b's attn_mask (BIAS_KIND);
+    sparse: its block_mask (BLOCK_SPARSE)."""
     for g in range(group_size):
         off_h = off_hk * group_size + g
         Q_h = _tiles(Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qn, seqlen_q,
@@ -1027,22 +1105,26 @@ def _attn_bwd_dkdv_heads(dk, dv, k, v, Q, DO, LSE, Delta, ALIBI, DQ_ACC, stride_
         bias_h = bias
         if BIAS_KIND != 0:
             bias_h = bias + off_h * stride_bh
+        sparse_h = sparse
+        if BLOCK_SPARSE:
+            sparse_h = sparse + off_h * stride_sh
         args = (Q_h, DO_h, LSE_h, Delta_h, stride_qn, stride_don, start_n)
         rest = (off_b * nheads + off_h, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
                 window_left, window_right, qk_scale, softcap, softmax_scale, slope, dropout_p,
-                bias_h, stride_bm, stride_bn)
+                bias_h, stride_bm, stride_bn, sparse_h, sparse_cols, sparse_bq)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, lo, mid_lo, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
-                                      DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND)
+                                      DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND, BLOCK_SPARSE)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_lo, mid_hi, *rest, False,
                                       HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                       HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION,
-                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND)
+                                      USE_TMA, PASS, DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND,
+                                      BLOCK_SPARSE)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, *args, mid_hi, hi, *rest, True, HAS_SOFTCAP,
                                       HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                       BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, PASS,
-                                      DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND)
+                                      DQ_h, stride_dqn, ATOMIC_DQ, BIAS_KIND, BLOCK_SPARSE)
     return dk, dv
 
 
@@ -1105,7 +1187,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
                    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                    FULL_TILES: tl.constexpr, SPLIT: tl.constexpr = False,
                    ATOMIC_DQ: tl.constexpr = False, BIAS_KIND: tl.constexpr = 0, BIAS=None,
-                   stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0):
+                   stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0,
+                   BLOCK_SPARSE: tl.constexpr = False, SPARSE=None, stride_sb=0, stride_sh=0,
+                   stride_sr=0, sparse_cols=0, sparse_bq=128, sparse_bk=128):
+    """BLOCK_SPARSE: SPARSE (batch, nheads, key blocks, 2 sparse_cols + 1) int32, block_mask's
+    lists of visible query blocks per key block (transposed, _sparse_args)."""
+    tl.static_assert(not (BLOCK_SPARSE and WARP_SPECIALIZE),
+                     "block_mask runs on the query loops that are not warp-specialized")
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1).to(tl.int64)
     nheads_kv = nheads // group_size
@@ -1119,6 +1207,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
     bias = LSE  # attn_mask of this batch entry (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb
+    sparse = CU_K  # block_mask's lists of this key block (BLOCK_SPARSE); never read without
+    if BLOCK_SPARSE:
+        sparse = SPARSE + off_b * stride_sb + (start_n // sparse_bk) * stride_sr
 
     # -- queries: [lo, mid_lo) masked, [mid_lo, mid_hi) unmasked, [mid_hi, hi) masked; warp-
     # specialized, all of [lo, hi), of every query head of the group, in one loop, masked
@@ -1133,20 +1224,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
              stride_dqn, stride_dqh, off_b, off_hk, q_start, start_n, lo, mid_lo, mid_hi, hi,
              nheads, group_size, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k,
              window_left, window_right, qk_scale, softcap, softmax_scale, dropout_p, bias,
-             stride_bh, stride_bm, stride_bn)
+             stride_bh, stride_bm, stride_bn, sparse, stride_sh, sparse_cols, sparse_bq)
     if SPLIT:  # program_id(2): 0 accumulates dV alone, 1 dK alone
         if tl.program_id(2) == 0:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                           BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 1,
-                                          ATOMIC_DQ, BIAS_KIND)
+                                          ATOMIC_DQ, BIAS_KIND, BLOCK_SPARSE)
             _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
                          start_n, stride_dvn, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
         else:
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                           BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 2,
-                                          ATOMIC_DQ, BIAS_KIND)
+                                          ATOMIC_DQ, BIAS_KIND, BLOCK_SPARSE)
             _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                          dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N,
                          BLOCK_D)
@@ -1168,7 +1259,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, DQ_ACC, ALIBI, CU_Q, CU_K,
             dk, dv = _attn_bwd_dkdv_heads(dk, dv, k, v, *heads, HAS_SOFTCAP, HAS_ALIBI,
                                           HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV,
                                           BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA, 0,
-                                          ATOMIC_DQ, BIAS_KIND)
+                                          ATOMIC_DQ, BIAS_KIND, BLOCK_SPARSE)
         _store_block(DK + off_b * stride_dkb + off_hk * stride_dkh + k_start * stride_dkn,
                      dk * softmax_scale, start_n, stride_dkn, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D)
         _store_block(DV + off_b * stride_dvb + off_hk * stride_dvh + k_start * stride_dvn, dv,
@@ -1222,15 +1313,17 @@ def _attn_bwd_dq_step(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m,
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_m, lo, hi, bh,
                        seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
                        window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias,
-                       stride_bm, stride_bn, dbias, stride_dbm, MASKED: tl.constexpr,
+                       stride_bm, stride_bn, dbias, stride_dbm, sparse, sparse_cols,
+                       sparse_block, MASKED: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                        WARP_SPECIALIZE: tl.constexpr, BIAS_KIND: tl.constexpr,
-                       BIAS_GRAD: tl.constexpr):
-    """Key blocks [lo, hi) of query block start_m; WARP_SPECIALIZE as in _attn_fwd_inner."""
+                       BIAS_GRAD: tl.constexpr, BLOCK_SPARSE: tl.constexpr):
+    """Key blocks [lo, hi) of query block start_m; WARP_SPECIALIZE and BLOCK_SPARSE as in
+    _attn_fwd_inner."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if WARP_SPECIALIZE:  # older Tritons' tl.range has no warp_specialize (_ws_ok)
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
@@ -1241,7 +1334,9 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_vn, start_
                 HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, INPUT_PRECISION,
                 USE_TMA, bias, stride_bm, stride_bn, dbias, stride_dbm, BIAS_KIND, BIAS_GRAD)
     else:
-        for start_n in range(lo, hi, BLOCK_N):
+        first, last = _loop_span(lo, hi, sparse, BLOCK_N, sparse_block, BLOCK_SPARSE)
+        for i in range(first, last, 1 if BLOCK_SPARSE else BLOCK_N):
+            start_n = _loop_tile(i, sparse, sparse_cols, BLOCK_N, sparse_block, BLOCK_SPARSE)
             dq = _attn_bwd_dq_step(
                 dq, q, do, lse, delta, K, V, stride_kn, stride_vn, offs_m, start_n, bh, seed_lo,
                 seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left, window_right,
@@ -1268,7 +1363,12 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
                  USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                  FULL_TILES: tl.constexpr, BIAS_KIND: tl.constexpr = 0, BIAS=None, stride_bb=0,
                  stride_bh=0, stride_bm=0, stride_bn=0, BIAS_GRAD: tl.constexpr = False,
-                 DBIAS=None, stride_dbh=0, stride_dbm=0):
+                 DBIAS=None, stride_dbh=0, stride_dbm=0, BLOCK_SPARSE: tl.constexpr = False,
+                 SPARSE=None, stride_sb=0, stride_sh=0, stride_sr=0, sparse_cols=0, sparse_bq=128,
+                 sparse_bk=128):
+    """BLOCK_SPARSE: SPARSE as the forward's (_attn_fwd)."""
+    tl.static_assert(not (BLOCK_SPARSE and WARP_SPECIALIZE),
+                     "block_mask runs on the key loops that are not warp-specialized")
     start_m = _query_block_start(BLOCK_M)
     off_bh = tl.program_id(1).to(tl.int64)
     off_b, off_h = off_bh // nheads, off_bh % nheads
@@ -1299,6 +1399,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     dbias = LSE  # its gradient's rows (BIAS_GRAD: (batch, nheads, ...) contiguous)
     if BIAS_GRAD:
         dbias = DBIAS + off_bh * stride_dbh
+    sparse = CU_K  # block_mask's lists of this query block (BLOCK_SPARSE); never read without
+    if BLOCK_SPARSE:
+        sparse = SPARSE + off_b * stride_sb + off_h * stride_sh + (start_m // sparse_bq) * stride_sr
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # -- keys: the same ranges as the forward (warp-specialized: all of [lo, hi) in one loop,
@@ -1313,20 +1416,20 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, ALIBI, CU_Q, CU_K,
     args = (K, V, stride_kn, stride_vn, start_m)
     rest = (off_bh, seed_lo, seed_hi, drop_row0, drop_col0, seqlen_q, seqlen_k, window_left,
             window_right, qk_scale, softcap, softmax_scale, slope, dropout_p, bias, stride_bm,
-            stride_bn, dbias, stride_dbm)
+            stride_bn, dbias, stride_dbm, sparse, sparse_cols, sparse_bk)
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, lo, first_hi, *rest, not FULL_TILES,
                             HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                             BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                            WARP_SPECIALIZE, BIAS_KIND, BIAS_GRAD)
+                            WARP_SPECIALIZE, BIAS_KIND, BIAS_GRAD, BLOCK_SPARSE)
     if not WARP_SPECIALIZE:
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_lo, mid_hi, *rest, False,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                                False, BIAS_KIND, BIAS_GRAD)
+                                False, BIAS_KIND, BIAS_GRAD, BLOCK_SPARSE)
         dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, *args, mid_hi, hi, *rest, True,
                                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, HEAD_DIM, BLOCK_D,
                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, INPUT_PRECISION, USE_TMA,
-                                False, BIAS_KIND, BIAS_GRAD)
+                                False, BIAS_KIND, BIAS_GRAD, BLOCK_SPARSE)
     _store_block(DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqn,
                  dq * softmax_scale, start_m, stride_dqn, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D)
 
@@ -1465,6 +1568,34 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
                                      for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
+def _block_lists(bits):
+    """bits (..., rows, cols) bool -> (..., rows, 2 cols + 1) int32: for each row, the
+    exclusive running count of its True columns (cols + 1 entries: how many come before each
+    column, then the total), then the True columns' indices in increasing order (the first
+    `total` of cols entries; the rest are the False ones, never read). On the device, no
+    synchronization: a cumsum and a stable argsort."""
+    counts = bits.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    prefix = torch.nn.functional.pad(counts, (1, 0))
+    order = torch.argsort((~bits).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return torch.cat([prefix, order], -1)
+
+
+def _sparse_args(opts, batch, nheads, transposed=False):
+    """block_mask as a kernel reads it: {} without one, else SPARSE, its lists of visible key
+    blocks per query block (_block_lists; transposed: of visible query blocks per key block,
+    for dK/dV), a (batch, nheads, rows, 2 cols + 1) view (broadcast dimensions at stride 0:
+    made once for the mask's own batch and heads), its strides, cols and the block sizes.
+    (N / block)^2 x 8 bytes beside the mask's own (N / block)^2 bools."""
+    if opts.block_mask is None:
+        return {}
+    bits = opts.block_mask.transpose(-1, -2) if transposed else opts.block_mask
+    lists = _block_lists(bits)
+    lists = lists.expand(batch, nheads, *lists.shape[2:])
+    return dict(SPARSE=lists, sparse_cols=bits.shape[-1], sparse_bq=opts.block_size_q,
+                sparse_bk=opts.block_size_k,
+                **dict(zip(("stride_sb", "stride_sh", "stride_sr"), lists.stride()[:3])))
+
+
 def _bias_args(mask, batch, nheads, seqlen_q, seqlen_k):
     """attn_mask as the kernels read it: {} without one, else BIAS, a (batch, nheads, seqlen_q,
     seqlen_k) view (broadcast dimensions at stride 0: nothing copied), its strides, and
@@ -1507,8 +1638,9 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
     """Shapes, strides and scalars shared by the three main kernels: TMA candidates where
     `tiled` (what a loop copies) fit, warp-specialized ones of `ws_kernel` where `ws_tiled`
     (every tile) do and LONGFLASH_WS allows them (_ws_ok), none with an attn_mask (their loops
-    read only TMA copies) nor on packed sequences (the forward's raised an illegal instruction
-    on an H100 with Triton 3.6.0 over attention_varlen's, the fourth window's gate)."""
+    read only TMA copies) or a block_mask (their loops skip no block) nor on packed sequences
+    (the forward's raised an illegal instruction on an H100 with Triton 3.6.0 over
+    attention_varlen's, the fourth window's gate)."""
     if opts.varlen:
         batch, seqlen_q, seqlen_k = opts.cu_seqlens_q.numel() - 1, opts.max_seqlen_q, \
             opts.max_seqlen_k
@@ -1517,7 +1649,7 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         lse_strides = lse.stride()[:2]  # lse: (batch, nheads, seqlen_q)
     nheads, headdim, nheads_kv = q.shape[-2], q.shape[-1], k.shape[-2]
-    alibi, mask = opts.alibi_slopes, opts.attn_mask
+    alibi, mask, sparse = opts.alibi_slopes, opts.attn_mask, opts.block_mask is not None
     dummy = lse  # a valid pointer for the disabled features; never read
     pointers = dict(ALIBI=dummy if alibi is None else alibi,
                     CU_Q=dummy if not opts.varlen else opts.cu_seqlens_q,
@@ -1528,7 +1660,8 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         stride_ah=0 if alibi is None else alibi.stride(1),
         nheads=nheads, group_size=nheads // nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         seqlen_bucket=seqlen_bucket(seqlen_q, seqlen_k), tma_ok=_tma_ok(*tiled),
-        ws_ok=int(mask is None and not opts.varlen and _ws_ok(ws_kernel, *ws_tiled)),
+        ws_ok=int(mask is None and not sparse and not opts.varlen
+                  and _ws_ok(ws_kernel, *ws_tiled)),
         window_left=opts.window_left, window_right=opts.window_right,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
@@ -1536,8 +1669,8 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         drop_row0=opts.dropout_row0, drop_col0=opts.dropout_col0,
         **constexprs(headdim, q.dtype == torch.float32, opts.varlen, opts.softcap > 0,
                      alibi is not None, opts.dropout_p > 0, v.shape[-1],
-                     0 if mask is None else 2 if mask.dtype == torch.bool else 1),
-        **_bias_args(mask, batch, nheads, seqlen_q, seqlen_k),
+                     0 if mask is None else 2 if mask.dtype == torch.bool else 1, sparse),
+        **_bias_args(mask, batch, nheads, seqlen_q, seqlen_k), **_sparse_args(opts, batch, nheads),
     )
     return batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars
 
@@ -1605,13 +1738,14 @@ def backward(do, q, k, v, o, lse, dlse, opts):
     grid_kv = lambda META: (triton.cdiv(seqlen_k, META["BLOCK_N"]), batch * nheads_kv,  # noqa: E731
                             2 if META.get("SPLIT") else 1)
     _launch(_attn_bwd_dkdv, grid_kv, *tensors, dk, dv, dq_acc, *extra, *strides, *_strides(dk),
-            *_strides(dv), *dq_strides, atomic_dq=int(atomic), **scalars)
+            *_strides(dv), *dq_strides, atomic_dq=int(atomic),
+            **{**scalars, **_sparse_args(opts, batch, nheads, transposed=True)})
     if atomic:
         return dq.copy_(dq_acc[..., :q.shape[-1]].mul_(opts.softmax_scale)), dk, dv
     # Packed sequences start anywhere in lse's rows: no TMA copy of them, so no warp-specialized
     # dQ; nor with an attn_mask (_launch_args).
     scalars["ws_ok"] = int(not opts.varlen and opts.attn_mask is None
-                           and _ws_ok("dq", q, k, v, do))
+                           and opts.block_mask is None and _ws_ok("dq", q, k, v, do))
     grid_q = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * nheads)  # noqa: E731
     dbias = opts.attn_mask_grad  # (batch, nheads, seqlen_q, seqlen_k) float32 zeros, or None
     dbias_args = {} if dbias is None else dict(DBIAS=dbias, stride_dbh=dbias.stride(1),

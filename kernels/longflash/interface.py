@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 
 from . import blockwise
-from ._common import (FP8_DTYPES, MAX_HEADDIM, Options, check_alibi_shape,
-                      check_attn_mask_shape, check_bools, check_learnable_sink, check_offsets,
+from ._common import (BLOCK_SPARSE_UNIT, FP8_DTYPES, MAX_HEADDIM, Options, check_alibi_shape,
+                      check_attn_mask_shape, check_block_mask_shape, check_block_size,
+                      check_bools, check_learnable_sink, check_offsets,
                       check_real, check_shapes, check_softcap, check_window_size, define_op,
                       empty_outputs, paged_rows, resolve_softmax_scale, triton_problem,
                       with_learnable_sink)
@@ -107,6 +108,24 @@ def _check_attn_mask(attn_mask, q, seqlen_k, keys_at_least=False):
                           keys_at_least)
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must match")
+
+
+def _check_block_mask(block_mask, block_size, q, batch, seqlen_q, seqlen_k):
+    """block_mask: None, or a bool tensor on q's device of shape (batch or 1, nheads or 1,
+    ceil(seqlen_q / block_size_q), ceil(seqlen_k / block_size_k)). Returns the forward op's
+    (block_mask, block_size_q, block_size_k)."""
+    block_size_q, block_size_k = check_block_size(block_size)
+    if block_mask is None:
+        return None, block_size_q, block_size_k
+    if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
+        raise TypeError(f"block_mask must be a bool tensor, or None, got "
+                        f"{getattr(block_mask, 'dtype', type(block_mask).__name__)}")
+    check_block_mask_shape(block_mask.shape, batch, q.shape[-2], seqlen_q, seqlen_k,
+                           block_size_q, block_size_k)
+    if block_mask.device != q.device:
+        raise ValueError(f"block_mask is on {block_mask.device}, q on {q.device}: they must "
+                         f"match")
+    return block_mask, block_size_q, block_size_k
 
 
 def _check_cu_seqlens(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -198,11 +217,12 @@ def _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale=None, v_de
 
 
 @torch.compiler.disable  # under torch.compile, run eagerly (a graph break), not traced
-def _paged_forward(q, k, v, args, block_table, k_descale, v_descale):
+def _paged_forward(q, k, v, args, block_table, k_descale, v_descale, sparse):
     """(o, lse) over paged keys read in place, without autograd; float8 pages converted tile
     by tile, their scales applied to the scores and the output. args: _forward_impl's after
-    q, k, v, up to max_seqlen_k."""
-    opts = _options(q, *args[:2], *args[3:], block_table)
+    q, k, v, up to max_seqlen_k; sparse: (block_mask, block_size_q, block_size_k)."""
+    opts = _options(q, *args[:2], *args[3:], block_table, block_mask=sparse[0],
+                    block_size_q=sparse[1], block_size_k=sparse[2])
     return _implementation(args[2]).forward(q, k, v, opts._replace(k_descale=k_descale,
                                                                    v_descale=v_descale))
 
@@ -243,7 +263,8 @@ def _implementation(backend):
 
 def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap, dropout_p,
              seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None,
-             deterministic=False, attn_mask=None, attn_mask_grad=None):
+             deterministic=False, attn_mask=None, attn_mask_grad=None, block_mask=None,
+             block_size_q=BLOCK_SPARSE_UNIT, block_size_k=BLOCK_SPARSE_UNIT):
     if alibi_slopes is not None:  # (nheads,) -> (batch, nheads), a view
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         alibi_slopes = alibi_slopes.expand(batch, alibi_slopes.shape[-1])
@@ -252,7 +273,8 @@ def _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, 
     return Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                    max_seqlen_k, block_table, deterministic, attn_mask, attn_mask_grad,
-                   dropout_row0=row0, dropout_col0=col0)
+                   dropout_row0=row0, dropout_col0=col0, block_mask=block_mask,
+                   block_size_q=block_size_q, block_size_k=block_size_k)
 
 
 # The leading arguments (q, k, v, causal, softmax_scale, backend) are the stable core; the
@@ -267,22 +289,27 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   cu_seqlens_q: Optional[torch.Tensor] = None,
                   cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
                   max_seqlen_k: int = 0, block_table: Optional[torch.Tensor] = None,
-                  deterministic: bool = False, attn_mask: Optional[torch.Tensor] = None
+                  deterministic: bool = False, attn_mask: Optional[torch.Tensor] = None,
+                  block_mask: Optional[torch.Tensor] = None,
+                  block_size_q: int = BLOCK_SPARSE_UNIT, block_size_k: int = BLOCK_SPARSE_UNIT
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     # block_table: always None since paged calls leave the op (_paged_forward); kept in the
     # schema because torch.compile's on-disk caches key a graph on the op's name, not its
     # schema (pytorch/pytorch#187319): a changed schema would replay, from a warm cache, code
-    # compiled for the old one (found here: "expected at most 18 argument(s)")
+    # compiled for the old one (found here: "expected at most 18 argument(s)"); new arguments
+    # go last, with defaults
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    block_table, attn_mask=attn_mask)
+                    block_table, attn_mask=attn_mask, block_mask=block_mask,
+                    block_size_q=block_size_q, block_size_k=block_size_k)
     return _implementation(backend).forward(q, k, v, opts)
 
 
 def _forward_fake(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None, cu_seqlens_q=None,
                   cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, block_table=None,
-                  deterministic=False, attn_mask=None):
+                  deterministic=False, attn_mask=None, block_mask=None,
+                  block_size_q=BLOCK_SPARSE_UNIT, block_size_k=BLOCK_SPARSE_UNIT):
     return empty_outputs(q, varlen=cu_seqlens_q is not None, headdim_v=v.shape[-1])
 
 
@@ -295,7 +322,9 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    cu_seqlens_q: Optional[torch.Tensor] = None,
                    cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
                    max_seqlen_k: int = 0, deterministic: bool = False,
-                   attn_mask: Optional[torch.Tensor] = None, attn_mask_grad: bool = False
+                   attn_mask: Optional[torch.Tensor] = None, attn_mask_grad: bool = False,
+                   block_mask: Optional[torch.Tensor] = None,
+                   block_size_q: int = BLOCK_SPARSE_UNIT, block_size_k: int = BLOCK_SPARSE_UNIT
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dscores): dscores (batch, nheads, seqlen_q, seqlen_k) float32, the scores'
     gradient (an attn_mask's before the sum over its broadcast dimensions) if attn_mask_grad,
@@ -304,7 +333,8 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     opts = _options(q, causal, softmax_scale, window_left, window_right, alibi_slopes, softcap,
                     dropout_p, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     deterministic=deterministic, attn_mask=attn_mask,
-                    attn_mask_grad=dscores if attn_mask_grad else None)
+                    attn_mask_grad=dscores if attn_mask_grad else None, block_mask=block_mask,
+                    block_size_q=block_size_q, block_size_k=block_size_k)
     return (*_implementation(backend).backward(do, q, k, v, o, lse, dlse, opts), dscores)
 
 
@@ -317,7 +347,8 @@ def _scores_grad(q, k, wanted, make):
 def _backward_fake(do, q, k, v, o, lse, dlse, causal, softmax_scale, backend, window_left=-1,
                    window_right=-1, alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                   deterministic=False, attn_mask=None, attn_mask_grad=False):
+                   deterministic=False, attn_mask=None, attn_mask_grad=False, block_mask=None,
+                   block_size_q=BLOCK_SPARSE_UNIT, block_size_k=BLOCK_SPARSE_UNIT):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             _scores_grad(q, k, attn_mask_grad, torch.empty))
 
@@ -334,14 +365,17 @@ class _Attention(torch.autograd.Function):
     breaks. attn_mask: an input of its own (a float one may want its gradient). args: the
     forward op's other arguments after q, k, v, in one tuple: Dynamo refuses an
     autograd.Function that gets one tensor as two of its inputs (cu_seqlens_q and
-    cu_seqlens_k are often one tensor), and none of these has a gradient."""
+    cu_seqlens_k are often one tensor), and none of these has a gradient; its last three,
+    (block_mask, block_size_q, block_size_k), follow attn_mask in both ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, args):
-        o, lse = _forward_op(q, k, v, *args, attn_mask)
+        args, sparse = args[:-3], args[-3:]
+        o, lse = _forward_op(q, k, v, *args, attn_mask, *sparse)
         ctx.save_for_backward(q, k, v, o, lse, attn_mask)
         ctx.args = args[:13] + args[14:]  # less block_table (args[13], None), which the
         # backward op does not take
+        ctx.sparse = sparse
         # an unused lse gets no gradient (None: no zeros to fill and subtract), nor an unused o
         ctx.set_materialize_grads(False)
         return o, lse
@@ -353,7 +387,7 @@ class _Attention(torch.autograd.Function):
         do = torch.zeros_like(o) if do is None else do  # only lse was used
         mask_grad = ctx.needs_input_grad[3]
         dq, dk, dv, dscores = _backward_op(do, q, k, v, o, lse, dlse, *ctx.args, attn_mask,
-                                           mask_grad)
+                                           mask_grad, *ctx.sparse)
         # the mask's gradient: the scores' summed over the dimensions it broadcasts
         dmask = dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None
         return dq, dk, dv, dmask, None
@@ -362,8 +396,10 @@ class _Attention(torch.autograd.Function):
 def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, window_right=-1,
                        alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                       deterministic=False, attn_mask=None):
-    """(o, lse) of checked arguments, differentiable in q, k, v and a float attn_mask."""
+                       deterministic=False, attn_mask=None,
+                       sparse=(None, BLOCK_SPARSE_UNIT, BLOCK_SPARSE_UNIT)):
+    """(o, lse) of checked arguments, differentiable in q, k, v and a float attn_mask. sparse:
+    (block_mask, block_size_q, block_size_k)."""
     if torch.compiler.is_compiling():
         # attention(x, x, x): each its own alias, Dynamo refusing one tensor as two inputs
         k = k.view_as(k) if k is q else k
@@ -371,7 +407,8 @@ def _attention_forward(q, k, v, causal, softmax_scale, backend, window_left=-1, 
     return _Attention.apply(q, k, v, attn_mask, (causal, softmax_scale, backend, window_left,
                                                  window_right, alibi_slopes, softcap, dropout_p,
                                                  seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, None, deterministic))
+                                                 max_seqlen_k, None, deterministic,
+                                                 *sparse))
 
 
 # ----------------------------------------------------------------------------- decoding route
@@ -421,7 +458,8 @@ def _seed_tensor(dropout_p, seed, generator):
 
 def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
               window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=None,
-              generator=None, deterministic=False, learnable_sink=None, attn_mask=None):
+              generator=None, deterministic=False, learnable_sink=None, attn_mask=None,
+              block_mask=None, block_size=BLOCK_SPARSE_UNIT):
     """Exact softmax attention, computed block by block without the N x N matrix.
 
     Arguments:
@@ -478,6 +516,19 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             then writes a float32 (batch, nheads, seqlen_q, seqlen_k) buffer: O(N^2) memory,
             as PyTorch's memory-efficient backend). No warp-specialized candidates run with
             a mask.
+        block_mask: None, or a bool tensor (batch or 1, nheads or 1, ceil(seqlen_q /
+            block_size_q), ceil(seqlen_k / block_size_k)): block-sparse attention (the
+            block-sparse FlashAttention of Dao et al. 2022, Section 3.3). Query i sees key j
+            only if block_mask[b, h, i // block_size_q, j // block_size_k] (blocks counted
+            from the first query and the first key, top-left, whatever causal's alignment);
+            combines with causal, window_size and attn_mask (a key must pass each). The
+            kernels skip a False block's tiles whole, forward and backward: no loads, no
+            matmuls, so the work and the memory traffic scale with the fraction of True
+            blocks (`block_mask` itself is (N / block_size)^2 bits' worth of bools, read once
+            per tile). A row that sees no key gives o = 0 and lse -inf. No gradient.
+            No warp-specialized candidates run with it; not on the split-KV decoding route.
+        block_size: an int or (block_size_q, block_size_k), each a multiple of 128 (every
+            kernel tile then lies inside one block), default 128 (FlexAttention's).
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),
@@ -490,14 +541,17 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
                                            alibi_slopes, softcap, dropout_p, seed, generator,
                                            deterministic, learnable_sink=learnable_sink)
     _check_attn_mask(attn_mask, q, k.shape[1])
-    if _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k, v, attn_mask):
+    sparse = _check_block_mask(block_mask, block_size, q, q.shape[0], q.shape[1], k.shape[1])
+    if block_mask is None and _use_split_kv(backend, q.shape[1], k.shape[1], dropout_p, q, k,
+                                            v, attn_mask):
         o, lse = _split_kv(q, k, v, k.shape[1], None, causal, softmax_scale, window_size, softcap,
                            alibi_slopes, backend, k.shape[1], attn_mask)
     else:
         o, lse = _attention_forward(q, k, v, causal, softmax_scale, backend, *window_size,
                                     alibi_slopes, float(softcap), float(dropout_p),
                                     _seed_tensor(dropout_p, seed, generator),
-                                    deterministic=deterministic, attn_mask=attn_mask)
+                                    deterministic=deterministic, attn_mask=attn_mask,
+                                    sparse=sparse)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
@@ -512,7 +566,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      causal=False, softmax_scale=None, return_lse=False, backend="auto", *,
                      window_size=(-1, -1), alibi_slopes=None, softcap=0.0, dropout_p=0.0,
                      seed=None, generator=None, deterministic=False, block_table=None,
-                     learnable_sink=None, k_descale=None, v_descale=None):
+                     learnable_sink=None, k_descale=None, v_descale=None, block_mask=None,
+                     block_size=BLOCK_SPARSE_UNIT):
     """`attention` on a packed batch of variable-length sequences, with no padding computed.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim) (v's headdim may
@@ -522,7 +577,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         cu_seqlens_q[b + 1]]). max_seqlen_q, max_seqlen_k: the longest sequence lengths.
     Every keyword works as in `attention`, per sequence (causal and windows aligned to each
     sequence's own end, alibi_slopes (batch, nheads) indexed by sequence; learnable_sink
-    (nheads,) the same for every sequence).
+    (nheads,) the same for every sequence; block_mask (batch or 1, nheads or 1,
+    ceil(max_seqlen_q / block_size_q), ceil(max_seqlen_k / block_size_k)), each sequence's
+    blocks counted from its own first query and key).
     block_table: (batch, max_pages) int32, or None. If given, k and v are paged caches
         (num_pages, page_size, nheads_kv, headdim), as in flash_attn_with_kvcache, and
         cu_seqlens_k gives each sequence's number of keys: key n of sequence b is
@@ -557,8 +614,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         q[None], keys, values, causal, softmax_scale,
         backend, window_size, alibi_slopes, softcap, dropout_p, seed, generator, deterministic,
         batch=batch, learnable_sink=learnable_sink)
-    if _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q, k, v) \
-            and not torch.compiler.is_compiling():
+    sparse = _check_block_mask(block_mask, block_size, q, batch, max_seqlen_q, max_seqlen_k)
+    if block_mask is None and _use_split_kv(backend, max_seqlen_q, max_seqlen_k, dropout_p, q,
+                                            k, v) and not torch.compiler.is_compiling():
         lengths_q = cu_seqlens_q.diff()
         if batch and bool((lengths_q == max_seqlen_q).all()):  # the same seqlen_q everywhere
             pages = (k, v, block_table)
@@ -579,12 +637,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             float(dropout_p), _seed_tensor(dropout_p, seed, generator), cu_seqlens_q,
             cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if paged and not _needs_grad(q, k, v):  # the kernels read the pages in place: no autograd
-        o, lse = _paged_forward(q, k, v, args, block_table, k_descale, v_descale)
+        o, lse = _paged_forward(q, k, v, args, block_table, k_descale, v_descale, sparse)
     else:
         if paged:  # the backward kernels take packed keys (float8 pages: dequantized)
             k, v = _gather_pages(k, v, block_table, cu_seqlens_k, total_k, k_descale,
                                  v_descale, q.dtype)
-        o, lse = _attention_forward(q, k, v, *args, deterministic=deterministic)
+        o, lse = _attention_forward(q, k, v, *args, deterministic=deterministic, sparse=sparse)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 

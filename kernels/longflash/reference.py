@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ._common import dropout_uniform, visible
+from ._common import BLOCK_SPARSE_UNIT, block_mask_elements, dropout_uniform, visible
 
 
 def error_bound(err_lowp, ref_absmax, dtype):
@@ -39,7 +39,8 @@ def error_bound(err_lowp, ref_absmax, dtype):
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
                   alibi_slopes=None, softcap=0.0, dropout_p=0.0, seed=0, batch_offset=0,
-                  upcast=True, learnable_sink=None, attn_mask=None):
+                  upcast=True, learnable_sink=None, attn_mask=None, block_mask=None,
+                  block_size=BLOCK_SPARSE_UNIT):
     """Materializing attention. Returns (o, lse).
 
     o: (batch, seqlen_q, nheads, headdim) in q's dtype
@@ -53,6 +54,9 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
         row, in the softmax and lse, then dropped (it attends to no value), as gpt-oss does.
     attn_mask: bool or float, broadcastable to (batch, nheads, seqlen_q, seqlen_k), or None:
         False hides a key from a query; a float is added to the scores (after ALiBi).
+    block_mask: bool (batch or 1, nheads or 1, query blocks, key blocks), or None: query i
+        sees key j only if block_mask[b, h, i // block_size_q, j // block_size_k] (block_size
+        an int or (block_size_q, block_size_k)), made elementwise here.
     """
     dtype = q.dtype
     if upcast:
@@ -71,6 +75,10 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
     if alibi_slopes is not None:
         slopes = alibi_slopes.expand(batch, nheads).to(scores.dtype)[:, :, None, None]
         scores = scores - slopes * (i + seqlen_k - seqlen_q - j).abs()
+    if block_mask is not None:
+        sizes = (block_size, block_size) if isinstance(block_size, int) else block_size
+        hidden = ~block_mask_elements(block_mask, *sizes, seqlen_q, seqlen_k)
+        scores = scores.masked_fill(hidden, float("-inf"))
     if attn_mask is not None:  # -inf entries as masked_fill: no gradient through them
         hidden = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == float("-inf")
         if attn_mask.dtype != torch.bool:
@@ -97,15 +105,19 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1
     return o.to(dtype), lse
 
 
-def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, **kwargs):
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None,
+                         block_mask=None, **kwargs):
     """Packed sequences (total, nheads, headdim), one `attention_ref` per sequence.
     Returns o (total_q, nheads, headdim) and lse (nheads, total_q). ALiBi slopes
-    (batch, nheads) and the dropout stream are taken per sequence, as in the kernels."""
+    (batch, nheads), block_mask's rows (batch or 1, ...) and the dropout stream are taken per
+    sequence, as in the kernels."""
     outs, lses = [], []
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cu_q) - 1):
         rows, cols = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         slopes = None if alibi_slopes is None else alibi_slopes.expand(len(cu_q) - 1, -1)[b:b + 1]
+        if block_mask is not None:
+            kwargs["block_mask"] = block_mask[b:b + 1] if block_mask.shape[0] > 1 else block_mask
         o, lse = attention_ref(q[None, rows], k[None, cols], v[None, cols], alibi_slopes=slopes,
                                batch_offset=b, **kwargs)
         outs.append(o[0])
