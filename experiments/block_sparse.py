@@ -3,10 +3,13 @@
     python -m experiments.speedup --parts sparse          # CPU: 4K tokens, float32
     python -m experiments.speedup --full --parts sparse   # GPU: 16K and 64K tokens, bfloat16
 
-A random block mask of 128 x 128 blocks per head (Config.sparse_*), one per density in
-Config.sparse_densities (each block kept with that probability, and every query block's
-diagonal block kept, so that every row sees a key), non-causal, modes fwd and fwd_bwd; at
-density 1 no mask at all: the dense attention each provider computes anyway. Providers (key
+A random block mask of 128 x 128 blocks shared by every head (as BigBird's or Longformer's
+patterns are; Config.sparse_*), one per density in Config.sparse_densities (each block kept
+with that probability, and every query block's diagonal block kept, so that every row sees a
+key), non-causal, modes fwd and fwd_bwd; at density 1 no mask at all: the dense attention
+each provider computes anyway. (The kernels skip a block per batch row and head, so a mask per
+head costs them the same; the blockwise path, which batches the heads, skips a tile only where
+every head hides it.) Providers (key
 column density, beside experiments.results.KEY_COLUMNS):
   longflash   longflash.attention(q, k, v, block_mask=...): the kernels skip the hidden blocks
               (Triton on a GPU, the blockwise path on a CPU).
@@ -14,7 +17,7 @@ column density, beside experiments.results.KEY_COLUMNS):
               blocks (BlockMask.from_kv_blocks, no mask_mod: it skips the hidden blocks too).
   sdpa_efficient (GPU), sdpa_cpu (CPU), standard
               scaled_dot_product_attention (standard: attention_ref in the run's dtype) with
-              the blocks made elementwise, a (1, nheads, N, N) boolean attn_mask: dense work,
+              the blocks made elementwise, a (1, 1, N, N) boolean attn_mask: dense work,
               masked; "unsupported" where that mask would take more than SDPA_MASK_MAX_BYTES.
 Rows (experiment "speedup", part "sparse"), as part batch's (experiments.speedup._rows):
   time_ms, peak_mem_mb, tflops (the kept blocks' FLOPs only: the dense attention's times
@@ -39,14 +42,14 @@ BLOCK = longflash._common.BLOCK_SPARSE_UNIT  # the blocks: 128 x 128
 SDPA_MASK_MAX_BYTES = 8 << 30
 
 
-def block_mask(nheads, seqlen, density, seed, device):
-    """(1, nheads, blocks, blocks) bool: each block kept with probability density, the
-    diagonal always; None at density 1 (no mask)."""
+def block_mask(seqlen, density, seed, device):
+    """(1, 1, blocks, blocks) bool: each block kept with probability density, the diagonal
+    always; None at density 1 (no mask)."""
     if density >= 1:
         return None
     blocks = -(-seqlen // BLOCK)
     gen = torch.Generator().manual_seed(seed)
-    mask = torch.rand(1, nheads, blocks, blocks, generator=gen) < density
+    mask = torch.rand(1, 1, blocks, blocks, generator=gen) < density
     mask |= torch.eye(blocks, dtype=torch.bool)
     return mask.to(device)
 
@@ -62,14 +65,14 @@ def flex_block_mask(mask, seqlen):
     empty = torch.zeros_like(counts)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return mask[0, h, q_idx // BLOCK, kv_idx // BLOCK]
+        return mask[0, 0, q_idx // BLOCK, kv_idx // BLOCK]
 
     return BlockMask.from_kv_blocks(empty, order, counts, order, BLOCK_SIZE=BLOCK,
                                     mask_mod=mask_mod, seq_lengths=(seqlen, seqlen))
 
 
 def elementwise(mask, seqlen):
-    """The (1, nheads, N, N) boolean attn_mask the blocks stand for."""
+    """The (1, 1, N, N) boolean attn_mask the blocks stand for (broadcast over the heads)."""
     return longflash._common.block_mask_elements(mask, BLOCK, BLOCK, seqlen, seqlen)
 
 
@@ -87,7 +90,7 @@ def make_attention(provider, device, mask, seqlen):
         return (lambda q, k, v: flex(q, k, v, block_mask=blocks)), "bhnd"
     dense = None
     if mask is not None:
-        nbytes = mask.shape[1] * seqlen * seqlen
+        nbytes = seqlen * seqlen
         if nbytes > SDPA_MASK_MAX_BYTES:
             raise Unsupported(f"the elementwise mask would take {nbytes / 2**30:.0f} GiB")
         dense = elementwise(mask, seqlen)
@@ -143,7 +146,7 @@ def run(cfg, device, log, machine, started, done=frozenset()):
                     if _key(p, m, cfg.dtype, seqlen, density) not in done]
             if not todo:
                 continue
-            mask = block_mask(cfg.sparse_nheads, seqlen, density, seed=seqlen, device=device)
+            mask = block_mask(seqlen, density, seed=seqlen, device=device)
             kept = 1.0 if mask is None else mask.float().mean().item()
             base = dict(experiment="speedup", part="sparse", dtype=cfg.dtype, batch=1,
                         seqlen_q=seqlen, seqlen_k=seqlen, nheads=cfg.sparse_nheads,

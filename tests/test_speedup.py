@@ -268,9 +268,9 @@ def test_block_sparse_masks():
     import torch
     from experiments import block_sparse
     from longflash import attention_ref
-    mask = block_sparse.block_mask(2, 384, 0.3, seed=1, device="cpu")
-    assert mask.shape == (1, 2, 3, 3) and mask.diagonal(dim1=-2, dim2=-1).all()
-    assert block_sparse.block_mask(2, 384, 1.0, seed=1, device="cpu") is None
+    mask = block_sparse.block_mask(384, 0.3, seed=1, device="cpu")
+    assert mask.shape == (1, 1, 3, 3) and mask.diagonal(dim1=-2, dim2=-1).all()
+    assert block_sparse.block_mask(384, 1.0, seed=1, device="cpu") is None
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     blocks = block_sparse.flex_block_mask(mask, 384)
     q, k, v = (torch.randn(1, 2, 384, 16, dtype=torch.float64) for _ in range(3))

@@ -94,9 +94,9 @@ class _Tile:
             bits = blocks[..., first_m:-(-(start_m + size_m) // bq),
                           first_n:-(-(start_n + size_n) // bk)]
             self.skip = not bool(bits.any())
-            if not self.skip and not bool(bits.all()):
-                self.blocks = block_mask_elements(bits, bq, bk, size_m, size_n,
-                                                  start_m - first_m * bq, start_n - first_n * bk)
+            if not self.skip and not bool(bits.all()):  # (B, Hkv, G, 1, 1): one block, broadcast
+                self.blocks = bits if bits.shape[-2:] == (1, 1) else block_mask_elements(
+                    bits, bq, bk, size_m, size_n, start_m - first_m * bq, start_n - first_n * bk)
 
 
 def _scores(q_i, k_j, tile, opts, masked):
