@@ -128,6 +128,16 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     assert m[f"{P}PrefillOverNativeMax"] == f"{(by('bf16 in_place') / in_place).max():.2f}"
     assert m[f"{P}PrefillConfigs"] == str(len(over_gathered)) == "9"
     assert m[f"{P}PrefillShape"] == "batch 4, 32 query and 8 KV heads of dimension 128"
+    # block-sparse attention at the sparsest mask, at 64K tokens: LongFlash's time over its
+    # dense time, and the fastest other provider's over LongFlash's, from the rows
+    sp = rows[(rows["part"] == "sparse") & (rows["metric"] == "time_ms")
+              & (rows["seqlen_q"] == rows["seqlen_q"][rows["part"] == "sparse"].max())]
+    t = sp[sp["mode"] == "fwd"].set_index(["provider", "density"])["value"]
+    low = sp["density"].min()
+    assert m[f"{P}SparseLongflashFracFwd"] == f"{t[('longflash', low)] / t[('longflash', 1.0)]:.2f}"
+    best = min(t[(p, low)] for p in ("flex", "sdpa_efficient"))
+    assert m[f"{P}SparseOverBestPeerFwd"] == f"{best / t[('longflash', low)]:.2f}"
+    assert m[f"{P}SparseBestPeers"] == "FlexAttention" and m[f"{P}SparseSeqlen"] == "64K"
     # README: the GPU row first, the CPU rows kept.
     table = _readme(tmp_path, gen)
     lines = [line for line in table.splitlines() if line.startswith("| RQ")]
@@ -149,6 +159,8 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
         assert "No GPU was available" not in rq1 and "could not make" not in rq1
         assert "run on GPUs only" in rq1 and "measured below" in rq1
         assert "In chunked prefill over a paged cache (batch 4" in rq1
+        assert "Block-sparse attention (block_mask) was not measured on this GPU" not in rq1
+        assert "the speed of the fastest other implementation there (FlexAttention)" in rq1
 
 
 @pytest.mark.parametrize("fixture, declined", [

@@ -309,16 +309,47 @@ def mla_rows(cfg, rng, error_parts=()):
     return rows
 
 
+def sparse_rows(cfg, rng, error_parts=()):
+    """Part sparse's rows (experiments.block_sparse, through speedup._rows): made up, LongFlash
+    and flex at their dense time times the fraction of blocks kept plus a tenth, SDPA's
+    memory-efficient backend with the blocks as a mask at its dense time whatever the mask."""
+    from experiments import block_sparse, speedup
+    rows = []
+    for seqlen in cfg.sparse_seqlens:
+        for density in cfg.sparse_densities:
+            mask = block_sparse.block_mask(seqlen, density, seed=seqlen, device="cpu")
+            kept = 1.0 if mask is None else mask.float().mean().item()
+            base = dict(experiment="speedup", part="sparse", dtype=cfg.dtype, batch=1,
+                        seqlen_q=seqlen, seqlen_k=seqlen, nheads=cfg.sparse_nheads,
+                        nheads_kv=cfg.sparse_nheads, headdim=cfg.sparse_headdim, causal=False,
+                        density=density, blocks_kept=kept, **MACHINE)
+            for provider in [p for p in cfg.providers if p in block_sparse.GPU_PROVIDERS]:
+                for mode in block_sparse.MODES:
+                    status = "error" if "sparse" in error_parts else "ok"
+                    dense = _time_ms(rng, provider, mode, 1, seqlen, cfg.sparse_nheads,
+                                     cfg.sparse_headdim, False)
+                    share = 1.0 if provider == "sdpa_efficient" else kept + 0.1 * (kept < 1)
+                    times = tuple(t * share for t in dense) if status == "ok" else (math.nan,) * 3
+                    peak = _peak_mb(provider, mode, 1, seqlen, cfg.sparse_nheads,
+                                    cfg.sparse_headdim)
+                    new = speedup._rows(base, provider, mode, status, peak, times)
+                    new[2] = dict(new[2], value=new[2]["value"] * kept,
+                                  p20=new[2]["p20"] * kept, p80=new[2]["p80"] * kept)
+                    rows += new
+    return rows
+
+
 def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=(),
           prefill=True, gates_pass=False):
     """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it, and
     with `prefill` stage 8's part prefill (--full --parts prefill) after them where `stages`
-    has none. error_parts ("batch", "long", "decode", "prefill", "shared_prefix", "mla") /
+    has none. error_parts ("batch", "long", "decode", "prefill", "shared_prefix", "mla",
+    "sparse") /
     error_providers: every such row has status "error" (a part that failed, for the
     partial-results tests); decode_errors: see decode_rows; gates_pass: the steps after a
     stage's gate ran with its switches (their command names them, as results.this_command
     writes it). Returns the path."""
-    from experiments import decode, mla_decode, shared_prefix
+    from experiments import block_sparse, decode, mla_decode, shared_prefix
     from experiments import prefill as prefill_part
     from experiments.results import write_results
     out = path(results_dir, "speedup")
@@ -348,4 +379,7 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), dec
             if "mla" in cfg.parts:
                 write_results(mla_rows(cfg, rng, error_parts), out, command=command,
                               key_columns=mla_decode.KEY_COLUMNS)
+            if "sparse" in cfg.parts:
+                write_results(sparse_rows(cfg, rng, error_parts), out, command=command,
+                              key_columns=block_sparse.KEY_COLUMNS)
     return out
