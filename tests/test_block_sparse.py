@@ -220,3 +220,16 @@ def test_bad_block_mask(bad, error, match):
         return
     with pytest.raises(error, match=match):
         longflash.attention(q, k, v, backend="torch", **bad)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if INTERPRET else []))
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(0, 130), (130, 0), (5, 0)])
+def test_block_mask_empty_sizes(backend, seqlen_q, seqlen_k):
+    """No queries, or no keys (a mask with no key blocks): empty outputs, or o = 0 and lse
+    -inf, and zero gradients, as without a mask."""
+    q, k, v, do = make_inputs((1, seqlen_q, seqlen_k, 2, 1, 16), torch.float32)
+    mask = torch.ones(1, 1, -(-seqlen_q // UNIT), -(-seqlen_k // UNIT), dtype=torch.bool)
+    o, lse = longflash.attention(q, k, v, backend=backend, block_mask=mask, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    assert o.shape == q.shape and (o == 0).all() and (lse == float("-inf")).all()
+    assert not dq.any() and not dk.any() and not dv.any()
