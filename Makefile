@@ -89,7 +89,7 @@ $(QUICK_DIR)/.tree:
 	cp -r results/codegen $(QUICK_DIR)/results/
 	touch $@
 
-speedup: $(ENV_READY) $(QUICK_TREE)  # RQ1: every attention provider in one run (CPU: about 25 min on a busy 2-core machine; GPU: --full)
+speedup: $(ENV_READY) $(QUICK_TREE)  # RQ1: every attention provider in one run (CPU: about 30 min on a busy 2-core machine; GPU: --full)
 	$(PYTHON) -m experiments.speedup $(call size,--quick,--full,)
 
 io-complexity: $(ENV_READY) $(QUICK_TREE)  # RQ2: counted HBM traffic (CPU, about 1.5 min)
