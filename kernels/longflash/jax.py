@@ -680,11 +680,13 @@ def _triton_strides(name, x):
 
 
 def _triton_unused():
-    """Valid pointers (and strides) for the disabled ALiBi, varlen and attn_mask arguments
-    (BIAS_KIND 0: the binding takes no mask); never read."""
+    """Valid pointers (and strides) for the disabled ALiBi, varlen, attn_mask and block_mask
+    arguments (BIAS_KIND 0, BLOCK_SPARSE False: the binding takes neither mask); never read."""
     return dict(ALIBI=jnp.zeros((1,), jnp.float32), CU_Q=jnp.zeros((2,), jnp.int32),
                 CU_K=jnp.zeros((2,), jnp.int32), BIAS=jnp.zeros((1,), jnp.float32),
-                stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0)
+                stride_bb=0, stride_bh=0, stride_bm=0, stride_bn=0,
+                SPARSE=jnp.zeros((1,), jnp.int32), stride_sb=0, stride_sh=0, stride_sr=0,
+                sparse_cols=0, sparse_bq=128, sparse_bk=128)
 
 
 def _triton_forward(q, k, v, cfg):
