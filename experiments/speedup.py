@@ -114,6 +114,7 @@ after each group and at the end; <out>.json the resolved configuration.
 import argparse
 import contextlib
 import ctypes
+import importlib
 import math
 import os
 import re
@@ -662,36 +663,15 @@ def run(cfg, device, out, resume=False, resume_after=None):
             write_measured(rows, part)
         log(f"group {g + 1}/{len(plan)} done at {time.perf_counter() - start:.0f} s, "
             f"load average {load_average()[0]:.2f}")
-    if "decode" in cfg.parts:
-        from experiments import decode  # it imports this module's providers and failure rules
-        rows = decode.run(cfg, device, log, machine, start,
-                          decode.existing_keys(out, resume_after) if resume else set())
-        if rows:
-            write_measured(rows, "decode", key_columns=decode.KEY_COLUMNS)
-    if "prefill" in cfg.parts:
-        from experiments import prefill
-        rows = prefill.run(cfg, device, log, machine, start,
-                           prefill.existing_keys(out, resume_after) if resume else set())
-        if rows:
-            write_measured(rows, "prefill", key_columns=prefill.KEY_COLUMNS)
-    if "shared_prefix" in cfg.parts:
-        from experiments import shared_prefix
-        rows = shared_prefix.run(cfg, device, log, machine, start, shared_prefix.existing_keys(
-            out, resume_after) if resume else set())
-        if rows:
-            write_measured(rows, "shared_prefix", key_columns=shared_prefix.KEY_COLUMNS)
-    if "mla" in cfg.parts:
-        from experiments import mla_decode
-        rows = mla_decode.run(cfg, device, log, machine, start, mla_decode.existing_keys(
-            out, resume_after) if resume else set())
-        if rows:
-            write_measured(rows, "mla", key_columns=mla_decode.KEY_COLUMNS)
-    if "sparse" in cfg.parts:
-        from experiments import block_sparse
-        rows = block_sparse.run(cfg, device, log, machine, start, block_sparse.existing_keys(
-            out, resume_after) if resume else set())
-        if rows:
-            write_measured(rows, "sparse", key_columns=block_sparse.KEY_COLUMNS)
+    # the parts with a module of their own, in this order (each imports this module's
+    # providers and failure rules: imported here, on use)
+    for part, name in STEP_PARTS.items():
+        if part in cfg.parts:
+            module = importlib.import_module(f"experiments.{name}")
+            rows = module.run(cfg, device, log, machine, start,
+                              module.existing_keys(out, resume_after) if resume else set())
+            if rows:
+                write_measured(rows, part, key_columns=module.KEY_COLUMNS)
     end = measure_ceilings(cfg, device, machine, "end")
     if ceilings_pending:
         log(f"ceilings of {out} kept: this run measured no rows of "
@@ -700,6 +680,12 @@ def run(cfg, device, out, resume=False, resume_after=None):
         write_results([max(a, b, key=lambda r: r["value"]) for a, b in zip(ceiling_rows, end)],
                       out)
     log(f"load average at end: {load_average()}; {time.perf_counter() - start:.0f} s in all")
+
+
+# part -> its module in experiments/ (run, existing_keys, KEY_COLUMNS), in the order run()
+# runs them after parts batch and long
+STEP_PARTS = {"decode": "decode", "prefill": "prefill", "shared_prefix": "shared_prefix",
+              "mla": "mla_decode", "sparse": "block_sparse"}
 
 
 def _file_has_ceilings(path):

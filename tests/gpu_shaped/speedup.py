@@ -367,19 +367,16 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), dec
             rows = batch_rows(cfg, rng, error_parts, error_providers)
             if rows:
                 write_results(rows, out, command=command)
-            if "decode" in cfg.parts:
-                rows = decode_rows(cfg, rng, error_parts, error_providers, decode_errors)
-                write_results(rows, out, command=command, key_columns=decode.KEY_COLUMNS)
-            if "prefill" in cfg.parts:
-                write_results(prefill_rows(cfg, rng, error_parts), out, command=command,
-                              key_columns=prefill_part.KEY_COLUMNS)
-            if "shared_prefix" in cfg.parts:
-                write_results(shared_prefix_rows(cfg, rng, error_parts), out, command=command,
-                              key_columns=shared_prefix.KEY_COLUMNS)
-            if "mla" in cfg.parts:
-                write_results(mla_rows(cfg, rng, error_parts), out, command=command,
-                              key_columns=mla_decode.KEY_COLUMNS)
-            if "sparse" in cfg.parts:
-                write_results(sparse_rows(cfg, rng, error_parts), out, command=command,
-                              key_columns=block_sparse.KEY_COLUMNS)
+            parts = {  # part -> (its rows, its module's key columns)
+                "decode": (lambda: decode_rows(cfg, rng, error_parts, error_providers,
+                                               decode_errors), decode.KEY_COLUMNS),
+                "prefill": (lambda: prefill_rows(cfg, rng, error_parts),
+                            prefill_part.KEY_COLUMNS),
+                "shared_prefix": (lambda: shared_prefix_rows(cfg, rng, error_parts),
+                                  shared_prefix.KEY_COLUMNS),
+                "mla": (lambda: mla_rows(cfg, rng, error_parts), mla_decode.KEY_COLUMNS),
+                "sparse": (lambda: sparse_rows(cfg, rng, error_parts), block_sparse.KEY_COLUMNS)}
+            for part, (make, key_columns) in parts.items():
+                if part in cfg.parts:
+                    write_results(make(), out, command=command, key_columns=key_columns)
     return out
