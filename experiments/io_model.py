@@ -43,6 +43,21 @@ query heads inside the product (the group is part of its inner dimension).
               dS = P * (dP - rowsum(P * dP))  read P, dP twice   write dS
               dQ = dS K    (Nq, d, Nk)                  write dQ
               dK = dS^T Q  (Nk, d, group Nq)            write dK
+Block-sparse attention (`BlockSparse`: attention's block_mask, blocks of block_size_q x
+block_size_k, each a multiple of the kernels' tiles, so that a tile lies inside one block):
+LongFlash's loops visit only the tiles of their range whose block is kept, so kappa_i and rho_j
+count the rows of those tiles alone, per head (a mask may differ by batch entry and head), and
+the loops read the kernels' block lists (`_common.block_lists`, int32): for each loop its span
+in the list (two running counts, one more at an end inside a block, as flash_triton.
+_tiles_before) and each visited tile's block index. The kernels split a loop over up to three
+ranges (masked edges, unmasked middle), each reading its own span: at most 12 entries a loop,
+modelled as the one range's. Standard attention applies the mask elementwise as S is written
+and moves the same elements as without it (as with causal). The block mask itself (one bool
+per block) and the launcher's making of the lists are not counted. Without the mask's
+structure (uniform fraction s of the blocks kept, Nq, Nk multiples of the blocks), sum_i
+kappa_i = s T_r Nk: the forward moves Theta(N d + s N^2 d / BLOCK_M) elements, Dao et al.
+2022's Proposition 4, Theta(N d + s N^2 d^2 / M), for tiles that grow as M / d (here capped by
+the block size).
 Its tiles depend only on M and the shape; LongFlash's are an argument:
 `Tiles(fwd, dkdv, dq)`, one (BLOCK_M, BLOCK_N) per kernel, because the Triton autotuner picks
 each kernel's tile on its own.
@@ -51,11 +66,17 @@ each kernel's tile on its own.
 import math
 from collections import Counter, namedtuple
 
+import torch
+
 Shape = namedtuple("Shape", "seqlen_q seqlen_k headdim causal nheads nheads_kv batch",
                    defaults=(False, 1, 1, 1))
 Tiles = namedtuple("Tiles", "fwd dkdv dq")  # each (BLOCK_M, BLOCK_N)
+# mask: bool (batch or 1, nheads or 1, ceil(Nq / block_size_q), ceil(Nk / block_size_k)), as
+# longflash.attention's block_mask (whose blocks are multiples of 128; the model takes any)
+BlockSparse = namedtuple("BlockSparse", "mask block_size_q block_size_k")
 
 STATS = ("lse", "delta")  # float32 row statistics: 4 bytes whatever the input dtype
+LISTS = ("lists", "lists_t")  # block_mask's int32 lists, per query block / per key block
 PHASES = {  # the loops that run one after the other, each with its own fast-memory footprint
     ("longflash", "fwd"): ("fwd",),
     ("longflash", "bwd"): ("preprocess", "dkdv", "dq"),
@@ -77,29 +98,77 @@ def cdiv(a, b):
 # taken from `_common.key_range` / `query_range`: the simulator loops over those ranges, so
 # "closed form == simulator" checks the paper's formulas against what the kernels do.
 
-def keys_streamed(shape, BLOCK_M, BLOCK_N):
-    """sum_i kappa_i: key rows streamed past all query blocks (forward and dQ kernel)."""
+def key_spans(shape, BLOCK_M, BLOCK_N):
+    """[(lo, hi)] per query block: the keys [lo, hi) its loop visits (forward and dQ kernel)."""
     seqlen_q, seqlen_k = shape.seqlen_q, shape.seqlen_k
     if not shape.causal:
-        return cdiv(seqlen_q, BLOCK_M) * seqlen_k
-    total = 0
+        return [(0, seqlen_k)] * cdiv(seqlen_q, BLOCK_M)
+    spans = []
     for start_m in range(0, seqlen_q, BLOCK_M):
         # keys seen by the block's last row (bottom-right causal), rounded up to whole key blocks
         seen = min(max(min(start_m + BLOCK_M, seqlen_q) + seqlen_k - seqlen_q, 0), seqlen_k)
-        total += min(cdiv(seen, BLOCK_N) * BLOCK_N, seqlen_k)
-    return total
+        spans.append((0, min(cdiv(seen, BLOCK_N) * BLOCK_N, seqlen_k)))
+    return spans
+
+
+def query_spans(shape, BLOCK_M, BLOCK_N):
+    """[(lo, hi)] per key block: the queries [lo, hi) its loop visits (dK/dV kernel)."""
+    seqlen_q, seqlen_k = shape.seqlen_q, shape.seqlen_k
+    if not shape.causal:
+        return [(0, seqlen_q)] * cdiv(seqlen_k, BLOCK_N)
+    spans = []
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        first = max(start_n - (seqlen_k - seqlen_q), 0)  # the first query that sees key start_n
+        spans.append((first // BLOCK_M * BLOCK_M, seqlen_q))  # from the start of its block on
+    return spans
+
+
+def keys_streamed(shape, BLOCK_M, BLOCK_N):
+    """sum_i kappa_i: key rows streamed past all query blocks (forward and dQ kernel)."""
+    return sum(hi - lo for lo, hi in key_spans(shape, BLOCK_M, BLOCK_N))
 
 
 def queries_streamed(shape, BLOCK_M, BLOCK_N):
     """sum_j rho_j: query rows streamed past all key blocks (dK/dV kernel)."""
-    seqlen_q, seqlen_k = shape.seqlen_q, shape.seqlen_k
-    if not shape.causal:
-        return cdiv(seqlen_k, BLOCK_N) * seqlen_q
-    total = 0
-    for start_n in range(0, seqlen_k, BLOCK_N):
-        first = max(start_n - (seqlen_k - seqlen_q), 0)  # the first query that sees key start_n
-        total += seqlen_q - first // BLOCK_M * BLOCK_M    # from the start of its block to the end
-    return total
+    return sum(hi - lo for lo, hi in query_spans(shape, BLOCK_M, BLOCK_N))
+
+
+def sparse_streamed(bits, spans, TILE, block, length):
+    """A block-sparse loop's traffic, summed over batch entries, heads and loops: (rows
+    streamed, tiles visited, list entries read).
+
+    bits: bool (batch, nheads, loops, blocks), each loop's row of the block mask (a query
+    block's, or a key block's of the transposed mask); spans: [(lo, hi)] per loop, lo a
+    multiple of TILE; TILE divides block; length: the streamed sequence's. A loop visits the
+    tiles of [lo, hi) whose block is kept (rows past `length` move nothing), reads two running
+    counts and one more for each end of the span inside a block, then one index per tile."""
+    per = block // TILE
+    start = torch.arange(0, length, TILE)                    # every streamed tile's first row
+    lo, hi = (torch.tensor(x)[:, None] for x in zip(*spans))  # (loops, 1)
+    kept = bits[..., start // block] & (start >= lo) & (start < hi)  # (B, H, loops, tiles)
+    rows = (length - start).clamp(max=TILE)
+    ends = (lo // TILE % per != 0).int() + (-(-hi // TILE) % per != 0).int()  # inside a block
+    spans_read = bits.shape[0] * bits.shape[1] * int((2 + ends).sum())
+    visited = int(kept.sum())
+    return int((kept * rows).sum()), visited, spans_read + visited
+
+
+def _loop_bits(sparse, shape, transposed, TILE):
+    """Each loop's row of the mask, (batch, nheads, loops, blocks): a query block's (a key
+    block's if transposed) of TILE rows."""
+    mask = sparse.mask.expand(shape.batch, shape.nheads, *sparse.mask.shape[2:])
+    if transposed:
+        mask, block, length = mask.transpose(-1, -2), sparse.block_size_k, shape.seqlen_k
+    else:
+        block, length = sparse.block_size_q, shape.seqlen_q
+    return mask[:, :, torch.arange(0, length, TILE) // block]
+
+
+def sparse_tiles(tiles, block_size_q, block_size_k):
+    """The largest tiles within `tiles` that divide the blocks, so a tile lies inside one."""
+    def divisor(n, most):
+        return max(t for t in range(1, min(n, most) + 1) if n % t == 0)
+    return Tiles(*[(divisor(block_size_q, bm), divisor(block_size_k, bn)) for bm, bn in tiles])
 
 
 def aligned_causal_streamed(N, BLOCK_M, BLOCK_N):
@@ -112,19 +181,42 @@ def aligned_causal_streamed(N, BLOCK_M, BLOCK_N):
 
 # -- elements moved ------------------------------------------------------------------------------
 
-def longflash_counts(shape, mode, tiles):
-    """Counter {("read" | "write", tensor): elements} of LongFlash's kernels."""
+def streamed(shape, tiles, kernel, sparse=None):
+    """(rows streamed summed over all heads, list entries read) of a kernel's loops: keys
+    past query blocks (kernel "fwd" or "dq"), queries past key blocks ("dkdv")."""
+    BLOCK_M, BLOCK_N = getattr(tiles, kernel)
+    heads = shape.batch * shape.nheads
+    if sparse is None:
+        if kernel == "dkdv":
+            return heads * queries_streamed(shape, BLOCK_M, BLOCK_N), 0
+        return heads * keys_streamed(shape, BLOCK_M, BLOCK_N), 0
+    if kernel == "dkdv":
+        rows, _, reads = sparse_streamed(_loop_bits(sparse, shape, True, BLOCK_N),
+                                         query_spans(shape, BLOCK_M, BLOCK_N), BLOCK_M,
+                                         sparse.block_size_q, shape.seqlen_q)
+    else:
+        rows, _, reads = sparse_streamed(_loop_bits(sparse, shape, False, BLOCK_M),
+                                         key_spans(shape, BLOCK_M, BLOCK_N), BLOCK_N,
+                                         sparse.block_size_k, shape.seqlen_k)
+    return rows, reads
+
+
+def longflash_counts(shape, mode, tiles, sparse=None):
+    """Counter {("read" | "write", tensor): elements} of LongFlash's kernels; sparse: a
+    BlockSparse, or None (dense)."""
     s, d, c = shape, shape.headdim, Counter()
     heads, kv_heads = s.batch * s.nheads, s.batch * s.nheads_kv
     Nq, Nk = s.seqlen_q, s.seqlen_k
     if mode == "fwd":
-        kappa = keys_streamed(s, *tiles.fwd)
+        kappa, lists = streamed(s, tiles, "fwd", sparse)
         c["read", "q"] = heads * Nq * d
-        c["read", "k"] = c["read", "v"] = heads * kappa * d
+        c["read", "k"] = c["read", "v"] = kappa * d
+        c["read", "lists"] = lists
         c["write", "o"] = heads * Nq * d
         c["write", "lse"] = heads * Nq
-        return c
-    rho, kappa = queries_streamed(s, *tiles.dkdv), keys_streamed(s, *tiles.dq)
+        return +c
+    (rho, lists_t), (kappa, lists) = streamed(s, tiles, "dkdv", sparse), streamed(s, tiles, "dq",
+                                                                                  sparse)
     # -- preprocess: delta = rowsum(dO * O) --
     c["read", "o"] = c["read", "do"] = heads * Nq * d
     c["write", "delta"] = heads * Nq
@@ -132,14 +224,16 @@ def longflash_counts(shape, mode, tiles):
     c["read", "k"] = c["read", "v"] = kv_heads * Nk * d
     c["write", "dk"] = c["write", "dv"] = kv_heads * Nk * d
     for t, width in (("q", d), ("do", d), ("lse", 1), ("delta", 1)):
-        c["read", t] += heads * rho * width
+        c["read", t] += rho * width
+    c["read", "lists_t"] = lists_t
     # -- dQ: Q_i, dO_i, lse_i, delta_i stay; K, V of the visited key blocks stream --
     for t, width in (("q", d), ("do", d), ("lse", 1), ("delta", 1)):
         c["read", t] += heads * Nq * width
-    c["read", "k"] += heads * kappa * d
-    c["read", "v"] += heads * kappa * d
+    c["read", "k"] += kappa * d
+    c["read", "v"] += kappa * d
+    c["read", "lists"] = lists
     c["write", "dq"] = heads * Nq * d
-    return c
+    return +c
 
 
 def gemm_tiles(sram, m, n, k):
@@ -203,16 +297,19 @@ def standard_counts(shape, mode, sram):
     return c
 
 
-def counts(provider, shape, mode, tiles, sram):
-    """LongFlash runs with `tiles`; standard attention picks its own for `sram`."""
+def counts(provider, shape, mode, tiles, sram, sparse=None):
+    """LongFlash runs with `tiles`; standard attention picks its own for `sram` and moves the
+    same elements with a block mask as without one."""
     if provider == "longflash":
-        return longflash_counts(shape, mode, tiles)
+        return longflash_counts(shape, mode, tiles, sparse)
     return standard_counts(shape, mode, sram)
 
 
 def hbm_bytes(moved, element_size=2):
-    """Bytes moved both ways: element_size per element of the input dtype, 4 for lse and delta."""
-    return sum(n * (4 if name in STATS else element_size) for (_, name), n in moved.items())
+    """Bytes moved both ways: element_size per element of the input dtype, 4 for lse, delta
+    and the block lists' int32 entries."""
+    return sum(n * (4 if name in STATS + LISTS else element_size)
+               for (_, name), n in moved.items())
 
 
 def totals(moved):

@@ -9,6 +9,10 @@ the standard attention modelled in `io_model.py`; they compute the real output, 
 compare with `longflash.attention_ref` in float64, and their counts must equal `io_model`'s
 closed form exactly.
 
+With a block mask (io_model.BlockSparse) LongFlash's loops go over the kept tiles only, found
+as the kernels find them, from the lists of `_common.block_lists` in HBM: a list entry is
+read into a register (`TwoLevelMemory.index`: counted as moved, not as fast memory).
+
 What occupies fast memory: every tile and every row vector that lives across statements, at its
 nominal size (BLOCK rows, even at a sequence end, as in the kernel's registers and shared
 memory). Temporaries inside one expression (the masked row max, alpha) stand for registers and
@@ -65,6 +69,12 @@ class TwoLevelMemory:
         dst.copy_(tile[tuple(slice(0, n) for n in dst.shape)])
         self.moved["write", name] += dst.numel()
 
+    def index(self, name, b, h, row, col):
+        """Entry [row, col] of the int32 HBM tensor `name`[b, h] (a block list), into a
+        register: one element read."""
+        self.moved["read", name] += 1
+        return int(self.hbm[name][b, h][row, col])
+
     def free(self, *names):
         for name in names:
             self.used -= self.tiles.pop(name).numel()
@@ -76,11 +86,33 @@ def window(shape):
 
 
 def visible(shape, start_m, start_n, BLOCK_M, BLOCK_N):
-    """(BLOCK_M, BLOCK_N) bool: query i may see key j; False past the sequence ends."""
+    """(BLOCK_M, BLOCK_N) bool: query i may see key j; False past the sequence ends. (A block
+    mask needs no term: a tile lies inside one block, and a hidden one is never visited.)"""
     i = torch.arange(start_m, start_m + BLOCK_M)[:, None]
     j = torch.arange(start_n, start_n + BLOCK_N)[None, :]
     Nq, Nk = shape.seqlen_q, shape.seqlen_k
     return (i < Nq) & (j < Nk) & _common.visible(i, j, Nq, Nk, *window(shape))
+
+
+def visited_tiles(mem, lists, b, h, row, lo, hi, TILE, block):
+    """The first rows of the tiles of [lo, hi) (lo a multiple of TILE) that a loop visits, in
+    order: every one without a block mask (lists None); with one, those whose block is kept,
+    found as flash_triton's _sparse_span and _sparse_tile find them in HBM list `lists` (row
+    `row` of batch entry b, head h): the span from the row's running counts, then each
+    tile's block index."""
+    if lists is None:
+        return range(lo, hi, TILE)
+    per, cols = block // TILE, (mem.hbm[lists].shape[-1] - 1) // 2
+
+    def before(t):  # kept tiles before tile t: _tiles_before
+        blk, rem = divmod(t, per)
+        blocks = mem.index(lists, b, h, row, blk)
+        inside = mem.index(lists, b, h, row, blk + 1) - blocks if rem else 0  # blk kept?
+        return blocks * per + inside * rem
+
+    first, last = before(lo // TILE), before(-(-hi // TILE))
+    return [(mem.index(lists, b, h, row, cols + 1 + i // per) * per + i % per) * TILE
+            for i in range(first, last)]
 
 
 def heads(shape):
@@ -98,9 +130,10 @@ def kv_heads(shape):
 
 # -- LongFlash ---------------------------------------------------------------------------------
 
-def longflash_fwd(mem, shape, tiles, scale):
+def longflash_fwd(mem, shape, tiles, scale, sparse=None):
     BLOCK_M, BLOCK_N = tiles.fwd
     d = shape.headdim
+    lists, bq, bk = ("lists", sparse.block_size_q, sparse.block_size_k) if sparse else (None,) * 3
     for (b, h, hk), start_m in product(heads(shape), range(0, shape.seqlen_q, BLOCK_M)):
         q = mem.load("q", b, h, start_m, BLOCK_M)
         acc = mem.alloc("acc", BLOCK_M, d)
@@ -108,7 +141,7 @@ def longflash_fwd(mem, shape, tiles, scale):
         m_ij = mem.alloc("m_ij", BLOCK_M)
         lo, _, _, hi = key_range(start_m, BLOCK_M, BLOCK_N, shape.seqlen_q, shape.seqlen_k,
                                  *window(shape))
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in visited_tiles(mem, lists, b, h, start_m // (bq or 1), lo, hi, BLOCK_N, bk):
             k, v = mem.load("k", b, hk, start_n, BLOCK_N), mem.load("v", b, hk, start_n, BLOCK_N)
             # -- compute qk; the mask also covers padding past the sequence ends --
             s = mem.alloc("s", BLOCK_M, BLOCK_N)
@@ -138,8 +171,10 @@ def _probs(mem, shape, q, k, lse, start_m, start_n, scale):
     return p.copy_(torch.exp((q @ k.T * scale - lse[:, None]).masked_fill(~mask, NEG_INF)))
 
 
-def longflash_bwd(mem, shape, tiles, scale):
+def longflash_bwd(mem, shape, tiles, scale, sparse=None):
     d, Nq, Nk = shape.headdim, shape.seqlen_q, shape.seqlen_k
+    lists, bq, bk = ("lists", sparse.block_size_q, sparse.block_size_k) if sparse else (None,) * 3
+    lists_t = sparse and "lists_t"
     # -- preprocess: delta = rowsum(dO * O) (the dQ kernel's query blocks) --
     BLOCK_M = tiles.dq[0]
     for (b, h, _), start_m in product(heads(shape), range(0, Nq, BLOCK_M)):
@@ -154,7 +189,8 @@ def longflash_bwd(mem, shape, tiles, scale):
         k, v = mem.load("k", b, hk, start_n, BLOCK_N), mem.load("v", b, hk, start_n, BLOCK_N)
         dk, dv = mem.alloc("dk", BLOCK_N, d), mem.alloc("dv", BLOCK_N, d)
         lo, _, _, hi = query_range(start_n, BLOCK_M, BLOCK_N, Nq, Nk, *window(shape))
-        for h, start_m in product(group, range(lo, hi, BLOCK_M)):
+        for h, start_m in ((h, m) for h in group for m in visited_tiles(
+                mem, lists_t, b, h, start_n // (bk or 1), lo, hi, BLOCK_M, bq)):
             q, do = mem.load("q", b, h, start_m, BLOCK_M), mem.load("do", b, h, start_m, BLOCK_M)
             lse, delta = (mem.load(t, b, h, start_m, BLOCK_M) for t in ("lse", "delta"))
             p = _probs(mem, shape, q, k, lse, start_m, start_n, scale)
@@ -174,7 +210,7 @@ def longflash_bwd(mem, shape, tiles, scale):
         lse, delta = (mem.load(t, b, h, start_m, BLOCK_M) for t in ("lse", "delta"))
         dq = mem.alloc("dq", BLOCK_M, d)
         lo, _, _, hi = key_range(start_m, BLOCK_M, BLOCK_N, Nq, Nk, *window(shape))
-        for start_n in range(lo, hi, BLOCK_N):
+        for start_n in visited_tiles(mem, lists, b, h, start_m // (bq or 1), lo, hi, BLOCK_N, bk):
             k, v = mem.load("k", b, hk, start_n, BLOCK_N), mem.load("v", b, hk, start_n, BLOCK_N)
             p = _probs(mem, shape, q, k, lse, start_m, start_n, scale)
             ds = mem.alloc("ds", BLOCK_M, BLOCK_N)
@@ -213,15 +249,23 @@ def _product(mem, out, m, n, parts, tile, a, b, finish=None):
         mem.free("c")
 
 
-def standard_fwd(mem, shape, sram, scale):
+def standard_fwd(mem, shape, sram, scale, sparse=None):
     d, Nq, Nk = shape.headdim, shape.seqlen_q, shape.seqlen_k
     tiles = standard_tiles(shape, sram)
     side = tiles["P"]
 
-    def mask(c, start_m, start_n):
-        c.mul_(scale).masked_fill_(~visible(shape, start_m, start_n, *c.shape), NEG_INF)
-
+    if sparse is not None:
+        blocks = sparse.mask.expand(shape.batch, shape.nheads, *sparse.mask.shape[2:])
     for b, h, hk in heads(shape):
+        def mask(c, start_m, start_n, b=b, h=h):
+            seen = visible(shape, start_m, start_n, *c.shape)
+            if sparse is not None:  # the block mask, elementwise, inside the sequences
+                rows, cols = min(c.shape[0], Nq - start_m), min(c.shape[1], Nk - start_n)
+                seen[:rows, :cols] &= _common.block_mask_elements(
+                    blocks[b, h], sparse.block_size_q, sparse.block_size_k, rows, cols,
+                    start_m, start_n)
+            c.mul_(scale).masked_fill_(~seen, NEG_INF)
+
         # -- S = Q K^T, masked as it is written --
         _product(mem, ("s", b, h), Nq, Nk, [(b, h, hk, d)], tiles["S"], ("q", False),
                  ("k", True), mask)
@@ -250,7 +294,7 @@ def standard_fwd(mem, shape, sram, scale):
                  ("v", False))
 
 
-def standard_bwd(mem, shape, sram, scale):
+def standard_bwd(mem, shape, sram, scale, sparse=None):  # P is 0 where the mask hides
     d, Nq, Nk = shape.headdim, shape.seqlen_q, shape.seqlen_k
     tiles = standard_tiles(shape, sram)
     side = tiles["dS"]
@@ -289,8 +333,10 @@ def standard_bwd(mem, shape, sram, scale):
 
 # -- running both --------------------------------------------------------------------------------
 
-def simulate(provider, shape, tiles, q, k, v, do, capacity, softmax_scale=None):
-    """Run `provider`'s forward then backward on a TwoLevelMemory of `capacity` elements.
+def simulate(provider, shape, tiles, q, k, v, do, capacity, softmax_scale=None, sparse=None):
+    """Run `provider`'s forward then backward on a TwoLevelMemory of `capacity` elements;
+    sparse: an io_model.BlockSparse (LongFlash's loops skip its hidden tiles; standard
+    attention masks them elementwise as S is written).
 
     q: (batch, seqlen_q, nheads, headdim), k, v: (batch, seqlen_k, nheads_kv, headdim), do like q.
     Returns (fwd machine, bwd machine, outputs): the machines hold .moved and .peak; outputs
@@ -306,13 +352,17 @@ def simulate(provider, shape, tiles, q, k, v, do, capacity, softmax_scale=None):
     if provider == "longflash":
         hbm.update(lse=nan(B, H, Nq), delta=nan(B, H, Nq))
         fwd, bwd = longflash_fwd, longflash_bwd
+        if sparse is not None:
+            mask = sparse.mask.expand(B, H, *sparse.mask.shape[2:])
+            hbm.update(lists=_common.block_lists(mask),
+                       lists_t=_common.block_lists(mask.transpose(-1, -2)))
     else:
         hbm.update({t: nan(B, H, Nq, Nk) for t in ("s", "p", "dp", "ds")})
         fwd, bwd = standard_fwd, standard_bwd
     machines = TwoLevelMemory(capacity, hbm), TwoLevelMemory(capacity, hbm)
     setting = tiles if provider == "longflash" else capacity  # standard picks its own tiles
-    fwd(machines[0], shape, setting, scale)
-    bwd(machines[1], shape, setting, scale)
+    fwd(machines[0], shape, setting, scale, sparse)
+    bwd(machines[1], shape, setting, scale, sparse)
     assert not any(m.tiles for m in machines), "a tile was left in fast memory"
     outputs = {t: hbm[t].transpose(1, 2) for t in ("o", "dq", "dk", "dv")}
     if provider == "longflash":

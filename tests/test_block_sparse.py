@@ -172,9 +172,9 @@ def test_block_mask_decoding_shape_runs_the_main_kernel(seqlen_k):
 def test_block_lists():
     """The kernels' lists: per row, how many True columns come before each column, then the
     True columns in order."""
-    from longflash.flash_triton import _block_lists
+    from longflash._common import block_lists
     bits = torch.rand(3, 2, 5, 7, generator=torch.Generator().manual_seed(0)) < 0.5
-    lists = _block_lists(bits)
+    lists = block_lists(bits)
     assert lists.shape == (3, 2, 5, 15) and lists.dtype == torch.int32
     for row, out in zip(bits.reshape(-1, 7), lists.reshape(-1, 15)):
         true = row.nonzero().flatten()

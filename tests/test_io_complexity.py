@@ -1,5 +1,6 @@
 """RQ2's IO model: the simulator's counts equal the closed form exactly, its fast memory never
-exceeds M, its outputs are exact; the closed form has the shape of Theorem 2."""
+exceeds M, its outputs are exact; the closed form has the shape of Theorem 2 (and, with a block
+mask, of Dao et al. 2022's Proposition 4)."""
 
 import csv
 import json
@@ -10,7 +11,7 @@ import torch
 import longflash
 from experiments import io_complexity
 from experiments import io_model as io
-from experiments.io_model import Shape, Tiles, block_sizes, same_tiles
+from experiments.io_model import BlockSparse, Shape, Tiles, block_sizes, same_tiles
 from experiments.io_sim import TwoLevelMemory, simulate
 
 CASES = [  # (shape, LongFlash tiles or a fast-memory size for the "fit" rule)
@@ -72,6 +73,99 @@ def test_simulator_equals_closed_form(provider, shape, setting):
         torch.testing.assert_close(out[name], ref, rtol=1e-12, atol=1e-12, msg=name)
     if provider == "longflash":
         torch.testing.assert_close(out["lse"], lse, rtol=1e-12, atol=1e-12)  # -inf included
+
+
+def random_blocks(shape, dims, size_q, size_k, seed, empty_row=None):
+    """A BlockSparse over `shape` with a random mask of (dims[0], dims[1], .., ..) (1 for a
+    broadcast dimension): half the blocks kept; block row `empty_row` hidden whole."""
+    rows, cols = -(-shape.seqlen_q // size_q), -(-shape.seqlen_k // size_k)
+    mask = torch.rand(*dims, rows, cols, generator=torch.Generator().manual_seed(seed)) < 0.5
+    if empty_row is not None:
+        mask[..., empty_row, :] = False
+    return BlockSparse(mask, size_q, size_k)
+
+
+SPARSE_CASES = [  # (shape, tiles, mask dims (batch, heads), blocks (q, k), empty block row)
+    pytest.param(Shape(300, 450, 16, False, 2, 1), Tiles((32, 64), (64, 32), (32, 32)),
+                 (1, 2), (128, 128), None, id="Nq300-Nk450-H2/1-D16-per-head-128"),
+    pytest.param(Shape(200, 130, 24, False, 4, 2, 2), Tiles((16, 16), (8, 32), (32, 64)),
+                 (2, 1), (32, 64), 2, id="B2-Nq200-Nk130-H4/2-D24-per-batch-32x64-empty-row"),
+    pytest.param(Shape(97, 160, 8, False, 2, 2), same_tiles(16, 32), (1, 1), (32, 32), 0,
+                 id="Nq97-Nk160-D8-shared-32"),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+@pytest.mark.parametrize("provider", ["longflash", "standard"])
+@pytest.mark.parametrize("shape, tiles, dims, blocks, empty", SPARSE_CASES)
+def test_block_sparse_simulator_equals_closed_form(provider, shape, tiles, dims, blocks, empty,
+                                                    causal):
+    """LongFlash's loops over the kept tiles (found in the kernels' block lists) move what the
+    closed form counts, list entries included; standard attention moves what it moves without
+    a mask; both outputs equal attention_ref's with the block mask, in float64."""
+    shape = shape._replace(causal=causal)
+    sparse = random_blocks(shape, dims, *blocks, seed=len(shape), empty_row=empty)
+    sram = max(io.fast_mem_peak("longflash", shape, m, tiles, None) for m in ("fwd", "bwd"))
+    q, k, v, do = inputs(shape)
+    fwd, bwd, out = simulate(provider, shape, tiles, q, k, v, do, capacity=sram, sparse=sparse)
+    for mode, machine in (("fwd", fwd), ("bwd", bwd)):
+        expected = io.counts(provider, shape, mode, tiles, sram, sparse)
+        assert +machine.moved == +expected, f"{mode}: simulated {dict(machine.moved)}"
+        assert machine.peak <= sram
+        if provider == "longflash":
+            dense = io.counts(provider, shape, mode, tiles, sram)
+            assert expected["read", "k"] < dense["read", "k"]  # hidden tiles move nothing
+            assert expected["read", "lists" if mode == "fwd" else "lists_t"] > 0
+        else:
+            assert expected == io.counts(provider, shape, mode, tiles, sram)
+
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    o, lse = longflash.attention_ref(q, k, v, causal=causal, block_mask=sparse.mask,
+                                     block_size=blocks)
+    o.backward(do)
+    for name, ref in (("o", o), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(out[name], ref, rtol=1e-12, atol=1e-12, msg=name)
+    if provider == "longflash":
+        torch.testing.assert_close(out["lse"], lse, rtol=1e-12, atol=1e-12)  # -inf included
+
+
+def test_block_sparse_uniform_closed_form():
+    """N = 1024, d = 64, 128 x 64 tiles, 128-blocks, k of the 64 blocks kept: K and V are read
+    k / 64 of the dense times (sum_i kappa_i = s T_r Nk); the lists cost 2 entries a query
+    block and one a visited tile; every block kept moves the dense elements plus the lists."""
+    shape, tiles = Shape(1024, 1024, 64), same_tiles(128, 64)
+    dense = io.longflash_counts(shape, "fwd", tiles)
+    for kept in (0, 1, 16, 37, 64):
+        bits = torch.zeros(64, dtype=torch.bool)
+        bits[torch.randperm(64, generator=torch.Generator().manual_seed(kept))[:kept]] = True
+        moved = io.longflash_counts(shape, "fwd", tiles, BlockSparse(bits.view(1, 1, 8, 8),
+                                                                     128, 128))
+        assert moved["read", "k"] == moved["read", "v"] == kept * 128 * 64  # 128 keys a block
+        assert moved["read", "k"] * 64 == dense["read", "k"] * kept
+        assert moved["read", "lists"] == 8 * 2 + 2 * kept  # 128-key blocks of 64-key tiles
+        rest = {key: n for key, n in moved.items() if key not in (("read", "k"), ("read", "v"),
+                                                                  ("read", "lists"))}
+        assert rest == {key: n for key, n in dense.items() if key[1] not in ("k", "v")}
+
+
+def test_block_sparse_bytes_are_linear_in_the_density():
+    """Proposition 4's shape: bytes = (what does not stream) + s (what streams), forward and
+    backward, so the streamed part's log-log slope in s is 1."""
+    shape, sparse_tiles = Shape(4096, 4096, 64), io.sparse_tiles(block_sizes(2**16, 64), 128, 128)
+    assert sparse_tiles.fwd == (128, 64) and sparse_tiles.dkdv == (64, 128)
+    for mode in ("fwd", "bwd"):
+        none = io.hbm_bytes(io.longflash_counts(shape, mode, sparse_tiles,
+                                                BlockSparse(torch.zeros(1, 1, 32, 32, dtype=bool),
+                                                            128, 128)))
+        ss, streamed = [1 / 16, 1 / 8, 1 / 4, 1 / 2, 1], []
+        order = torch.randperm(1024, generator=torch.Generator().manual_seed(0))
+        for s in ss:
+            bits = torch.zeros(32 * 32, dtype=torch.bool)
+            bits[order[:int(s * 1024)]] = True
+            moved = io.longflash_counts(shape, mode, sparse_tiles,
+                                        BlockSparse(bits.view(1, 1, 32, 32), 128, 128))
+            streamed.append(io.hbm_bytes(moved) - none)
+        assert 0.999 < io.log_slope(ss, streamed) < 1.001, streamed
 
 
 def test_fast_memory_capacity_is_enforced():

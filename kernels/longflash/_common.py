@@ -230,6 +230,19 @@ def block_mask_elements(block_mask, block_size_q, block_size_k, seqlen_q, seqlen
     return block_mask[..., i[:, None], j[None, :]]
 
 
+def block_lists(bits):
+    """bits (..., rows, cols) bool -> (..., rows, 2 cols + 1) int32: for each row, the
+    exclusive running count of its True columns (cols + 1 entries: how many come before each
+    column, then the total), then the True columns' indices in increasing order (the first
+    `total` of cols entries; the rest are the False ones, never read). On the device, no
+    synchronization: a cumsum and a stable argsort. The Triton kernels' loops read them
+    (flash_triton._sparse_span, _sparse_tile), as does the IO simulator (experiments/io_sim.py)."""
+    counts = bits.to(torch.int32).cumsum(-1, dtype=torch.int32)
+    prefix = torch.nn.functional.pad(counts, (1, 0))
+    order = torch.argsort((~bits).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    return torch.cat([prefix, order], -1)
+
+
 def check_qv(qv, q, headdim_v, is_array, kind):
     """MLA's absorbed queries for both bindings' attention_with_kvcache: is_array(qv) (a
     tensor / array, kind names it), of shape (batch, seqlen_q, nheads, headdim_v) = q's first

@@ -91,7 +91,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import BLOCK_SPARSE_UNIT, LOG2E, empty_like, empty_outputs, fix_triton_interpreter
+from ._common import (BLOCK_SPARSE_UNIT, LOG2E, block_lists, empty_like, empty_outputs,
+                      fix_triton_interpreter)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -457,7 +458,7 @@ def _bias(BIAS, rows, cols, n_rows, n_cols, stride_r, stride_c, BIAS_KIND: tl.co
 @triton.jit
 def _tiles_before(row, t, tiles_per_block):
     """How many of a loop's visible tiles come before its tile t: row[0..cols] is the
-    exclusive running count of the row's visible blocks (_block_lists), each block
+    exclusive running count of the row's visible blocks (_common.block_lists), each block
     tiles_per_block tiles."""
     blk = t // tiles_per_block
     rem = t - blk * tiles_per_block
@@ -479,7 +480,7 @@ def _sparse_span(row, start, end, TILE: tl.constexpr, block_size):
 @triton.jit
 def _sparse_tile(row, cols, i, TILE: tl.constexpr, block_size):
     """The first index (query or key) of the row's i-th visible tile: row[cols + 1 ..] lists
-    the visible blocks in order (_block_lists)."""
+    the visible blocks in order (_common.block_lists)."""
     tiles_per_block = block_size // TILE
     blk = tl.load(row + cols + 1 + i // tiles_per_block)
     return (blk * tiles_per_block + i % tiles_per_block) * TILE
@@ -774,8 +775,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     that on Hopper the asynchronous wgmma of the one runs beside the other's exp2s
     (FlashAttention-3's intra-warpgroup overlap), at the cost of a second score tile in
     registers. BLOCK_SPARSE (neither of those): the loop runs over the visible key tiles of
-    [lo, hi) only, from this query block's row of block_mask's lists (sparse: _block_lists;
-    sparse_block: the mask's key block size), each tile's keys by its index in the list: the
+    [lo, hi) only, from this query block's row of block_mask's lists (sparse:
+    _common.block_lists; sparse_block: the mask's key block size), each tile's keys by its index in the list: the
     hidden blocks cost neither loads nor matmuls, and the loop stays one that Triton can
     software-pipeline (a branch around each step would not be)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1568,28 +1569,16 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
                                      for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
-def _block_lists(bits):
-    """bits (..., rows, cols) bool -> (..., rows, 2 cols + 1) int32: for each row, the
-    exclusive running count of its True columns (cols + 1 entries: how many come before each
-    column, then the total), then the True columns' indices in increasing order (the first
-    `total` of cols entries; the rest are the False ones, never read). On the device, no
-    synchronization: a cumsum and a stable argsort."""
-    counts = bits.to(torch.int32).cumsum(-1, dtype=torch.int32)
-    prefix = torch.nn.functional.pad(counts, (1, 0))
-    order = torch.argsort((~bits).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    return torch.cat([prefix, order], -1)
-
-
 def _sparse_args(opts, batch, nheads, transposed=False):
     """block_mask as a kernel reads it: {} without one, else SPARSE, its lists of visible key
-    blocks per query block (_block_lists; transposed: of visible query blocks per key block,
+    blocks per query block (block_lists; transposed: of visible query blocks per key block,
     for dK/dV), a (batch, nheads, rows, 2 cols + 1) view (broadcast dimensions at stride 0:
     made once for the mask's own batch and heads), its strides, cols and the block sizes.
     (N / block)^2 x 8 bytes beside the mask's own (N / block)^2 bools."""
     if opts.block_mask is None:
         return {}
     bits = opts.block_mask.transpose(-1, -2) if transposed else opts.block_mask
-    lists = _block_lists(bits)
+    lists = block_lists(bits)
     lists = lists.expand(batch, nheads, *lists.shape[2:])
     return dict(SPARSE=lists, sparse_cols=bits.shape[-1], sparse_bq=opts.block_size_q,
                 sparse_bk=opts.block_size_k,
