@@ -22,6 +22,14 @@ Dao et al.'s B_c = ceil(M / 4d), B_r = min(B_c, d), which may not fit); the cros
 which LongFlash moves no more bytes than standard attention, for each d; and the simulator
 on small shapes (odd lengths, seqlen_q != seqlen_k, GQA, causal or not).
 
+Block-sparse attention (experiment io_complexity_sparse, rows of their own beside the dense
+ones): at N = 16K, d = 64, M = 2^16, a random mask of 128 x 128 blocks shared by the heads (a
+nested series: each density's kept blocks include the next smaller's), densities 1 to 1/64,
+causal or not; LongFlash's tiles are the "fit" ones cut to divide the blocks
+(io_model.sparse_tiles), beside a dense row at the same tiles (block_mask "none") and the
+simulator on small odd shapes with masks per head. Dao et al. 2022's Proposition 4:
+Theta(N d + s N^2 d^2 / M) for a fraction s of the blocks kept.
+
 Rows (results/io_complexity/cpu.csv, schema of experiments/results.py), provider longflash or
 standard, mode fwd or bwd (bwd: the backward pass alone; the forward's outputs are in HBM),
 dtype float16 (2 bytes per element; lse and delta are float32), status ok, or unsupported
@@ -40,7 +48,9 @@ that evaluated the counts. Extra columns:
 sram_elements (M), block_rule ("fit", "flash" or "fixed" for LongFlash; "output-stationary"
 for standard attention, whose products pick their own tiles from M), BLOCK_M and BLOCK_N
 (forward tiles; backward: the dK/dV kernel's), dq_BLOCK_M, dq_BLOCK_N (the dQ kernel's),
-simulated, measured_on_gpu (False).
+simulated, measured_on_gpu (False); block-sparse rows also block_mask (which mask: a key
+column, "none" for the dense row at the same tiles), block_size, block_density (the fraction of
+the mask's blocks kept, over its heads).
 """
 
 import argparse
@@ -59,7 +69,7 @@ import torch.nn.functional as F
 
 import longflash
 from experiments import io_model as io
-from experiments.io_model import Shape, Tiles, block_sizes, runnable
+from experiments.io_model import BlockSparse, Shape, Tiles, block_sizes, runnable
 from experiments.io_sim import simulate
 from experiments.results import default_out, this_command, write_results
 
@@ -80,12 +90,19 @@ class Config:
     # simulator on odd shapes: (seqlen_q, seqlen_k, headdim, nheads, nheads_kv, BLOCK_M, BLOCK_N)
     sim_shapes: tuple = ((97, 160, 24, 4, 2, 32, 16), (160, 97, 24, 4, 2, 16, 32),
                          (113, 113, 40, 2, 1, 16, 16))
+    # block sparsity at N = seqlen, d = headdim, M = sram: fractions of the blocks kept
+    densities: tuple = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625)
+    block_size: int = 128        # the mask's blocks (longflash's unit, RQ1 part sparse's)
+    # ... and the simulator with a mask per head, half its blocks kept: (seqlen_q, seqlen_k,
+    # headdim, nheads, nheads_kv, BLOCK_M, BLOCK_N)
+    sparse_sim_shapes: tuple = ((300, 450, 16, 2, 1, 32, 64), (257, 200, 24, 4, 2, 64, 32))
     out: str = ""  # default results/io_complexity/<device>.csv (experiments.results.default_out)
 
 
 FULL = dict(sim_sweeps=Config.sim_sweeps + ((256, 32),),
             sim_shapes=Config.sim_shapes + ((203, 97, 59, 8, 2, 64, 32), (1, 17, 16, 2, 2, 16, 16),
-                                            (256, 512, 64, 4, 4, 64, 64)))
+                                            (256, 512, 64, 4, 4, 64, 64)),
+            sparse_sim_shapes=Config.sparse_sim_shapes + ((640, 513, 32, 2, 2, 128, 64),))
 
 
 # -- rows ----------------------------------------------------------------------------------------
@@ -101,29 +118,31 @@ def describe(provider, sram, tiles, mode):
             f"dQ tiles {tiles.dq[0]}x{tiles.dq[1]}")
 
 
-def base_row(cfg, provider, shape, mode, device, **extra):
-    return dict(experiment="io_complexity", provider=provider, mode=mode, dtype=cfg.dtype,
+def base_row(cfg, provider, shape, mode, device, experiment="io_complexity", **extra):
+    return dict(experiment=experiment, provider=provider, mode=mode, dtype=cfg.dtype,
                 batch=shape.batch, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
                 nheads=shape.nheads, nheads_kv=shape.nheads_kv, headdim=shape.headdim,
                 causal=shape.causal, p20=math.nan, p80=math.nan, memory_model=device,
                 measured_on_gpu=False, **extra)
 
 
-def count_rows(cfg, provider, shape, mode, tiles, sram, rule, sim_err=None):
-    """One row per metric for one configuration; `unsupported` rows where no tile fits."""
+def count_rows(cfg, provider, shape, mode, tiles, sram, rule, sim_err=None, sparse=None,
+               **columns):
+    """One row per metric for one configuration; `unsupported` rows where no tile fits.
+    sparse: an io_model.BlockSparse; columns: more columns (experiment, block_mask, ...)."""
     lf = provider == "longflash"
     ok = not lf or runnable(tiles, mode)
     tile = (tiles.fwd if mode == "fwd" else tiles.dkdv) if lf and ok else (None, None)
     dq = tiles.dq if lf and ok and mode == "bwd" else (None, None)
     extra = dict(sram_elements=sram, block_rule=rule if lf else "output-stationary",
                  BLOCK_M=tile[0], BLOCK_N=tile[1], dq_BLOCK_M=dq[0], dq_BLOCK_N=dq[1],
-                 simulated=sim_err is not None)
+                 simulated=sim_err is not None, **columns)
     base = base_row(cfg, provider, shape, mode, describe(provider, sram, tiles, mode), **extra)
     metrics = ["hbm_elements_read", "hbm_elements_written", "hbm_bytes", "fast_mem_peak"]
     if not ok:
         return [dict(base, metric=m, value=math.nan, unit="", status="unsupported")
                 for m in metrics]
-    moved = io.counts(provider, shape, mode, tiles, sram)
+    moved = io.counts(provider, shape, mode, tiles, sram, sparse)
     reads, writes = io.totals(moved)
     values = [(reads, "elements"), (writes, "elements"),
               (io.hbm_bytes(moved, ELEMENT_SIZE[cfg.dtype]), "bytes"),
@@ -144,22 +163,24 @@ def max_err(a, b):
     return diff.max().item() if diff.numel() else 0.0
 
 
-def verify(provider, shape, tiles, sram, seed=0):
-    """Run the simulator with fast memory `sram`; assert it matches the closed form exactly.
-    Returns {mode: max abs error against attention_ref in float64}."""
+def verify(provider, shape, tiles, sram, seed=0, sparse=None):
+    """Run the simulator with fast memory `sram` (and block mask `sparse`); assert it matches
+    the closed form exactly. Returns {mode: max abs error against attention_ref in float64}."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda n, h: torch.randn(shape.batch, n, h, shape.headdim, generator=g,  # noqa: E731
                                      dtype=torch.float64)
     q, do = randn(shape.seqlen_q, shape.nheads), randn(shape.seqlen_q, shape.nheads)
     k, v = randn(shape.seqlen_k, shape.nheads_kv), randn(shape.seqlen_k, shape.nheads_kv)
-    fwd, bwd, out = simulate(provider, shape, tiles, q, k, v, do, sram)
+    fwd, bwd, out = simulate(provider, shape, tiles, q, k, v, do, sram, sparse=sparse)
     for mode, machine in (("fwd", fwd), ("bwd", bwd)):
-        expected = io.counts(provider, shape, mode, tiles, sram)
+        expected = io.counts(provider, shape, mode, tiles, sram, sparse)
         assert +machine.moved == +expected, (provider, shape, tiles, mode, machine.moved, expected)
         assert machine.peak == io.fast_mem_peak(provider, shape, mode, tiles, sram)
 
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    o, lse = longflash.attention_ref(q, k, v, causal=shape.causal)
+    blocks = {} if sparse is None else dict(block_mask=sparse.mask, block_size=(
+        sparse.block_size_q, sparse.block_size_k))
+    o, lse = longflash.attention_ref(q, k, v, causal=shape.causal, **blocks)
     o.backward(do)
     errs = {"fwd": max_err(out["o"], o), "bwd": max(max_err(out[t], x.grad)
                                                   for t, x in (("dq", q), ("dk", k), ("dv", v)))}
@@ -191,6 +212,57 @@ def simulated_rows(cfg, log):
                 rows += count_rows(cfg, provider, shape, mode, tiles, sram, rule, errs.get(mode))
     log(f"simulator: {n} runs (configuration x provider, forward and backward): counts equal to "
         f"the closed form, fast memory within M, outputs within 1e-9 of attention_ref")
+    return rows
+
+
+def nested_masks(blocks, densities, seed=0):
+    """{density: (1, 1, blocks, blocks) bool}: round(density blocks^2) random blocks kept,
+    each density's set inside the next larger's (one random order)."""
+    order = torch.randperm(blocks * blocks, generator=torch.Generator().manual_seed(seed))
+    masks = {}
+    for s in densities:
+        bits = torch.zeros(blocks * blocks, dtype=torch.bool)
+        bits[order[:round(s * blocks * blocks)]] = True
+        masks[s] = bits.view(1, 1, blocks, blocks)
+    return masks
+
+
+def sparse_columns(sparse, name):
+    return dict(experiment="io_complexity_sparse", block_mask=name,
+                block_size=sparse.block_size_q if sparse else None,
+                block_density=1.0 if sparse is None else sparse.mask.float().mean().item())
+
+
+def sparse_rows(cfg, log):
+    """The density sweep (LongFlash; "none": the dense kernels at the same tiles), and the
+    simulator with masks per head (both providers)."""
+    rows, bs = [], cfg.block_size
+    shape = Shape(cfg.seqlen, cfg.seqlen, cfg.headdim)
+    tiles = io.sparse_tiles(block_sizes(cfg.sram, cfg.headdim), bs, bs)
+    blocks = -(-cfg.seqlen // bs)
+    masks = {f"random {round(s * blocks**2)}/{blocks**2} of {bs}x{bs} blocks, shared by the "
+             f"heads, seed 0": BlockSparse(m, bs, bs)
+             for s, m in nested_masks(blocks, cfg.densities).items()}
+    for causal, mode in product((False, True), MODES):
+        for name, sparse in [("none", None), *masks.items()]:
+            rows += count_rows(cfg, "longflash", shape._replace(causal=causal), mode, tiles,
+                               cfg.sram, "fit", sparse=sparse, **sparse_columns(sparse, name))
+    n = 0
+    for (Nq, Nk, d, h, hkv, bm, bn), causal in product(cfg.sparse_sim_shapes, (False, True)):
+        shape, tiles = Shape(Nq, Nk, d, causal, h, hkv), io.same_tiles(bm, bn)
+        g = torch.Generator().manual_seed(Nq)
+        sparse = BlockSparse(torch.rand(1, h, -(-Nq // bs), -(-Nk // bs), generator=g) < 0.5,
+                             bs, bs)
+        name = f"random half of {bs}x{bs} blocks per head, seed {Nq}"
+        sram = max(io.fast_mem_peak("longflash", shape, m, tiles, None) for m in MODES)
+        for provider in PROVIDERS:
+            errs = verify(provider, shape, tiles, sram, sparse=sparse)
+            n += 1
+            for mode in MODES:
+                rows += count_rows(cfg, provider, shape, mode, tiles, sram, "fixed",
+                                   errs[mode], sparse, **sparse_columns(sparse, name))
+    log(f"simulator, block-sparse: {n} runs: counts equal to the closed form, outputs within "
+        f"1e-9 of attention_ref with the block mask")
     return rows
 
 
@@ -249,7 +321,7 @@ def summarize(cfg, rows, log):
     """The fitted log-log exponents, printed (the notebook fits them again from the CSV)."""
     def series(key, xs, provider, mode, **fixed):
         pts = [(r[key], r["value"]) for r in rows if r["metric"] == "hbm_bytes"
-               and r["status"] == "ok" and r["provider"] == provider and r["mode"] == mode
+               and r["experiment"] == "io_complexity" and r["status"] == "ok" and r["provider"] == provider and r["mode"] == mode
                and r[key] in xs and all(r[k] == v for k, v in fixed.items())]
         return io.log_slope(*zip(*sorted(pts)))
     for provider, mode in product(PROVIDERS, MODES):
@@ -262,6 +334,13 @@ def summarize(cfg, rows, log):
         m = series("sram_elements", range(cfg.headdim**2, cfg.seqlen * cfg.headdim + 1),
                    provider, mode, seqlen_q=cfg.seqlen, headdim=cfg.headdim, **ref)
         log(f"exponents {provider:9} {mode}: N {n:.3f}  d {d:.3f}  M (d^2..Nd) {m:.3f}")
+    for causal, mode in product((False, True), MODES):  # block sparsity: bytes against density
+        pts = {r["block_mask"]: (r["block_density"], r["value"]) for r in rows
+               if r["experiment"] == "io_complexity_sparse" and not r["simulated"]
+               and r["metric"] == "hbm_bytes" and r["mode"] == mode and r["causal"] == causal}
+        dense = pts.pop("none")[1]
+        log(f"block-sparse longflash {mode} causal={causal!s:5}: bytes / dense at the same "
+            f"tiles: " + ", ".join(f"{s:g} -> {b / dense:.3f}" for s, b in sorted(pts.values())))
 
 
 # -- Nsight Compute plan (for a GPU session) -----------------------------------------------------
@@ -364,15 +443,17 @@ def main(argv=None):
         print(line, flush=True)
         lines.append(line)
 
-    rows = sweep_rows(cfg) + crossover_rows(cfg, log) + simulated_rows(cfg, log)
+    rows = (sweep_rows(cfg) + crossover_rows(cfg, log) + simulated_rows(cfg, log)
+            + sparse_rows(cfg, log))
     # A configuration can fall in two sweeps: keep one row per key (the simulated one if any).
     by_key = {}
     for r in sorted(rows, key=lambda r: r.get("simulated", False)):
-        by_key[r["provider"], r["mode"], r["batch"], r["seqlen_q"], r["seqlen_k"], r["nheads"],
-               r["nheads_kv"], r["headdim"], r["causal"], r["metric"], r["memory_model"]] = r
+        by_key[r["experiment"], r["provider"], r["mode"], r["batch"], r["seqlen_q"],
+               r["seqlen_k"], r["nheads"], r["nheads_kv"], r["headdim"], r["causal"],
+               r["metric"], r["memory_model"], r.get("block_mask")] = r
     rows = list(by_key.values())
     summarize(cfg, rows, log)
-    write_results(rows, cfg.out, key_columns=("memory_model",))
+    write_results(rows, cfg.out, key_columns=("memory_model", "block_mask"))
     log(f"{len(rows)} rows -> {cfg.out}")
     # Appended, as the other experiments' logs (experiments.results.start_run): a rerun, or
     # the GPU campaign's ncu rows beside these, never erase an earlier run's log.

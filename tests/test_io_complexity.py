@@ -241,3 +241,28 @@ def test_ncu_plan_and_target(tmp_path):
         spec = dict(provider=provider, mode="bwd", batch=1, seqlen=64, nheads=2, headdim=16,
                     causal=True, dtype="float32")
         io_complexity.main(["--ncu-target", json.dumps(spec)])
+
+
+def test_block_sparse_rows(tmp_path):
+    """The experiment's block-sparse rows: a dense row at the same tiles, nested masks whose
+    bytes fall with the density, simulated rows of both providers; one key per row."""
+    from dataclasses import replace
+
+    from experiments.results import write_results
+    cfg = replace(io_complexity.Config(), seqlen=1024, densities=(1.0, 0.25, 0.0625),
+                  sparse_sim_shapes=((130, 200, 8, 2, 1, 32, 64),))
+    rows = io_complexity.sparse_rows(cfg, print)
+    assert {r["experiment"] for r in rows} == {"io_complexity_sparse"}
+    hbm = {(r["block_density"], r["mode"], r["causal"]): r["value"] for r in rows
+           if r["metric"] == "hbm_bytes" and not r["simulated"] and r["block_mask"] != "none"}
+    dense = {(r["mode"], r["causal"]): r["value"] for r in rows
+             if r["metric"] == "hbm_bytes" and r["block_mask"] == "none"}
+    for (mode, causal), full in dense.items():
+        assert hbm[0.0625, mode, causal] < hbm[0.25, mode, causal] < hbm[1.0, mode, causal]
+        assert full < hbm[1.0, mode, causal] < 1.001 * full  # the lists: a little more
+    sim = [r for r in rows if r["simulated"] and r["metric"] == "sim_max_abs_err"]
+    assert len(sim) == 2 * 2 * 2 and all(r["value"] < 1e-9 for r in sim)  # provider, causal, mode
+    write_results(rows, str(tmp_path / "x.csv"), command="test",
+                  key_columns=("memory_model", "block_mask"))
+    masks = io_complexity.nested_masks(16, (0.5, 0.25))
+    assert masks[0.25].sum() == 64 and (masks[0.25] <= masks[0.5]).all()
