@@ -42,7 +42,9 @@ ROWS = [
     ("RQ2 IO complexity",
      "HBM traffic of the forward pass {IoRatioFwd}x below standard attention ({IoRatioCausalFwd}x "
      "causal) at N = {IoSweepN}, d = {IoSweepD}, M = {IoSweepM} elements; grows as "
-     "N^{IoExpNFwd}, d^{IoExpDFwd}, M^{IoExpMFwd} (bound: N^2 d^2 / M)",
+     "N^{IoExpNFwd}, d^{IoExpDFwd}, M^{IoExpMFwd} (bound: N^2 d^2 / M); block-sparse, "
+     "{IoSparseFracEighthFwd} of the dense bytes with 1/8 of the blocks kept, linear in the "
+     "fraction kept",
      f"counted in the two-level memory model, checked by a simulator{NO_GPU_IO}",
      "{IoComplexityResultsFile}"),
     ("RQ3 sequence parallelism",
