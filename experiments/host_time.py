@@ -36,8 +36,15 @@ experiments.results.KEY_COLUMNS:
             equal and keeps the first. CPU tensors: no TMA candidate (no tensor descriptors
             made). Grad False.
   grad      the inputs require gradients (a training forward: autograd records it).
+  "lists made", "lists kept": longflash only, on any machine: a block-sparse call's block
+            lists (flash_triton._sparse_args, which makes them with _cached_block_lists) for a
+            random block_mask per head of LISTS (16K tokens: 128 x 128 blocks of 128, 16
+            heads), made afresh on every call (the kept ones dropped first) or found kept for
+            the same mask; mode "fwd" the forward's lists, "bwd" the backward's two (the dQ
+            kernel's and the transposed ones of dK/dV). On a GPU their launches, on a CPU
+            their arithmetic.
 mode "fwd" (grad False and True), "fwd_bwd" (grad True: the forward, then
-torch.autograd.grad of o with a fixed dO into q, k and v), or "bwd" (stand-in only).
+torch.autograd.grad of o with a fixed dO into q, k and v), or "bwd" (stand-in and lists).
 A stubbed call plus the stand-in launchers it calls approximates a GPU call's host time
 less the C launcher's (a few microseconds per launch).
 """
@@ -47,6 +54,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
+from itertools import product
 from unittest import mock
 
 import numpy as np
@@ -74,6 +82,7 @@ class Shape:
 SHAPE = Shape()
 DECODE = Shape(batch=1, seqlen=4096, nheads=32, headdim=128)  # seqlen: the cache's tokens
 DECODE_NHEADS_KV, STAND_IN_SMS = 8, 132
+LISTS = Shape(batch=1, seqlen=16384, nheads=16, headdim=128)  # the block-sparse lists' shape
 CALLS_MEASURED = (("fwd", False), ("fwd", True), ("fwd_bwd", True))  # (mode, grad)
 log = Log()
 
@@ -164,6 +173,41 @@ def stand_in_rows(dtype, calls, repeats):
                        headdim=shape.headdim, causal=False, metric="host_us", unit="us",
                        kernels="stand-in", grad=False)
             rows.append(_measure(row, call, "cpu", calls, repeats))
+    return rows
+
+
+def lists_rows(device, calls, repeats):
+    """kernels "lists made" and "lists kept": the block lists of a block-sparse call at
+    LISTS, made on every call or kept from the first."""
+    from longflash import flash_triton
+    from longflash._common import BLOCK_SPARSE_UNIT, Options
+
+    blocks = -(-LISTS.seqlen // BLOCK_SPARSE_UNIT)
+    gen = torch.Generator(device=device).manual_seed(0)
+    mask = torch.rand(1, LISTS.nheads, blocks, blocks, generator=gen, device=device) < 0.25
+    opts = Options(LISTS.headdim ** -0.5, -1, -1, None, 0.0)._replace(block_mask=mask)
+
+    def lists(mode):
+        args = [flash_triton._sparse_args(opts, LISTS.batch, LISTS.nheads)]
+        if mode == "bwd":
+            args.append(flash_triton._sparse_args(opts, LISTS.batch, LISTS.nheads, True))
+        return args
+
+    def made(mode):
+        def call():
+            for key in [k for k in flash_triton._LISTS if k[0] == id(mask)]:
+                del flash_triton._LISTS[key]
+            return lists(mode)
+        return call
+
+    rows = []
+    for kernels, mode in product(("lists made", "lists kept"), ("fwd", "bwd")):
+        row = dict(experiment="host_time", provider="longflash", mode=mode, dtype="bool",
+                   batch=LISTS.batch, seqlen_q=LISTS.seqlen, seqlen_k=LISTS.seqlen,
+                   nheads=LISTS.nheads, nheads_kv=LISTS.nheads, headdim=LISTS.headdim,
+                   causal=False, metric="host_us", unit="us", kernels=kernels, grad=False)
+        call = made(mode) if kernels == "lists made" else (lambda mode=mode: lists(mode))
+        rows.append(_measure(row, call, device, calls, repeats))
     return rows
 
 
@@ -277,6 +321,7 @@ def main(argv=None):
     for provider, kernels in providers:
         profile = args.profile if provider == "longflash" else 0
         rows += rows_of(provider, kernels, device, dtype, calls, repeats, profile=profile)
+    rows += lists_rows(device, calls, repeats)
     if device == "cpu" and args.stand_in:
         if os.environ.get("TRITON_INTERPRET") == "1":
             log("stand-in: not under TRITON_INTERPRET=1 (the kernels would be interpreted)")

@@ -182,6 +182,58 @@ def test_block_lists():
         assert out[8:8 + len(true)].tolist() == true.tolist()
 
 
+def test_block_lists_made_once_per_mask(monkeypatch):
+    """The launchers' lists are kept per mask tensor: the same unchanged tensor gets the same
+    lists back; an in-place write (through a view too) makes them again; an inference tensor
+    (no version counter) never keeps them; an entry goes with its mask."""
+    import gc
+
+    from longflash.flash_triton import _LISTS, _cached_block_lists
+    mask = torch.rand(1, 2, 3, 4, generator=torch.Generator().manual_seed(1)) < 0.5
+    lists = _cached_block_lists(mask, False)
+    assert _cached_block_lists(mask, False) is lists
+    transposed = _cached_block_lists(mask, True)
+    assert torch.equal(transposed, _common.block_lists(mask.transpose(-1, -2)))
+    mask[0, 0, 0, 0] = ~mask[0, 0, 0, 0]
+    again = _cached_block_lists(mask, False)
+    assert again is not lists and torch.equal(again, _common.block_lists(mask))
+    mask[0].fill_(True)  # a view shares the version counter
+    assert torch.equal(_cached_block_lists(mask, False), _common.block_lists(mask))
+    assert not torch.equal(_cached_block_lists(mask, True), transposed)
+    keys = [k for k in _LISTS if k[0] == id(mask)]
+    del mask
+    gc.collect()
+    assert not [k for k in keys if k in _LISTS]
+    with torch.inference_mode():
+        frozen = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+        assert _cached_block_lists(frozen, False) is not _cached_block_lists(frozen, False)
+    # while a CUDA graph is captured (test_gpu's test_block_sparse_cuda_graph_gpu on a GPU)
+    from longflash import flash_triton
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    kept = _cached_block_lists(mask, False)
+    monkeypatch.setattr(flash_triton, "_capturing", lambda x: True)
+    assert _cached_block_lists(mask, False) is not kept
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton launchers' kept lists, interpreted")
+def test_block_mask_changed_in_place_between_calls():
+    """One mask tensor through the kernels, then changed in place and passed again: the second
+    call (forward and backward) follows the new mask, not the lists kept from the first."""
+    shape = (1, 260, 300, 2, 1, 16)
+    q, k, v, do = make_inputs(shape, torch.float32)
+    mask = _blocks(shape, "1H", UNIT, density=0.5)
+    for _ in range(2):
+        q_, k_, v_ = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        o = longflash.attention(q_, k_, v_, backend="triton", block_mask=mask)
+        grads = torch.autograd.grad(o, (q_, k_, v_), do)
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = attention_ref(q64, k64, v64, block_mask=mask)[0]
+        for got, want in zip((o, *grads), (ref, *torch.autograd.grad(ref, (q64, k64, v64),
+                                                                     do.double()))):
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+        mask.logical_not_()  # the kept blocks become the hidden ones
+
+
 def test_block_mask_compiles_fullgraph():
     """torch.compile(fullgraph=True): block_mask and block_size travel through both ops."""
     shape = (1, 260, 260, 2, 1, 16)

@@ -499,6 +499,38 @@ def test_block_sparse_skips_hidden_blocks_gpu():
     test_hidden_blocks_are_skipped("triton", device="cuda")
 
 
+def test_block_sparse_cuda_graph_gpu():
+    """A forward with a block_mask captured in a CUDA graph after eager calls (which keep the
+    mask's block lists), the mask then changed in place: the replay follows the new mask, as
+    the launcher makes the lists inside the graph while capturing (flash_triton.
+    _cached_block_lists) instead of reusing the kept ones; bf16 against float64."""
+    from test_block_sparse import UNIT, _blocks
+    from test_headdim_v import make_inputs
+    shape = (1, 1100, 1300, 4, 2, 128)
+    q, k, v, _ = make_inputs(shape[:5] + (128, 128), torch.bfloat16, device="cuda")
+    mask = _blocks(shape, "1H", UNIT, density=0.5).cuda()
+
+    def attend():
+        with torch.no_grad():
+            return longflash.attention(q, k, v, backend="triton", block_mask=mask)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager calls (autotuning) keep this mask's lists
+        for _ in range(3):
+            attend()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = attend()
+    mask.logical_not_()
+    graph.replay()
+    torch.cuda.synchronize()
+    q64, k64, v64 = (x.detach().double() for x in (q, k, v))
+    ref = attention_ref(q64, k64, v64, block_mask=mask)[0]
+    lowp = attention_ref(q, k, v, block_mask=mask, upcast=False)[0]
+    check_close("o", o, lowp, ref)
+
+
 # 16 queries x 4 heads a KV head: the split-KV kernel's 64-row tile (8 warps with a mask)
 SPEC16 = ("spec16-H32/8-D128-5K", 1, 16, 32, 8, 128, None, 5200, [5100], 16, dict(causal=True))
 

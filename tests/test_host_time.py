@@ -13,11 +13,17 @@ from conftest import needs_triton, run_uninterpreted
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's rows")
 def test_quick_run_writes_the_stubbed_rows(tmp_path):
+    """The stubbed calls' rows and the block lists' (made on every call, or kept: far less)."""
     out = tmp_path / "host_time" / "cpu.csv"
     host_time.main(["--quick", "--out", str(out)])
     df = read_results([str(out)])
-    assert sorted(zip(df["mode"], df["grad"])) == sorted(host_time.CALLS_MEASURED)
-    assert set(df["provider"]) == {"longflash"} and set(df["kernels"]) == {"stubbed"}
+    stubbed, lists = df[df["kernels"] == "stubbed"], df[df["kernels"] != "stubbed"]
+    assert sorted(zip(stubbed["mode"], stubbed["grad"])) == sorted(host_time.CALLS_MEASURED)
+    assert sorted(zip(lists["kernels"], lists["mode"])) == [
+        ("lists kept", "bwd"), ("lists kept", "fwd"), ("lists made", "bwd"), ("lists made", "fwd")]
+    us = dict(zip(zip(lists["kernels"], lists["mode"]), lists["value"]))
+    assert all(us["lists kept", m] < us["lists made", m] for m in ("fwd", "bwd"))
+    assert set(df["provider"]) == {"longflash"}
     assert (df["status"] == "ok").all() and (df["metric"] == "host_us").all()
     assert (df["value"] > 0).all() and (df["p20"] <= df["value"]).all()
     assert (df["value"] <= df["p80"]).all()

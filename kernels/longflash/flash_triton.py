@@ -85,6 +85,7 @@ import inspect
 import os
 import types
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -1569,6 +1570,36 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
                                      for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
+_LISTS = {}  # (id(block_mask), transposed) -> (weakref to it, its version, its lists)
+
+
+def _capturing(x):
+    """Whether x's device is capturing a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _cached_block_lists(block_mask, transposed):
+    """block_lists of block_mask (transposed: of its last two dimensions swapped), made once
+    per mask: the same tensor, unchanged since (its version counter, which in-place writes
+    through any view advance), gets back the lists made for it, so a model that hands one mask
+    to every layer makes them once, not once per layer and pass (each a few kernel launches).
+    An entry goes when its mask does. Made afresh, and not kept, for inference tensors (no
+    version counter) and while a CUDA graph is captured (each replay must remake them from
+    what the mask then holds)."""
+    def make():
+        return block_lists(block_mask.transpose(-1, -2) if transposed else block_mask)
+    if block_mask.is_inference() or _capturing(block_mask):
+        return make()
+    key = (id(block_mask), transposed)
+    entry = _LISTS.get(key)
+    if entry is not None and entry[0]() is block_mask and entry[1] == block_mask._version:
+        return entry[2]
+    lists = make()
+    _LISTS[key] = (weakref.ref(block_mask, lambda _, key=key: _LISTS.pop(key, None)),
+                   block_mask._version, lists)
+    return lists
+
+
 def _sparse_args(opts, batch, nheads, transposed=False):
     """block_mask as a kernel reads it: {} without one, else SPARSE, its lists of visible key
     blocks per query block (block_lists; transposed: of visible query blocks per key block,
@@ -1577,10 +1608,10 @@ def _sparse_args(opts, batch, nheads, transposed=False):
     (N / block)^2 x 8 bytes beside the mask's own (N / block)^2 bools."""
     if opts.block_mask is None:
         return {}
-    bits = opts.block_mask.transpose(-1, -2) if transposed else opts.block_mask
-    lists = block_lists(bits)
+    lists = _cached_block_lists(opts.block_mask, transposed)
     lists = lists.expand(batch, nheads, *lists.shape[2:])
-    return dict(SPARSE=lists, sparse_cols=bits.shape[-1], sparse_bq=opts.block_size_q,
+    cols = opts.block_mask.shape[-2 if transposed else -1]
+    return dict(SPARSE=lists, sparse_cols=cols, sparse_bq=opts.block_size_q,
                 sparse_bk=opts.block_size_k,
                 **dict(zip(("stride_sb", "stride_sh", "stride_sr"), lists.stride()[:3])))
 
