@@ -135,7 +135,7 @@ def queries_streamed(shape, BLOCK_M, BLOCK_N):
 
 def sparse_streamed(bits, spans, TILE, block, length):
     """A block-sparse loop's traffic, summed over batch entries, heads and loops: (rows
-    streamed, tiles visited, list entries read).
+    streamed, list entries read).
 
     bits: bool (batch, nheads, loops, blocks), each loop's row of the block mask (a query
     block's, or a key block's of the transposed mask); spans: [(lo, hi)] per loop, lo a
@@ -149,8 +149,7 @@ def sparse_streamed(bits, spans, TILE, block, length):
     rows = (length - start).clamp(max=TILE)
     ends = (lo // TILE % per != 0).int() + (-(-hi // TILE) % per != 0).int()  # inside a block
     spans_read = bits.shape[0] * bits.shape[1] * int((2 + ends).sum())
-    visited = int(kept.sum())
-    return int((kept * rows).sum()), visited, spans_read + visited
+    return int((kept * rows).sum()), spans_read + int(kept.sum())
 
 
 def _loop_bits(sparse, shape, transposed, TILE):
@@ -185,20 +184,15 @@ def streamed(shape, tiles, kernel, sparse=None):
     """(rows streamed summed over all heads, list entries read) of a kernel's loops: keys
     past query blocks (kernel "fwd" or "dq"), queries past key blocks ("dkdv")."""
     BLOCK_M, BLOCK_N = getattr(tiles, kernel)
-    heads = shape.batch * shape.nheads
+    transposed = kernel == "dkdv"
+    spans = (query_spans if transposed else key_spans)(shape, BLOCK_M, BLOCK_N)
     if sparse is None:
-        if kernel == "dkdv":
-            return heads * queries_streamed(shape, BLOCK_M, BLOCK_N), 0
-        return heads * keys_streamed(shape, BLOCK_M, BLOCK_N), 0
-    if kernel == "dkdv":
-        rows, _, reads = sparse_streamed(_loop_bits(sparse, shape, True, BLOCK_N),
-                                         query_spans(shape, BLOCK_M, BLOCK_N), BLOCK_M,
-                                         sparse.block_size_q, shape.seqlen_q)
-    else:
-        rows, _, reads = sparse_streamed(_loop_bits(sparse, shape, False, BLOCK_M),
-                                         key_spans(shape, BLOCK_M, BLOCK_N), BLOCK_N,
-                                         sparse.block_size_k, shape.seqlen_k)
-    return rows, reads
+        return shape.batch * shape.nheads * sum(hi - lo for lo, hi in spans), 0
+    if transposed:  # key blocks of BLOCK_N stay, query tiles of BLOCK_M stream
+        return sparse_streamed(_loop_bits(sparse, shape, True, BLOCK_N), spans, BLOCK_M,
+                               sparse.block_size_q, shape.seqlen_q)
+    return sparse_streamed(_loop_bits(sparse, shape, False, BLOCK_M), spans, BLOCK_N,
+                           sparse.block_size_k, shape.seqlen_k)
 
 
 def longflash_counts(shape, mode, tiles, sparse=None):

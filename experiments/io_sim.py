@@ -94,15 +94,19 @@ def visible(shape, start_m, start_n, BLOCK_M, BLOCK_N):
     return (i < Nq) & (j < Nk) & _common.visible(i, j, Nq, Nk, *window(shape))
 
 
-def visited_tiles(mem, lists, b, h, row, lo, hi, TILE, block):
-    """The first rows of the tiles of [lo, hi) (lo a multiple of TILE) that a loop visits, in
-    order: every one without a block mask (lists None); with one, those whose block is kept,
-    found as flash_triton's _sparse_span and _sparse_tile find them in HBM list `lists` (row
-    `row` of batch entry b, head h): the span from the row's running counts, then each
-    tile's block index."""
-    if lists is None:
+def visited_tiles(mem, sparse, b, h, start, lo, hi, TILE, transposed=False):
+    """The first rows of the tiles of [lo, hi) (lo a multiple of TILE) that the loop of the
+    block starting at `start` visits, in order: every one without a block mask (sparse None);
+    with one, those whose block is kept, found as flash_triton's _sparse_span and
+    _sparse_tile find them in the HBM lists of batch entry b, head h ("lists" of query
+    blocks, or "lists_t" of key blocks if transposed): the span from the block's row of
+    running counts, then each tile's block index."""
+    if sparse is None:
         return range(lo, hi, TILE)
-    per, cols = block // TILE, (mem.hbm[lists].shape[-1] - 1) // 2
+    lists = "lists_t" if transposed else "lists"
+    stay, block = ((sparse.block_size_k, sparse.block_size_q) if transposed
+                   else (sparse.block_size_q, sparse.block_size_k))
+    row, per, cols = start // stay, block // TILE, (mem.hbm[lists].shape[-1] - 1) // 2
 
     def before(t):  # kept tiles before tile t: _tiles_before
         blk, rem = divmod(t, per)
@@ -133,7 +137,6 @@ def kv_heads(shape):
 def longflash_fwd(mem, shape, tiles, scale, sparse=None):
     BLOCK_M, BLOCK_N = tiles.fwd
     d = shape.headdim
-    lists, bq, bk = ("lists", sparse.block_size_q, sparse.block_size_k) if sparse else (None,) * 3
     for (b, h, hk), start_m in product(heads(shape), range(0, shape.seqlen_q, BLOCK_M)):
         q = mem.load("q", b, h, start_m, BLOCK_M)
         acc = mem.alloc("acc", BLOCK_M, d)
@@ -141,7 +144,7 @@ def longflash_fwd(mem, shape, tiles, scale, sparse=None):
         m_ij = mem.alloc("m_ij", BLOCK_M)
         lo, _, _, hi = key_range(start_m, BLOCK_M, BLOCK_N, shape.seqlen_q, shape.seqlen_k,
                                  *window(shape))
-        for start_n in visited_tiles(mem, lists, b, h, start_m // (bq or 1), lo, hi, BLOCK_N, bk):
+        for start_n in visited_tiles(mem, sparse, b, h, start_m, lo, hi, BLOCK_N):
             k, v = mem.load("k", b, hk, start_n, BLOCK_N), mem.load("v", b, hk, start_n, BLOCK_N)
             # -- compute qk; the mask also covers padding past the sequence ends --
             s = mem.alloc("s", BLOCK_M, BLOCK_N)
@@ -173,8 +176,6 @@ def _probs(mem, shape, q, k, lse, start_m, start_n, scale):
 
 def longflash_bwd(mem, shape, tiles, scale, sparse=None):
     d, Nq, Nk = shape.headdim, shape.seqlen_q, shape.seqlen_k
-    lists, bq, bk = ("lists", sparse.block_size_q, sparse.block_size_k) if sparse else (None,) * 3
-    lists_t = sparse and "lists_t"
     # -- preprocess: delta = rowsum(dO * O) (the dQ kernel's query blocks) --
     BLOCK_M = tiles.dq[0]
     for (b, h, _), start_m in product(heads(shape), range(0, Nq, BLOCK_M)):
@@ -190,7 +191,7 @@ def longflash_bwd(mem, shape, tiles, scale, sparse=None):
         dk, dv = mem.alloc("dk", BLOCK_N, d), mem.alloc("dv", BLOCK_N, d)
         lo, _, _, hi = query_range(start_n, BLOCK_M, BLOCK_N, Nq, Nk, *window(shape))
         for h, start_m in ((h, m) for h in group for m in visited_tiles(
-                mem, lists_t, b, h, start_n // (bk or 1), lo, hi, BLOCK_M, bq)):
+                mem, sparse, b, h, start_n, lo, hi, BLOCK_M, transposed=True)):
             q, do = mem.load("q", b, h, start_m, BLOCK_M), mem.load("do", b, h, start_m, BLOCK_M)
             lse, delta = (mem.load(t, b, h, start_m, BLOCK_M) for t in ("lse", "delta"))
             p = _probs(mem, shape, q, k, lse, start_m, start_n, scale)
@@ -210,7 +211,7 @@ def longflash_bwd(mem, shape, tiles, scale, sparse=None):
         lse, delta = (mem.load(t, b, h, start_m, BLOCK_M) for t in ("lse", "delta"))
         dq = mem.alloc("dq", BLOCK_M, d)
         lo, _, _, hi = key_range(start_m, BLOCK_M, BLOCK_N, Nq, Nk, *window(shape))
-        for start_n in visited_tiles(mem, lists, b, h, start_m // (bq or 1), lo, hi, BLOCK_N, bk):
+        for start_n in visited_tiles(mem, sparse, b, h, start_m, lo, hi, BLOCK_N):
             k, v = mem.load("k", b, hk, start_n, BLOCK_N), mem.load("v", b, hk, start_n, BLOCK_N)
             p = _probs(mem, shape, q, k, lse, start_m, start_n, scale)
             ds = mem.alloc("ds", BLOCK_M, BLOCK_N)
