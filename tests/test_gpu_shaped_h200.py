@@ -59,8 +59,8 @@ def test_figures_readme_and_paper_on_an_h200(tmp_path, monkeypatch):
     # The paper builds, with the H200's GPU paragraphs and no "no GPU was available".
     built = gpu_shaped.build_paper(tmp_path / "build", gen, [fig])
     if built and built[1]:
-        flat = " ".join(built[1].split())
-        assert f"On {GPU}, LongFlash" in flat and "No GPU was available" not in flat
+        text, has = built[1], gpu_shaped.has
+        assert has(text, f"On {GPU}, LongFlash") and not has(text, "No GPU was available")
 
 
 def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch):
@@ -120,17 +120,19 @@ def test_an_h200_window_beside_the_committed_h100_results(tmp_path, monkeypatch)
     assert "`results/speedup/h100.csv`" in gpu_rows[0] and GPU in gpu_rows[1]
     built = gpu_shaped.build_paper(tmp_path / "build", gen, [fig])
     if built and built[1]:
-        flat = " ".join(built[1].split())
+        text, has, count = built[1], gpu_shaped.has, gpu_shaped.count
         h100 = gpu_shaped.macros(gen / "speedup_h100.tex")["SpeedupHOneZeroZeroDevice"]
-        first, second = flat.index(f"On {h100}. In bfloat16"), flat.index(f"On {GPU}. In bfloat16")
-        assert first < second
-        assert "With a prefix shared by the batch" in flat[second:]
-        assert "Multi-head latent attention decoded in its absorbed form (16" in flat[second:]
-        assert "absorbed form (qv) was not measured on this GPU" in flat[first:second]
-        assert "ran with kernel switches other than the package" in flat[second:]
-        assert "ran with kernel switches" not in flat[first:second]
-        assert flat.count("The goals set for LongFlash on a GPU, on") == 2
-        assert f"{h100} and {GPU}" in flat  # the setup and threats name both
+        first = gpu_shaped.find(text, f"On {h100}. In bfloat16")
+        second = gpu_shaped.find(text, f"On {GPU}. In bfloat16")
+        assert 0 <= first < second
+        h100_part, gpu_part = text[first:second], text[second:]
+        assert has(gpu_part, "With a prefix shared by the batch")
+        assert has(gpu_part, "Multi-head latent attention decoded in its absorbed form (16")
+        assert has(h100_part, "absorbed form (qv) was not measured on this GPU")
+        assert has(gpu_part, "ran with kernel switches other than the package")
+        assert not has(h100_part, "ran with kernel switches")
+        assert count(text, "The goals set for LongFlash on a GPU, on") == 2
+        assert has(text, f"{h100} and {GPU}")  # the setup and threats name both
         for gpu in (h100, GPU):  # the abstract, the contributions and the conclusion: each GPU
-            assert flat.count(f"On {gpu}, LongFlash") == 1, gpu
-            assert flat.count(f"On {gpu}, its Triton kernels met") == 2, gpu
+            assert count(text, f"On {gpu}, LongFlash") == 1, gpu
+            assert count(text, f"On {gpu}, its Triton kernels met") == 2, gpu

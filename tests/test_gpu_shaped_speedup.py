@@ -3,7 +3,9 @@ made-up values, written only into tmp_path) -> notebooks/speedup.ipynb for devic
 the issue's goals as macros, the README's GPU row and the paper; and the same on partial
 results (the window ended after stage 1, a part that failed, kernels that failed)."""
 
+import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +74,24 @@ def _worst(rows, baseline, mode, headdim, causal, seqlen_min=4096):
     t = r[r["metric"] == "time_ms"].pivot_table(index="seqlen_q", columns="provider",
                                                  values="value")
     return (t[baseline] / t["longflash"]).min()
+
+
+def test_paper_text_reads_a_sentence_across_a_page_turn():
+    """The paper's checks find a sentence that a page break, and the [t] floats atop the next
+    page, fall inside (as in pdftotext's text of the built paper), and only such a sentence."""
+    text = ("Attention decoded in 17\fTable 2: The goals set for LongFlash. Goal Verdict "
+            "its absorbed form (16 configurations). The end. 18\fNext page.")
+    assert gpu_shaped.has(text, "Attention decoded in its absorbed form (16")
+    assert gpu_shaped.find(text, "decoded in its absorbed") == text.index("decoded")
+    assert gpu_shaped.count(text, "The goals set for") == 1
+    assert not gpu_shaped.has(text, "Attention in its absorbed")  # a word is missing
+    assert not gpu_shaped.has(text, "The end. Goal")  # out of order
+    assert not gpu_shaped.has(text.replace("\f", " "), "decoded in its")  # no page turn
+    # the rule's premise: every float of the paper is placed at the top of a page
+    for path in glob.glob(os.path.join(gpu_shaped.ROOT, "paper", "sections", "*.tex")):
+        with open(path) as f:
+            placed = re.findall(r"\\begin\{(?:figure|table)\*?\}(\[\w*\])?", f.read())
+        assert set(placed) <= {"[t]"}, path
 
 
 def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
@@ -151,16 +171,17 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     # The paper: the GPU paragraph and its goals table, and no "no GPU was available".
     text = _paper(tmp_path, gen)
     if text:
-        flat = " ".join(text.split())
-        assert f"On {gpu_shaped.GPU}." in flat and "measured (worst, where)" in flat
-        assert "timed instead as replays of each step captured in a CUDA graph" in flat
-        start = flat.index("RQ1: How much faster")  # this section's text only
-        rq1 = flat[start:flat.index("RQ2: ", start)]
-        assert "No GPU was available" not in rq1 and "could not make" not in rq1
-        assert "run on GPUs only" in rq1 and "measured below" in rq1
-        assert "In chunked prefill over a paged cache (batch 4" in rq1
-        assert "Block-sparse attention (block_mask) was not measured on this GPU" not in rq1
-        assert "the speed of the fastest other implementation there (FlexAttention)" in rq1
+        has, find = gpu_shaped.has, gpu_shaped.find
+        assert has(text, f"On {gpu_shaped.GPU}.") and has(text, "measured (worst, where)")
+        assert has(text, "timed instead as replays of each step captured in a CUDA graph")
+        start = find(text, "RQ1: How much faster")  # this section's text only
+        rq1 = text[start:find(text, "RQ2: ", start)]
+        assert start >= 0 and rq1
+        assert not has(rq1, "No GPU was available") and not has(rq1, "could not make")
+        assert has(rq1, "run on GPUs only") and has(rq1, "measured below")
+        assert has(rq1, "In chunked prefill over a paged cache (batch 4")
+        assert not has(rq1, "Block-sparse attention (block_mask) was not measured on this GPU")
+        assert has(rq1, "the speed of the fastest other implementation there (FlexAttention)")
 
 
 @pytest.mark.parametrize("fixture, declined", [
@@ -199,7 +220,7 @@ def test_partial_results(tmp_path, fixture, declined):
     if fixture.get("stages") == (1,) or "longflash" in fixture.get("error_providers", ()):
         text = _paper(tmp_path, gen)
         if text:
-            assert "not measured" in " ".join(text.split())
+            assert gpu_shaped.has(text, "not measured")
 
 
 def test_decode_comparisons_not_measured(tmp_path):
@@ -217,11 +238,11 @@ def test_decode_comparisons_not_measured(tmp_path):
     assert "sdpa\\_flash error in 16 configurations" in graph and "longflash\\_split ok" in graph
     text = _paper(tmp_path, gen)
     if text:
-        flat = " ".join(text.split())
-        assert "the gain from splitting the cache" in flat  # a float may fall inside the sentence
-        assert "longflash_nosplit error in 16 configurations" in flat
-        assert "the comparison was not measured (" in flat and "× to × " not in flat
-        assert "timed as CUDA-graph replays, the comparison was not measured" in flat
+        has = gpu_shaped.has
+        assert has(text, "the gain from splitting the cache was not measured (")
+        assert has(text, "longflash_nosplit error in 16 configurations")
+        assert has(text, "the comparison was not measured (") and not has(text, "× to × ")
+        assert has(text, "timed as CUDA-graph replays, the comparison was not measured")
 
 
 def test_goals_judge_only_bf16_at_16k_tokens_per_batch(tmp_path):

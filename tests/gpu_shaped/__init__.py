@@ -109,8 +109,10 @@ def macros(path):
 def build_paper(build_dir, generated, figures=()):
     """Build the paper as `make paper` does (latexmk, -Werror) in build_dir/paper, on the macro
     files of `generated` and the repository's figures overlaid with each folder of `figures`.
-    Returns (paper folder, its text: "" without pdftotext), or None without latexmk. Fails the
-    test with latexmk's output if the build fails."""
+    Returns (paper folder, its text: "" without pdftotext), or None without latexmk; the text is
+    pdftotext's with each page's whitespace collapsed to single spaces, pages apart by form
+    feeds (read it with find, has and count). Fails the test with latexmk's output if the build
+    fails."""
     if not shutil.which("latexmk"):
         return None
     paper = os.path.join(str(build_dir), "paper")
@@ -127,4 +129,32 @@ def build_paper(build_dir, generated, figures=()):
     assert build.returncode == 0, build.stdout[-3000:]
     text = subprocess.run(["pdftotext", "main.pdf", "-"], cwd=paper, capture_output=True,
                           text=True).stdout if shutil.which("pdftotext") else ""
-    return paper, text
+    return paper, "\f".join(" ".join(page.split()) for page in text.split("\f"))
+
+
+# Between two words of a sentence the text may turn a page: the page's number, the form feed,
+# then the floats at the top of the next page (all of the paper's floats are [t]) before the
+# sentence goes on. Where the floats end is not marked: a word missing just after them passes.
+_GAP = r"(?: | \d+\f(?:[^\f]{0,4000}? )?)"
+
+
+def _phrase(phrase):
+    return re.compile(_GAP.join(map(re.escape, phrase.split(" "))))
+
+
+def find(text, phrase, start=0):
+    """Where phrase starts in the paper's text (build_paper's: each page's whitespace collapsed
+    to single spaces, pages apart by form feeds), a page turn allowed between any two of its
+    words (where a page break or a float falls inside a sentence); -1 if nowhere."""
+    found = _phrase(phrase).search(text, start)
+    return found.start() if found else -1
+
+
+def has(text, phrase):
+    """Whether the paper's text holds phrase (as find: a page turn allowed inside it)."""
+    return find(text, phrase) >= 0
+
+
+def count(text, phrase):
+    """How often the paper's text holds phrase (as find: a page turn allowed inside it)."""
+    return len(_phrase(phrase).findall(text))
