@@ -27,8 +27,9 @@ sequences; "paged" (forward) packed sequences whose keys are read from a paged c
 block table, "fp8" (forward) the same over float8 pages with their scales; "full_tiles" 4096 tokens, where no block needs a mask: the warp-specialized
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
 every block). The decoding kernels' signatures are built by hand (compile_one): "plain", and
-paged, leftpad (cache_leftpad) and mask (a boolean attn_mask over the keys, contiguous along
-them) for the split-KV kernel, paged and rotary (half-split, queries in order) for the append,
+paged, leftpad (cache_leftpad), mask (a boolean attn_mask over the keys, contiguous along
+them) and sparse (a block_mask, each tile's row of bits, its key blocks contiguous) for the
+split-KV kernel, paged and rotary (half-split, queries in order) for the append,
 and fp8 for both (a float8 cache with (batch, nheads_kv) scales, FP8_CACHE). With triton==3.6.0
 compile the architectures' fp8 rows in separate processes (`--arch`): after an sm_90a compile,
 its fp8 conversions for sm_80 come out as sm_90 instructions that ptxas rejects.
@@ -111,7 +112,8 @@ FLASH_FLAGS = ["plain", "gqa", "softcap", "alibi", "dropout", "varlen", "full_ti
                "sparse"]
 FLAGS = FLASH_FLAGS + ["paged", "leftpad", "rotary", "fp8", "mla"]
 KERNEL_FLAGS = {"fwd": FLASH_FLAGS + ["paged", "fp8"], "preprocess": ["plain", "varlen"],
-                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "fp8", "mla"],
+                "decode": ["plain", "softcap", "alibi", "paged", "leftpad", "mask", "sparse",
+                           "fp8", "mla"],
                 "decode_merge": ["plain", "mla"],
                 "decode_append": ["plain", "paged", "rotary", "fp8"]}
 # "fp8": a float8 cache with (batch, nheads_kv) scales, in the format each architecture's
@@ -228,7 +230,8 @@ def kernel_spec(kernel, dtype, flags, headdim, arch="sm90a"):
         headdim_v = MLA_HEADDIM_V if flags == "mla" else headdim
         tensors = dict(Q=p, K_CACHE=cache, V_CACHE=cache, O=p, BLOCK_TABLE="*i32",
                        SEQLENS_K="*i32", LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32",
-                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", **fp8,
+                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", SPARSE="*u8",
+                       **fp8,
                        **(dict(QV=p) if flags == "mla" else {}))
         if kernel == "decode_merge":
             return decode_triton._merge_splits, tensors, dict(HEAD_DIM=headdim_v)
@@ -243,6 +246,7 @@ def kernel_spec(kernel, dtype, flags, headdim, arch="sm90a"):
             # a boolean mask (read as uint8), its keys contiguous: stride 1, which Triton
             # specializes as a constant
             **(dict(BIAS_KIND=2, stride_bn=1) if flags == "mask" else {}),
+            **(dict(BLOCK_SPARSE=True, stride_sn=1) if flags == "sparse" else {}),
             **(dict(HAS_DESCALE=True) if fp8 else {}),
             **(dict(HAS_QV=True) if flags == "mla" else {}))
 

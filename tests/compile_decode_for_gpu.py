@@ -4,9 +4,9 @@ any machine.
     python tests/compile_decode_for_gpu.py 90:bfloat16:paged:128 80:float16:all:64
 
 "paged" reads the cache through block_table and appends with interleaved rotary; "all" adds
-half-split rotary, cache_leftpad, softcap, ALiBi, a float attn_mask and the split output
-(partials + merge kernel); both read per-sequence lengths, any other takes one length for every sequence
-(UNIFORM_SEQLEN, an int cache_seqlens) and appends without rotary. "mla": MLA's absorbed
+half-split rotary, cache_leftpad, softcap, ALiBi, a float attn_mask, a block_mask and the
+split output (partials + merge kernel); both read per-sequence lengths, any other takes one
+length for every sequence (UNIFORM_SEQLEN, an int cache_seqlens) and appends without rotary. "mla": MLA's absorbed
 decoding (qv), the head dim given that of the latent values and qv, q and k's 64, 16 query
 heads on the KV head. Tile sizes are the launcher's
 (decode_triton.launch_config, a decoding step with 4 query heads per KV head). Registers and
@@ -32,11 +32,12 @@ def compile_all(capability, dtype, features, headdim):
     on = features == "all"
     pointers = dict(Q=p, K_CACHE=p, V_CACHE=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
                     LEFTPAD_K="*i32", ALIBI="*fp32", O=p, LSE="*fp32", O_PARTIAL="*fp32",
-                    LSE_PARTIAL="*fp32", BIAS="*fp32", **(dict(QV=p) if mla else {}))
+                    LSE_PARTIAL="*fp32", BIAS="*fp32", SPARSE="*u8",
+                    **(dict(QV=p) if mla else {}))
     meta = dict(UNIFORM_SEQLEN=features not in ("paged", "all"),
                 PAGED=features in ("paged", "all"), SPLIT=on, HAS_LEFTPAD=on, HAS_SOFTCAP=on, HAS_ALIBI=on,
                 HEAD_DIM=headdim, HEAD_DIM_V=headdim_v, BIAS_KIND=1 if on else 0,
-                HAS_QV=mla,
+                HAS_QV=mla, BLOCK_SPARSE=on,
                 INPUT_PRECISION="ieee" if dtype == "float32" else "tf32", **cfg.kwargs)
     compile_kernel(decode_triton._fwd_splitkv, pointers, meta, target)
     rotary = features in ("paged", "all")

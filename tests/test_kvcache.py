@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longflash
-from longflash import attention_ref, kvcache
+from longflash import _common, attention_ref, kvcache
 from conftest import INTERPRET, check_close
 
 # (id, batch, seqlen_q, nheads, nheads_kv, headdim, page_size (None: contiguous),
@@ -138,6 +138,20 @@ def make_descales(kind, q, nheads_kv, seed=2):
     return kw, full
 
 
+def with_block_mask(mask, kw, q, b, first, end):
+    """attention_ref's attn_mask for sequence b (keys first..end-1 of its cache rows): mask
+    (None, boolean or float) where kw's block_mask shows the key, else hidden."""
+    block_q, block_k = _common.check_block_size(kw.get("block_size", _common.BLOCK_SPARSE_UNIT))
+    blocks = kw["block_mask"].expand(q.shape[0], q.shape[2], *kw["block_mask"].shape[2:])
+    seen = _common.block_mask_elements(blocks[b:b + 1], block_q, block_k, q.shape[1],
+                                       end)[..., first:]
+    if mask is None:
+        return seen
+    if mask.dtype == torch.bool:
+        return mask & seen
+    return mask.masked_fill(~seen, float("-inf"))
+
+
 def bits(x):
     """A tensor to compare with torch.equal or to index (float8 as its bytes: torch 2.4 has
     neither for float8 on CPU)."""
@@ -191,12 +205,15 @@ def check_case(case, dtype, backend, num_splits, device="cpu", int_seqlens=False
         slopes = kw.get("alibi_slopes")
         ref_kw = {key: val for key, val in kw.items()
                   if key not in ("alibi_slopes", "cache_leftpad", "attn_mask", "k_descale",
-                                 "v_descale")}
+                                 "v_descale", "block_mask", "block_size")}
         if slopes is not None:
             ref_kw["alibi_slopes"] = slopes.expand(q.shape[0], q.shape[2])[b:b + 1]
         if mask_kind is not None:  # sequence b's rows, at its keys' positions
             mask = kw["attn_mask"].expand(*q.shape[:1], q.shape[2], q.shape[1], -1)[b:b + 1]
             ref_kw["attn_mask"] = mask if mask.shape[-1] == 1 else mask[..., pads[b]:n + new]
+        if "block_mask" in kw:  # as the elementwise mask it stands for, beside any attn_mask
+            ref_kw["attn_mask"] = with_block_mask(ref_kw.get("attn_mask"), kw, q, b, pads[b],
+                                                  n + new)
         ref = attention_ref(q[b:b + 1].double(), keys.double(), values.double(), **ref_kw)
         low = attention_ref(q[b:b + 1], keys.to(dtype), values.to(dtype), upcast=False,
                             **ref_kw)
@@ -571,23 +588,28 @@ def test_compile_fullgraph_with_fp8_cache(backend):
 def test_opcheck(backend):
     """torch.library's consistency checks of the decoding op (fake vs real, schema), with
     lengths as a tensor and as one int, with and without cache_leftpad, and with an
-    attn_mask, and with MLA's qv."""
+    attn_mask, with MLA's qv, and with a block_mask."""
     case = ("op", 2, 2, 4, 2, 16, None, 30, [20, 20], 0, {})
     q, k_cache, v_cache, _, _, cache_seqlens, _, _ = make_case(case, torch.float32)
     rest = (True, 0.25, -1, -1, 0.0, None, 0, backend)
     leftpad = torch.tensor([3, 17], dtype=torch.int32)
     qv = torch.randn_like(q)
+    unit = _common.BLOCK_SPARSE_UNIT
+    blocks = torch.tensor([True, False]).view(1, 1, 1, 2).expand(2, 4, 1, 2)
     for lengths in ((cache_seqlens.long(), 0, 20), (None, 20, 20)):
-        for pads, mask, mla in ((None, None, None), (leftpad, None, None),
-                                (None, make_mask("bool-keys", q, 20), None), (None, None, qv)):
+        for pads, mask, mla, sparse in (
+                (None, None, None, None), (leftpad, None, None, None),
+                (None, make_mask("bool-keys", q, 20), None, None), (None, None, qv, None),
+                (None, None, None, blocks)):
             torch.library.opcheck(torch.ops.longflash.kvcache_forward.default,
                                   lengths + (q, k_cache, v_cache, None, pads) + rest
-                                  + (mask, None, None, mla))
+                                  + (mask, None, None, mla, sparse, unit, unit))
     fp8 = [c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache)]
     scales = (torch.rand(2, 2) + 0.5, torch.rand(1, 1).expand(2, 2))  # (batch, nheads_kv)
     # test_schema multiplies the inputs, which torch does not do in float8 on the CPU
     torch.library.opcheck(torch.ops.longflash.kvcache_forward.default,
-                          (None, 20, 20, q, *fp8, None, None) + rest + (None, *scales, None),
+                          (None, 20, 20, q, *fp8, None, None) + rest
+                          + (None, *scales, None, None, unit, unit),
                           test_utils=("test_faketensor", "test_autograd_registration",
                                       "test_aot_dispatch_dynamic"))
 

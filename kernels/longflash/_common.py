@@ -208,16 +208,26 @@ def check_block_size(block_size):
 
 
 def check_block_mask_shape(shape, batch, nheads, seqlen_q, seqlen_k, block_size_q,
-                           block_size_k):
+                           block_size_k, keys_at_least=False):
     """block_mask's shape: (batch or 1, nheads or 1, ceil(seqlen_q / block_size_q),
-    ceil(seqlen_k / block_size_k)) (packed sequences: of the longest)."""
-    blocks = (-(-seqlen_q // block_size_q), -(-seqlen_k // block_size_k))
+    ceil(seqlen_k / block_size_k)) (packed sequences: of the longest); keys_at_least (a
+    decoding mask, over the cache's key positions): its last dimension may also be larger
+    (seqlen_k None: unknown, not checked)."""
+    blocks = (-(-seqlen_q // block_size_q),
+              None if seqlen_k is None else -(-seqlen_k // block_size_k))
     shape = tuple(shape)
-    if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] not in (1, nheads) or \
-            shape[2:] != blocks:
+    fits = len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, nheads) and \
+        shape[2] == blocks[0]
+    if fits and keys_at_least:
+        fits = blocks[1] is None or shape[3] >= blocks[1]
+    elif fits:
+        fits = shape[3] == blocks[1]
+    if not fits:
+        keys = "at least " if keys_at_least else ""
         raise ValueError(f"block_mask must have shape (batch or 1, nheads or 1, "
-                         f"ceil(seqlen_q / {block_size_q}), ceil(seqlen_k / {block_size_k})) = "
-                         f"({batch} or 1, {nheads} or 1, {blocks[0]}, {blocks[1]}), got {shape}")
+                         f"ceil(seqlen_q / {block_size_q}), {keys}ceil(seqlen_k / "
+                         f"{block_size_k})) = ({batch} or 1, {nheads} or 1, {blocks[0]}, "
+                         f"{keys}{blocks[1]}), got {shape}")
 
 
 def block_mask_elements(block_mask, block_size_q, block_size_k, seqlen_q, seqlen_k,

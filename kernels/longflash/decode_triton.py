@@ -223,13 +223,19 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                  stride_bn=0, mask_len=0, HAS_DESCALE: tl.constexpr = False, K_DESCALE=None,
                  V_DESCALE=None, stride_kdb=0, stride_kdh=0, stride_vdb=0, stride_vdh=0,
                  HAS_QV: tl.constexpr = False, QV=None, stride_qvb=0, stride_qvn=0,
-                 stride_qvh=0):
+                 stride_qvh=0, BLOCK_SPARSE: tl.constexpr = False, SPARSE=None, stride_sb=0,
+                 stride_sh=0, stride_sm=0, stride_sn=0, sparse_cols=0, sparse_bq=1,
+                 sparse_bk=1):
     """BIAS_KIND, BIAS: attn_mask (flash_triton._bias), (batch, nheads, seqlen_q, mask_len)
     through its strides, indexed by key position. A float8 cache's tiles are converted to
     q's dtype as they are loaded (exact); HAS_DESCALE: its scales K_DESCALE, V_DESCALE
     (batch, nheads_kv), the key's folded into the softmax scale, the value's into the
     output. HAS_QV: QV (batch, seqlen_q, nheads, HEAD_DIM_V), MLA's absorbed queries: each
-    score adds qv v^T (times the value scale), the value tile loaded before the scores."""
+    score adds qv v^T (times the value scale), the value tile loaded before the scores.
+    BLOCK_SPARSE: SPARSE (batch, nheads, query blocks, sparse_cols) uint8 through its
+    strides, block_mask of sparse_bq queries by sparse_bk keys (a multiple of BLOCK_N: each
+    key tile lies in one block): each row's bit of the tile's block masks its scores, and a
+    tile no row sees loads nothing (its loads predicated off)."""
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
@@ -270,12 +276,18 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     bias = Q  # attn_mask's row of each (query, head) pair (BIAS_KIND); never read without one
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h[:, None].to(tl.int64) * stride_bh
+    sparse = Q  # block_mask's row of each (query, head) pair (BLOCK_SPARSE); likewise
+    if BLOCK_SPARSE:
+        sparse = SPARSE + off_b * stride_sb + off_h.to(tl.int64) * stride_sh \
+            + (i // sparse_bq).to(tl.int64) * stride_sm
 
     # -- this split's keys: [split_lo, split_hi) of the keys the block's rows can see --
     first = start_m // group_size + (seqlen_k - seqlen_q)
     last = (tl.minimum(start_m + BLOCK_M, rows) - 1) // group_size + (seqlen_k - seqlen_q)
     hi = tl.where(window_right >= 0,
                   tl.minimum(tl.maximum(last + window_right + 1, 0), seqlen_k), seqlen_k)
+    if BLOCK_SPARSE:  # keys past block_mask's last block are hidden
+        hi = tl.minimum(hi, sparse_cols * sparse_bk)
     lo = tl.where(window_left >= 0, tl.maximum(first - window_left, 0), 0)
     lo = tl.minimum(tl.maximum(lo, leftpad), hi) // BLOCK_N * BLOCK_N
     blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
@@ -287,7 +299,11 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for start_n in range(split_lo, split_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < split_hi
+        tile_hi = split_hi
+        if BLOCK_SPARSE:  # each row's bit of the tile's key block; no row's: nothing loaded
+            seen = tl.load(sparse + start_n // sparse_bk * stride_sn, mask=m_mask, other=0) != 0
+            tile_hi = tl.where(tl.max(seen.to(tl.int32), 0) > 0, split_hi, start_n)
+        n_mask = offs_n < tile_hi
         # -- compute scores --
         if BIAS_KIND != 0:  # loaded first: then Triton keeps the softmax in the MMA layout
             b_ij = _bias(bias, i[:, None], offs_n[None, :], seqlen_q, mask_len, stride_bm,
@@ -320,6 +336,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                                                   - window_left))
         if HAS_LEFTPAD:
             visible = visible & (offs_n[None, :] >= leftpad)
+        if BLOCK_SPARSE:
+            visible = visible & seen[:, None]
         s = tl.where(visible, s, float("-inf"))
         # -- online softmax: new row max, rescale what was accumulated --
         m_ij = tl.maximum(m_i, tl.max(s, 1))
@@ -477,6 +495,17 @@ def _bias_args(mask):
                 mask_len=length if length > 1 else 2**31 - 1)
 
 
+def _sparse_args(opts, block_n):
+    """block_mask, a (batch, nheads, query blocks, key blocks) view (broadcast dimensions at
+    stride 0), as _fwd_splitkv reads it: as uint8, through its strides."""
+    assert opts.block_size_k % block_n == 0, (opts.block_size_k, block_n)  # tile in one block
+    bits = opts.block_mask.view(torch.uint8)
+    return dict(BLOCK_SPARSE=True, SPARSE=bits, stride_sb=bits.stride(0),
+                stride_sh=bits.stride(1), stride_sm=bits.stride(2), stride_sn=bits.stride(3),
+                sparse_cols=bits.shape[3], sparse_bq=opts.block_size_q,
+                sparse_bk=opts.block_size_k)
+
+
 def check_cache(k_cache, v_cache):
     """What the Triton backend needs of a cache beyond kvcache's checks."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -587,6 +616,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         qv = qv if qv.stride(-1) == 1 else qv.contiguous()
         optional.update(HAS_QV=True, QV=qv, stride_qvb=qv.stride(0), stride_qvn=qv.stride(1),
                         stride_qvh=qv.stride(2))
+    if opts.block_mask is not None:
+        optional.update(_sparse_args(opts, block_n))
     _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
         q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
         seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,

@@ -110,9 +110,11 @@ def _check_attn_mask(attn_mask, q, seqlen_k, keys_at_least=False):
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must match")
 
 
-def _check_block_mask(block_mask, block_size, q, batch, seqlen_q, seqlen_k):
+def _check_block_mask(block_mask, block_size, q, batch, seqlen_q, seqlen_k,
+                      keys_at_least=False):
     """block_mask: None, or a bool tensor on q's device of shape (batch or 1, nheads or 1,
-    ceil(seqlen_q / block_size_q), ceil(seqlen_k / block_size_k)). Returns the forward op's
+    ceil(seqlen_q / block_size_q), ceil(seqlen_k / block_size_k)); keys_at_least: its last
+    dimension may be larger (check_block_mask_shape's). Returns the forward op's
     (block_mask, block_size_q, block_size_k)."""
     block_size_q, block_size_k = check_block_size(block_size)
     if block_mask is None:
@@ -121,7 +123,7 @@ def _check_block_mask(block_mask, block_size, q, batch, seqlen_q, seqlen_k):
         raise TypeError(f"block_mask must be a bool tensor, or None, got "
                         f"{getattr(block_mask, 'dtype', type(block_mask).__name__)}")
     check_block_mask_shape(block_mask.shape, batch, q.shape[-2], seqlen_q, seqlen_k,
-                           block_size_q, block_size_k)
+                           block_size_q, block_size_k, keys_at_least)
     if block_mask.device != q.device:
         raise ValueError(f"block_mask is on {block_mask.device}, q on {q.device}: they must "
                          f"match")

@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from ._common import (FP8_DTYPES, LN2, LOG2E, MAX_HEADDIM_V_KVCACHE, Options,
-                      accumulator_dtype, as_bytes, check_bools, check_descale_kind, check_qv,
-                      check_rotary, define_op, empty_outputs, paged_rows, take)
+from ._common import (BLOCK_SPARSE_UNIT, FP8_DTYPES, LN2, LOG2E, MAX_HEADDIM_V_KVCACHE,
+                      Options, accumulator_dtype, as_bytes, check_bools, check_descale_kind,
+                      check_qv, check_rotary, define_op, empty_outputs, paged_rows, take)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -115,13 +115,15 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         # cache do not merge into one batch stride, and matmul would copy every block.
         for seq in range(batch):
             one = slice(seq, seq + 1)
-            slopes, mask, k_scale, v_scale = (
-                None if x is None else x[one]
-                for x in (opts.alibi_slopes, opts.attn_mask, opts.k_descale, opts.v_descale))
+            slopes, mask, k_scale, v_scale, blocks = (
+                None if x is None else x[one] for x in (opts.alibi_slopes, opts.attn_mask,
+                                                        opts.k_descale, opts.v_descale,
+                                                        opts.block_mask))
             pad, qv_one = (None if x is None else x[one] for x in (leftpad_k, qv))
             o[one], lse[one] = forward(q[one], k_cache[one], v_cache[one], seqlens_k[one], None,
                                        opts._replace(alibi_slopes=slopes, attn_mask=mask,
-                                                     k_descale=k_scale, v_descale=v_scale),
+                                                     k_descale=k_scale, v_descale=v_scale,
+                                                     block_mask=blocks),
                                        num_splits, block_n, pad, qv_one)
         return o, lse
     dtype = accumulator_dtype(q.dtype)
@@ -147,19 +149,25 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         slope = slope.expand(batch, nheads_kv, seqlen_q, group).reshape(
             batch, nheads_kv, 1, M)[..., None]
     bias = opts.attn_mask  # (B, H, Nq, L), read at (batch, head, query, key) of each score
-    if bias is not None:
+    sparse = opts.block_mask  # (B, H, query blocks, key blocks): each score's block's bit
+    if bias is not None or sparse is not None:
         heads = torch.arange(nheads_kv, device=device)[:, None] * group + offs_m % group
         bias_h, bias_i = heads.view(1, nheads_kv, 1, M, 1), i.view(1, 1, 1, M, 1)
     # -- this split's keys: [split_lo, split_hi) of the keys the rows can see --
     offset = seqlens_k - seqlen_q  # (B,) diagonal of query 0
     lo, hi = key_limits(offset, offset + seqlen_q - 1, seqlens_k, opts.window_left,
                         opts.window_right)
+    if sparse is not None:  # keys past block_mask's last block are hidden
+        hi = hi.clamp(max=sparse.shape[-1] * opts.block_size_k)
+        lo = torch.minimum(lo, hi)
     if leftpad_k is not None:
         leftpad_k = leftpad_k.to(device=device, dtype=torch.long)
         lo = torch.minimum(torch.maximum(lo, leftpad_k), hi)
     if block_n is None:  # no wider than the keys a sequence's rows see: a short cache reads no more
         span = int((hi - lo).max()) if batch else 0
         block_n = min(block_keys(nheads_kv, headdim), max(BLOCK_N, 1 << (span - 1).bit_length()))
+    if sparse is not None:  # each key block in one of block_mask's, as in the kernel
+        block_n = min(block_n, opts.block_size_k & -opts.block_size_k)
     lo = lo // block_n * block_n
     n_blocks = (hi - lo + block_n - 1) // block_n
     blocks_per_split = (n_blocks + num_splits - 1) // num_splits  # (B,)
@@ -192,6 +200,12 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         if contiguous and num_splits == 1:
             width = min(block_n, split_room - step * block_n)
         offs_n = start_n[..., None] + torch.arange(width, device=device)  # (B, S, BN)
+        if sparse is not None:  # each row's bit of the block (B, Hkv, S, M, 1); none: not read
+            col = (start_n // opts.block_size_k).clamp(max=sparse.shape[-1] - 1)
+            seen = sparse[b[..., None, None], bias_h, bias_i // opts.block_size_q,
+                          col[:, None, :, None, None]]
+            if not seen.any():
+                continue
         if contiguous and step * block_n + width <= split_room:
             k, v = (_block_view(c, start_n, split_stride, width) for c in (k_cache, v_cache))
             mask = outside = None
@@ -209,6 +223,10 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         v = v.permute(0, 3, 1, 2, 4).to(dtype)
         if outside is not None:
             v = v.masked_fill(outside[:, None, :, :, None], 0)
+        if sparse is not None:  # a split's block that no row sees, read beside a seen one
+            hidden = ~seen.any(-2, keepdim=True)  # (B, Hkv, S, 1, 1): as if not read (NaN too)
+            if hidden.any():
+                v = v.masked_fill(hidden, 0)
         # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
         qk = q_packed @ k.transpose(-1, -2) * qk_scale
         if qv_packed is not None:  # MLA absorbed: the value block read once, for both products
@@ -225,6 +243,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
                 mask = bias_ij if mask is None else mask & bias_ij
             else:
                 qk = qk + bias_ij.to(dtype)
+        if sparse is not None:
+            mask = seen if mask is None else mask & seen
         if window_edge:
             mask = True if mask is None else mask
             if opts.window_right >= 0:
@@ -584,7 +604,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                            return_lse=False, backend="auto", *, num_splits=0,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                            cache_batch_idx=None, cache_leftpad=None, learnable_sink=None,
-                           attn_mask=None, k_descale=None, v_descale=None, qv=None):
+                           attn_mask=None, k_descale=None, v_descale=None, qv=None,
+                           block_mask=None, block_size=BLOCK_SPARSE_UNIT):
     """Attention of a few new queries over a KV cache, appending new keys/values in place
     (FlashAttention-2's flash_attn_with_kvcache).
 
@@ -675,6 +696,24 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             for both products: the same result as q' = [q, qv] over k' = [k_cache, v_cache],
             without that second copy of the latents. Rotary embeddings turn q, not qv.
             With a float8 cache, v_descale scales qv v^T as it scales the output.
+        block_mask: None, or a bool tensor (batch or 1, nheads or 1, ceil(seqlen_q /
+            block_size_q), C): block-sparse decoding, as in `longflash.attention` (query i
+            sees key j only if block_mask[b, h, i // block_size_q, j // block_size_k]), whose
+            last dimension counts key blocks of the sequence's positions (cache rows, as
+            attn_mask's L): C >= ceil(every sequence's key count after the append /
+            block_size_k), e.g. ceil(capacity / block_size_k) for a mask kept through a
+            decoding loop (blocks past a sequence's end are not read; keys past its last
+            block are hidden, where a tensor cache_seqlens under torch.compile leaves C
+            unchecked). Per head: each query
+            head may select key blocks of its own (Quest, MoBA), the group's heads packed
+            into one tile as ever. Combines with causal, windows, attn_mask and
+            cache_leftpad. The Triton kernel reads each tile's bits (one per packed row) and
+            loads nothing of a key tile that no row of it sees (its loads predicated off: no
+            memory traffic; its few arithmetic instructions still run); the PyTorch path
+            skips a step no row of any split sees (and zeroes such a block read beside a
+            seen one). Splits stay even ranges of the cache's tiles, not of the visible ones.
+        block_size: an int or (block_size_q, block_size_k), each a multiple of 128, as in
+            `longflash.attention`.
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
     sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only
     (no autograd in q and the caches; a learnable_sink's gradient flows).
@@ -687,7 +726,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     changes between calls becomes symbolic after the first change, so a compiled decoding
     loop compiles twice, not once per token.
     """
-    from .interface import _check_attn_mask, _check_inputs, _outputs  # it imports us: late
+    from .interface import (_check_attn_mask, _check_block_mask, _check_inputs,  # it imports
+                            _outputs)  # us: late
 
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
@@ -716,8 +756,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
                                            window_size, alibi_slopes, softcap,
                                            learnable_sink=learnable_sink,
                                            max_headdim_v=MAX_HEADDIM_V_KVCACHE)
-    _check_attn_mask(attn_mask, q, None if max_seqlen is None else max_seqlen + seqlen_new,
-                     keys_at_least=True)
+    max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
+    _check_attn_mask(attn_mask, q, max_seqlen_k, keys_at_least=True)
+    sparse = _check_block_mask(block_mask, block_size, q, q.shape[0], q.shape[1], max_seqlen_k,
+                               keys_at_least=True)
     q_in_order = causal or tuple(window_size) != (-1, -1)  # query positions, for rotary
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, max_seqlen, seqlen_new,
                   q_in_order)
@@ -739,25 +781,27 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
         _append(v_cache, v, seqlens, block_table)
     # an int stays an int: no tensor to fill, no read back
     seqlens_k = seqlens + seqlen_new if seqlen_new else seqlens
-    max_seqlen_k = None if max_seqlen is None else max_seqlen + seqlen_new
     o, lse = _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
                       window_size, softcap, alibi_slopes, num_splits, backend, max_seqlen_k,
-                      cache_leftpad, attn_mask, k_descale, v_descale, qv)
+                      cache_leftpad, attn_mask, k_descale, v_descale, qv, *sparse)
     return _outputs(o, lse, learnable_sink, return_lse)
 
 
 def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale, window_size,
              softcap, alibi_slopes, num_splits, backend, max_seqlen_k=None, leftpad_k=None,
-             attn_mask=None, k_descale=None, v_descale=None, qv=None):
+             attn_mask=None, k_descale=None, v_descale=None, qv=None, block_mask=None,
+             block_size_q=BLOCK_SPARSE_UNIT, block_size_k=BLOCK_SPARSE_UNIT):
     """Checked arguments -> (o, lse) on the chosen implementation. max_seqlen_k: the largest
     of seqlens_k if the caller knows it (the Triton launcher then reads nothing back from the
     device); None: found from seqlens_k when needed. leftpad_k: each sequence's first key
     (cache_leftpad) or None. attn_mask: None, or broadcastable to (batch, nheads, seqlen_q,
     L), indexed by key position. k_descale, v_descale: None or (batch, nheads_kv) float32, a
-    float8 cache's scales. qv: None or (batch, seqlen_q, nheads, headdim_v)."""
+    float8 cache's scales. qv: None or (batch, seqlen_q, nheads, headdim_v). block_mask:
+    None, or (batch or 1, nheads or 1, query blocks, key blocks) of block_size_q queries and
+    block_size_k keys."""
     args = (q, k_cache, v_cache, block_table, leftpad_k, causal, softmax_scale, *window_size,
             float(softcap), alibi_slopes, num_splits, backend, attn_mask, k_descale, v_descale,
-            qv)
+            qv, block_mask, block_size_q, block_size_k)
     if not torch.compiler.is_compiling():
         return _run(seqlens_k, max_seqlen_k, *args)
     # Traced by torch.compile: one opaque op, since the PyTorch path loops over as many key
@@ -774,15 +818,19 @@ def _forward(q, k_cache, v_cache, seqlens_k, block_table, causal, softmax_scale,
 
 def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
          softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits, backend,
-         attn_mask=None, k_descale=None, v_descale=None, qv=None):
+         attn_mask=None, k_descale=None, v_descale=None, qv=None, block_mask=None,
+         block_size_q=BLOCK_SPARSE_UNIT, block_size_k=BLOCK_SPARSE_UNIT):
     batch, seqlen_q, nheads, _ = q.shape
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.expand(batch, nheads)
     if attn_mask is not None:  # a view: broadcast dimensions at stride 0
         attn_mask = attn_mask.expand(batch, nheads, seqlen_q,
                                      attn_mask.shape[-1] if attn_mask.dim() else 1)
+    if block_mask is not None:
+        block_mask = block_mask.expand(batch, nheads, *block_mask.shape[2:])
     opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
-                   softcap, attn_mask=attn_mask, k_descale=k_descale, v_descale=v_descale)
+                   softcap, attn_mask=attn_mask, k_descale=k_descale, v_descale=v_descale,
+                   block_mask=block_mask, block_size_q=block_size_q, block_size_k=block_size_k)
     if backend == "triton":
         from . import decode_triton
         return decode_triton.forward(q, k_cache, v_cache, seqlens_k, block_table, opts,
@@ -799,13 +847,16 @@ def _kvcache_forward(seqlens_k: Optional[torch.Tensor], seqlen_k: int, max_seqle
                      alibi_slopes: Optional[torch.Tensor], num_splits: int,
                      backend: str, attn_mask: Optional[torch.Tensor],
                      k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
-                     qv: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                     qv: Optional[torch.Tensor], block_mask: Optional[torch.Tensor],
+                     block_size_q: int, block_size_k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """_run under torch.compile. seqlens_k: (batch,) lengths, or None for one length seqlen_k
     of every sequence."""
     lengths = seqlen_k if seqlens_k is None else seqlens_k
     return _run(lengths, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, causal,
                 softmax_scale, window_left, window_right, softcap, alibi_slopes, num_splits,
-                backend, attn_mask, k_descale, v_descale, qv)
+                backend, attn_mask, k_descale, v_descale, qv, block_mask, block_size_q,
+                block_size_k)
 
 
 def _kvcache_fake(seqlens_k, seqlen_k, max_seqlen_k, q, k_cache, v_cache, *args):
