@@ -6,9 +6,9 @@ any machine.
 "paged" reads the cache through block_table and appends with interleaved rotary; "all" adds
 half-split rotary, cache_leftpad, softcap, ALiBi, a float attn_mask, a block_mask and the
 split output (partials + merge kernel); both read per-sequence lengths, any other takes one
-length for every sequence (UNIFORM_SEQLEN, an int cache_seqlens) and appends without rotary. "mla": MLA's absorbed
-decoding (qv), the head dim given that of the latent values and qv, q and k's 64, 16 query
-heads on the KV head. Tile sizes are the launcher's
+length for every sequence (UNIFORM_SEQLEN, an int cache_seqlens) and appends without rotary.
+"mla": MLA's absorbed decoding (qv), the head dim given that of the latent values and qv, q
+and k's 64, 16 query heads on the KV head. Tile sizes are the launcher's
 (decode_triton.launch_config, a decoding step with 4 query heads per KV head). Registers and
 spills at the alignment the launcher specializes on are in experiments/codegen.py's report.
 Must run without TRITON_INTERPRET=1. Used by tests/test_compile.py.
