@@ -549,6 +549,40 @@ def test_attn_mask_kvcache_gpu(case, mask_kind):
     check_case(case, torch.bfloat16, "triton", 0, device="cuda", mask_kind=mask_kind)
 
 
+def _sparse_decoding(case, dims, block_size=128):
+    """A decoding case with a block_mask over its cache's positions (test_kvcache_block_sparse's
+    _blocks: block 1 seen by no row; with heads, head 1 by none)."""
+    from test_kvcache_block_sparse import _blocks
+    name, batch, seqlen_q, nheads, _, _, page_size, capacity = case[:8]
+    mask = _blocks(batch, nheads, seqlen_q, capacity * (page_size or 1), dims, block_size)
+    return (f"{name}-blocks-{dims}",) + case[1:10] + (
+        dict(case[10], block_mask=mask, block_size=block_size),)
+
+
+@pytest.mark.parametrize("case, mask_kind", [
+    (_sparse_decoding(DECODE_LONG[0], "BH"), None),
+    (_sparse_decoding(DECODE_LONG[1], "1H", (128, 256)), None),
+    (_sparse_decoding(DECODE_LONG[3], "BH"), None),
+    (_sparse_decoding(SPEC16, "B1"), None),
+    (_sparse_decoding(DECODE_LONG[2], "1H"), "bool-keys")],
+    ids=["4K-per-head", "paged-ragged-shared-128x256", "leftpad-per-head", "spec16-64rows",
+         "spec4-window-tree"])
+def test_block_sparse_kvcache_gpu(case, mask_kind):
+    """block_mask in decoding (the split-KV kernel's BLOCK_SPARSE: each packed row's bit of a
+    tile's key block, a tile no row sees not loaded) in bf16 against float64, splits chosen
+    by the heuristic: per-head and shared masks, a paged ragged cache, cache_leftpad, the
+    64-row tile, and with a tree attn_mask beside it."""
+    check_case(case, torch.bfloat16, "triton", 0, device="cuda", mask_kind=mask_kind)
+
+
+def test_block_sparse_kvcache_skips_hidden_blocks_gpu():
+    """NaN keys and values in a block no row sees leave the output finite: the split-KV
+    kernel never loads them (test_kvcache_block_sparse's check, on the GPU)."""
+    from test_kvcache_block_sparse import test_hidden_blocks_are_not_read
+    for num_splits in (1, 2):
+        test_hidden_blocks_are_not_read("triton", num_splits, device="cuda")
+
+
 @pytest.mark.parametrize("case, fp8", [(DECODE_LONG[0], (torch.float8_e4m3fn, "tensors")),
                                        (DECODE_LONG[1], (torch.float8_e5m2, "floats")),
                                        (DECODE_LONG[2], (torch.float8_e4m3fn, "none"))],
