@@ -54,21 +54,24 @@ def block_mask(seqlen, density, seed, device):
     return mask.to(device)
 
 
-def flex_block_mask(mask, seqlen):
-    """FlexAttention's BlockMask of exactly these blocks, each a full block: the compiled
-    kernel skips the others and never evaluates the mask_mod inside a full one; the mask_mod
-    (the same blocks, elementwise) is what eager flex_attention, which ignores the blocks,
-    computes."""
+def flex_block_mask(mask, seqlen_q, seqlen_k=None):
+    """FlexAttention's BlockMask of exactly these blocks (mask: (batch or 1, heads or 1,
+    query blocks, key blocks)), each a full block: the compiled kernel skips the others and
+    never evaluates the mask_mod inside a full one; the mask_mod (the same blocks,
+    elementwise) is what eager flex_attention, which ignores the blocks, computes.
+    seqlen_k: default seqlen_q."""
     from torch.nn.attention.flex_attention import BlockMask
     counts = mask.sum(-1, dtype=torch.int32)
     order = torch.argsort((~mask).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
     empty = torch.zeros_like(counts)
+    one_b, one_h = mask.shape[0] == 1, mask.shape[1] == 1
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return mask[0, 0, q_idx // BLOCK, kv_idx // BLOCK]
+        return mask[0 if one_b else b, 0 if one_h else h, q_idx // BLOCK, kv_idx // BLOCK]
 
     return BlockMask.from_kv_blocks(empty, order, counts, order, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(seqlen, seqlen))
+                                    mask_mod=mask_mod,
+                                    seq_lengths=(seqlen_q, seqlen_k or seqlen_q))
 
 
 def elementwise(mask, seqlen):

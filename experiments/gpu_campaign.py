@@ -437,6 +437,8 @@ def stage_steps(stage, dry):
                  "--long-seqlens", "", "--parts", "batch"])
         sparse = (["--quick", "--parts", "sparse", "--providers", "longflash,sdpa_cpu"] if dry
                   else ["--full", "--parts", "sparse"])
+        sparse_decode = (["--quick", "--parts", "sparse_decode", "--providers",
+                          "longflash,sdpa_cpu"] if dry else ["--full", "--parts", "sparse_decode"])
         return [
             _preflight((128, 64), dry),
             _probe("env", estimate_s=5, timeout_s=60),
@@ -466,6 +468,11 @@ def stage_steps(stage, dry):
             # SDPA with the blocks as a mask at 16K; pytest_late then runs its GPU tests
             # (test_block_sparse*_gpu) with the others
             _speedup("speedup_sparse", sparse, estimate_s=60, timeout_s=200, reserve_s=30),
+            # RQ1 part sparse_decode (block_mask in attention_with_kvcache, newer still): the
+            # split-KV kernel over the blocks each KV head keeps, 32K and 128K tokens of cache
+            # at batch 1 and 8, against its attn_mask route, SDPA and FlexAttention
+            _speedup("speedup_sparse_decode", sparse_decode, estimate_s=45, timeout_s=150,
+                     reserve_s=30),
             _pytest("pytest_late", LATE_TESTS, estimate_s=30, timeout_s=300),
         ]
     if stage == 4:

@@ -65,7 +65,12 @@ runs after part shared_prefix.
 Part "sparse" (experiments/block_sparse.py): block-sparse attention (block_mask, blocks of 128
 x 128) at several fractions of blocks kept, LongFlash's kernels (which skip the hidden blocks)
 against FlexAttention's with the same blocks (GPU) and SDPA and standard attention with the
-blocks made an elementwise mask. It runs last.
+blocks made an elementwise mask. It runs after part mla.
+
+Part "sparse_decode" (experiments/sparse_decode.py): a decoding step over part decode's shape
+that reads only the key blocks each KV head selects (block_mask), at several fractions of
+blocks kept, against the same call with the blocks as an elementwise attn_mask, SDPA with
+that mask and (GPU) FlexAttention with the blocks. It runs last.
 
 Part "decode" (experiments/decode.py has its providers and rows): one generation step over a
 KV cache of 1K..32K tokens (GPU: ..128K), batch 1 and 8, 32 query heads over 8 KV heads, head
@@ -173,7 +178,8 @@ class Config:
     ceiling_copy_mb: int = 256            # copy_gbps: one tensor of this size
     ceiling_rep_ms: float = 1000          # time_ms's rep for each ceiling
     budget_s: float = 0                   # > 0: start no group after this many seconds
-    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix", "mla", "sparse")
+    parts: tuple = ("batch", "long", "decode", "prefill", "shared_prefix", "mla", "sparse",
+                    "sparse_decode")
     decode_seqlens: tuple = (1024, 2048, 4096, 8192, 16384, 32768)   # part decode: cache tokens
     decode_batches: tuple = (1, 8)
     decode_nheads: int = 32               # part decode: a Llama-like GQA shape
@@ -198,6 +204,9 @@ class Config:
     sparse_densities: tuple = (1.0, 0.5, 0.25, 0.125)  # fractions of blocks kept (1: dense)
     sparse_nheads: int = 4
     sparse_headdim: int = 64
+    sparse_decode_seqlens: tuple = (16384,)  # part sparse_decode: cache tokens (decode_* heads)
+    sparse_decode_batches: tuple = (1,)
+    sparse_decode_densities: tuple = (1.0, 0.5, 0.25, 0.125, 0.0625)  # blocks kept (1: dense)
 
 
 FULL = dict(  # the GPU sweep of the issue; see the module docstring
@@ -212,7 +221,8 @@ FULL = dict(  # the GPU sweep of the issue; see the module docstring
     prefill_nheads=32, prefill_nheads_kv=8, prefill_headdim=128,
     shared_batches=(8, 32), shared_prefixes=(4096, 32768), shared_suffix_len=512,
     mla_seqlens=(4096, 32768), mla_batches=(1, 16), sparse_seqlens=(16384, 65536),
-    sparse_densities=(1.0, 0.5, 0.25, 0.125, 0.0625), sparse_nheads=16, sparse_headdim=128)
+    sparse_densities=(1.0, 0.5, 0.25, 0.125, 0.0625), sparse_nheads=16, sparse_headdim=128,
+    sparse_decode_seqlens=(32768, 131072), sparse_decode_batches=(1, 8))
 QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings meaningless
     tokens_per_batch=512, hidden=32, seqlens=(128, 256), headdims=(16,),
     long_seqlens=(512, 2048), long_hidden=32, long_headdims=(16,), warmup_ms=0, rep_ms=0,
@@ -221,7 +231,8 @@ QUICK = dict(  # tiny shapes: proves the pipeline end to end (tests), timings me
     prefill_seqlens=(256,), prefill_chunks=(32,), prefill_nheads=4, prefill_nheads_kv=2,
     prefill_headdim=16, shared_batches=(2,), shared_prefixes=(256,), shared_suffix_len=32,
     mla_seqlens=(256,), mla_batches=(2,), mla_nheads=4, mla_rope_dim=16, mla_latent_dim=48,
-    sparse_seqlens=(384,), sparse_densities=(1.0, 0.5), sparse_nheads=2, sparse_headdim=16)
+    sparse_seqlens=(384,), sparse_densities=(1.0, 0.5), sparse_nheads=2, sparse_headdim=16,
+    sparse_decode_seqlens=(640,), sparse_decode_densities=(1.0, 0.5))
 
 
 class Unsupported(Exception):
@@ -685,7 +696,7 @@ def run(cfg, device, out, resume=False, resume_after=None):
 # part -> its module in experiments/ (run, existing_keys, KEY_COLUMNS), in the order run()
 # runs them after parts batch and long
 STEP_PARTS = {"decode": "decode", "prefill": "prefill", "shared_prefix": "shared_prefix",
-              "mla": "mla_decode", "sparse": "block_sparse"}
+              "mla": "mla_decode", "sparse": "block_sparse", "sparse_decode": "sparse_decode"}
 
 
 def _file_has_ceilings(path):
@@ -796,6 +807,13 @@ def summary(out, device):
             index=["seqlen_q", "call"], columns="density", values="value", aggfunc="first")
         log(f"\ntime_ms of block-sparse attention, by fraction of blocks kept ({device}):\n"
             f"{table.round(2).to_string()}")
+    if (rows["part"] == "sparse_decode").any():
+        r = rows[(rows["part"] == "sparse_decode") & (rows["metric"] == "time_ms")]
+        table = r.assign(call=r["provider"] + " " + r["route"]).pivot_table(
+            index=["batch", "seqlen_k", "call"], columns="density", values="value",
+            aggfunc="first")
+        log(f"\ntime_ms per block-sparse decoding step, by fraction of blocks kept "
+            f"({device}):\n{table.round(2).to_string()}")
 
 
 def main():

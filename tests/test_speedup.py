@@ -45,10 +45,10 @@ def test_schema_and_one_row_per_measurement(quick):
     out, df, _ = quick
     assert list(df.columns[:len(COLUMNS + PROVENANCE_COLUMNS)]) == COLUMNS + PROVENANCE_COLUMNS
     assert not df.duplicated(KEY_COLUMNS + ["num_splits", "kv_dtype", "route",
-                                            "prefix_len", "density"]).any()
+                                            "prefix_len", "density", "mask_heads"]).any()
     assert set(df["experiment"]) == {"speedup"}
     assert set(df["part"]) == {"batch", "long", "decode", "prefill", "shared_prefix", "mla",
-                               "sparse", "ceiling"}
+                               "sparse", "sparse_decode", "ceiling"}
     cfg = speedup.Config(**speedup.QUICK)
     runs = df[df["part"].isin(["batch", "long"])]
     groups = runs.groupby(["part", "seqlen_q", "headdim", "causal", "provider", "mode"])
@@ -260,6 +260,63 @@ def test_sparse_part(quick):
     assert ((wide["tflops"] - expect).abs() <= 1e-9 * expect).all()
     assert "time_ms of block-sparse attention" in stdout
     assert len(block_sparse.existing_keys(out)) == len(wide)
+
+
+def test_sparse_decode_part(quick):
+    """Part sparse_decode: every CPU route at every density and kind of mask (density 1: no
+    mask, once), the blocks kept beside each row, the bandwidth over the kept blocks' bytes,
+    LongFlash's output against float64 in both routes."""
+    from experiments import sparse_decode
+    out, df, stdout = quick
+    cfg = speedup.Config(**speedup.QUICK)
+    sd = df[df["part"] == "sparse_decode"]
+    assert set(sd["status"]) == {"ok"} and (sd["seqlen_q"] == 1).all()
+    assert (sd["nheads"] == cfg.decode_nheads).all()
+    assert (sd["nheads_kv"] == cfg.decode_nheads_kv).all()
+    index = ["provider", "route", "batch", "seqlen_k", "density", "mask_heads", "blocks_kept"]
+    wide = sd.pivot_table(index=index, columns="metric", values="value").reset_index()
+    calls = {("longflash", "block_mask"), ("longflash", "attn_mask"), ("sdpa_cpu", "attn_mask")}
+    assert set(zip(wide["provider"], wide["route"])) == calls
+    masks = sum(len(sparse_decode.MASK_HEADS) if x < 1 else 1
+                for x in cfg.sparse_decode_densities)
+    assert len(wide) == (len(calls) * masks * len(cfg.sparse_decode_batches)
+                         * len(cfg.sparse_decode_seqlens))
+    dense = wide["density"] == 1
+    assert (wide[dense]["blocks_kept"] == 1).all() and set(wide[dense]["mask_heads"]) == {"shared"}
+    assert ((wide[~dense]["blocks_kept"] > 0) & (wide[~dense]["blocks_kept"] < 1)).all()
+    read = (2 * wide["batch"] * wide["seqlen_k"] * cfg.decode_nheads_kv * cfg.decode_headdim * 4
+            * wide["blocks_kept"])  # float32
+    assert ((read / (wide["time_ms"] * 1e-3) / 1e9 - wide["read_gbps"]).abs()
+            <= 1e-9 * wide["read_gbps"]).all()
+    errors = wide[wide["provider"] == "longflash"]["max_err_o_sampled"]
+    assert len(errors) == 2 * masks and (errors < 1e-5).all()
+    assert "time_ms per block-sparse decoding step" in stdout
+    assert len(sparse_decode.existing_keys(out)) == len(wide)
+
+
+def test_sparse_decode_masks():
+    """The part's masks: per KV head (repeated over each group of query heads) or shared by
+    every head, the first and last blocks always kept; FlexAttention's BlockMask of them is
+    the same mask (eager flex_attention with GQA on a CPU, against the reference)."""
+    import torch
+    from experiments import sparse_decode
+    from longflash import attention_ref
+    kv = sparse_decode.block_mask(2, 8, 2, 1000, 0.3, "kv", seed=1, device="cpu")
+    assert kv.shape == (2, 8, 1, 8) and kv[..., 0].all() and kv[..., -1].all()
+    assert torch.equal(kv, kv[:, ::4].repeat_interleave(4, dim=1))
+    assert not torch.equal(kv[:, 0], kv[:, 4])  # two KV heads, two choices (seed 1)
+    shared = sparse_decode.block_mask(2, 8, 2, 1000, 0.3, "shared", seed=1, device="cpu")
+    assert shared.shape == (2, 8, 1, 8) and torch.equal(shared, shared[:, :1].expand_as(shared))
+    assert sparse_decode.block_mask(2, 8, 2, 1000, 1.0, "kv", seed=1, device="cpu") is None
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from experiments import block_sparse
+    q = torch.randn(2, 8, 1, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 1000, 16, dtype=torch.float64) for _ in range(2))
+    o = flex.flex_attention(q, k, v, block_mask=block_sparse.flex_block_mask(kv, 1, 1000),
+                            enable_gqa=True)
+    ref = attention_ref(*(x.transpose(1, 2) for x in (q, k, v)),
+                        attn_mask=sparse_decode.elementwise(kv, 1000))[0].transpose(1, 2)
+    torch.testing.assert_close(o, ref)
 
 
 def test_block_sparse_masks():
