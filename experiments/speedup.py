@@ -810,8 +810,8 @@ def summary(out, device):
     if (rows["part"] == "sparse_decode").any():
         r = rows[(rows["part"] == "sparse_decode") & (rows["metric"] == "time_ms")]
         table = r.assign(call=r["provider"] + " " + r["route"]).pivot_table(
-            index=["batch", "seqlen_k", "call"], columns="density", values="value",
-            aggfunc="first")
+            index=["batch", "seqlen_k", "mask_heads", "call"], columns="density",
+            values="value", aggfunc="first")
         log(f"\ntime_ms per block-sparse decoding step, by fraction of blocks kept "
             f"({device}):\n{table.round(2).to_string()}")
 

@@ -158,6 +158,19 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
     best = min(t[(p, low)] for p in ("flex", "sdpa_efficient"))
     assert m[f"{P}SparseOverBestPeerFwd"] == f"{best / t[('longflash', low)]:.2f}"
     assert m[f"{P}SparseBestPeers"] == "FlexAttention" and m[f"{P}SparseSeqlen"] == "64K"
+    # block-sparse decoding at the sparsest mask per KV head, 128K tokens of cache, batch 8:
+    # LongFlash's block_mask step over its dense step, the fastest other one's over it
+    sd = rows[(rows["part"] == "sparse_decode") & (rows["metric"] == "time_ms")
+              & (rows["seqlen_k"] == 131072) & (rows["batch"] == 8) & (rows["status"] == "ok")]
+    own = sd[(sd["provider"] == "longflash") & (sd["route"] == "block_mask")]
+    low = own[(own["mask_heads"] == "kv") & (own["density"] == own["density"].min())]
+    frac = low["value"].iloc[0] / own[own["density"] == 1]["value"].iloc[0]
+    assert m[f"{P}SparseDecodeKvLongflashFrac"] == f"{frac:.2f}"
+    peers = sd[(sd["provider"] != "longflash") & (sd["mask_heads"] == "kv")
+               & (sd["density"] == low["density"].iloc[0])]["value"]
+    assert m[f"{P}SparseDecodeKvOverBestPeer"] == f"{peers.min() / low['value'].iloc[0]:.2f}"
+    assert m[f"{P}SparseDecodeKvBestPeer"] == "FlexAttention"
+    assert m[f"{P}SparseDecodeSeqlen"] == "128K" and m[f"{P}SparseDecodeBatch"] == "8"
     # README: the GPU row first, the CPU rows kept.
     table = _readme(tmp_path, gen)
     lines = [line for line in table.splitlines() if line.startswith("| RQ")]
@@ -181,6 +194,8 @@ def test_goals_readme_and_paper_on_the_full_campaign(tmp_path):
         assert has(rq1, "run on GPUs only") and has(rq1, "measured below")
         assert has(rq1, "In chunked prefill over a paged cache (batch 4")
         assert not has(rq1, "Block-sparse attention (block_mask) was not measured on this GPU")
+        assert has(rq1, "Block-sparse decoding (attention_with_kvcache with a block_mask of")
+        assert not has(rq1, "Block-sparse decoding (block_mask in attention_with_kvcache) was not")
         assert has(rq1, "the speed of the fastest other implementation there (FlexAttention)")
 
 

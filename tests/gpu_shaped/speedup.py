@@ -339,17 +339,55 @@ def sparse_rows(cfg, rng, error_parts=()):
     return rows
 
 
+def sparse_decode_rows(cfg, rng, error_parts=()):
+    """Part sparse_decode's rows (experiments.sparse_decode, through decode.step_rows), with
+    the part's own masks: made up, LongFlash's block_mask step bandwidth-bound on the blocks
+    kept (plus a fixed 20 us), its attn_mask route and SDPA on the whole cache, FlexAttention
+    on the blocks kept at half LongFlash's rate, cuDNN refusing the mask."""
+    from experiments import decode, sparse_decode
+    rows = []
+    h, hkv, d = cfg.decode_nheads, cfg.decode_nheads_kv, cfg.decode_headdim
+    providers = [p for p in cfg.providers if p in sparse_decode.GPU_PROVIDERS]
+    for batch in cfg.sparse_decode_batches:
+        for seqlen_k in cfg.sparse_decode_seqlens:
+            cache_bytes = 2 * batch * seqlen_k * hkv * d * 2  # bf16 keys and values
+            for density, heads in [(x, m) for x in cfg.sparse_decode_densities
+                                   for m in (sparse_decode.MASK_HEADS if x < 1 else ("shared",))]:
+                mask = sparse_decode.block_mask(batch, h, hkv, seqlen_k, density, heads,
+                                                seed=seqlen_k + batch, device="cpu")
+                kept = 1.0 if mask is None else mask[:, ::h // hkv].float().mean().item()
+                base = dict(experiment="speedup", part="sparse_decode", mode="fwd",
+                            dtype=cfg.dtype, causal=False, batch=batch, seqlen_q=1,
+                            seqlen_k=seqlen_k, nheads=h, nheads_kv=hkv, headdim=d,
+                            density=density, mask_heads=heads, blocks_kept=kept,
+                            load_avg_1m=0.6, **MACHINE)
+                for provider in providers:
+                    for route in (("block_mask", "attn_mask") if provider == "longflash" else
+                                  ("block_mask",) if provider == "flex" else ("attn_mask",)):
+                        status = ("error" if "sparse_decode" in error_parts else "unsupported"
+                                  if provider == "sdpa_cudnn" else "ok")
+                        share = kept if route == "block_mask" else 1.0
+                        frac = {"longflash": 0.7, "flex": 0.35, "sdpa_efficient": 0.5,
+                                "sdpa_math": 0.1}.get(provider, 0.5)
+                        ms = (cache_bytes * share / (COPY_GBPS * 1e9 * frac) * 1e3 + 0.02) \
+                            * rng.uniform(0.97, 1.03)
+                        r = _made_up_step(status, ms, provider)
+                        rows += decode.step_rows(dict(base, provider=provider, route=route),
+                                                 route, r, cache_bytes * kept, lambda m: None)
+    return rows
+
+
 def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), decode_errors=(),
           prefill=True, gates_pass=False):
     """results_dir/speedup/h100.csv as the campaign's speedup steps of `stages` leave it, and
     with `prefill` stage 8's part prefill (--full --parts prefill) after them where `stages`
     has none. error_parts ("batch", "long", "decode", "prefill", "shared_prefix", "mla",
-    "sparse") /
+    "sparse", "sparse_decode") /
     error_providers: every such row has status "error" (a part that failed, for the
     partial-results tests); decode_errors: see decode_rows; gates_pass: the steps after a
     stage's gate ran with its switches (their command names them, as results.this_command
     writes it). Returns the path."""
-    from experiments import block_sparse, decode, mla_decode, shared_prefix
+    from experiments import block_sparse, decode, mla_decode, shared_prefix, sparse_decode
     from experiments import prefill as prefill_part
     from experiments.results import write_results
     out = path(results_dir, "speedup")
@@ -375,7 +413,9 @@ def write(results_dir, stages=(1, 2, 3), error_parts=(), error_providers=(), dec
                 "shared_prefix": (lambda: shared_prefix_rows(cfg, rng, error_parts),
                                   shared_prefix.KEY_COLUMNS),
                 "mla": (lambda: mla_rows(cfg, rng, error_parts), mla_decode.KEY_COLUMNS),
-                "sparse": (lambda: sparse_rows(cfg, rng, error_parts), block_sparse.KEY_COLUMNS)}
+                "sparse": (lambda: sparse_rows(cfg, rng, error_parts), block_sparse.KEY_COLUMNS),
+                "sparse_decode": (lambda: sparse_decode_rows(cfg, rng, error_parts),
+                                  sparse_decode.KEY_COLUMNS)}
             for part, (make, key_columns) in parts.items():
                 if part in cfg.parts:
                     write_results(make(), out, command=command, key_columns=key_columns)
