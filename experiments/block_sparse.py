@@ -74,9 +74,11 @@ def flex_block_mask(mask, seqlen_q, seqlen_k=None):
                                     seq_lengths=(seqlen_q, seqlen_k or seqlen_q))
 
 
-def elementwise(mask, seqlen):
-    """The (1, 1, N, N) boolean attn_mask the blocks stand for (broadcast over the heads)."""
-    return longflash._common.block_mask_elements(mask, BLOCK, BLOCK, seqlen, seqlen)
+def elementwise(mask, seqlen_q, seqlen_k=None):
+    """The (.., seqlen_q, seqlen_k) boolean attn_mask the blocks stand for (of the mask's
+    batch and heads: (1, 1, N, N) for part sparse's); seqlen_k: default seqlen_q."""
+    return longflash._common.block_mask_elements(mask, BLOCK, BLOCK, seqlen_q,
+                                                 seqlen_k or seqlen_q)
 
 
 def make_attention(provider, device, mask, seqlen):

@@ -104,12 +104,14 @@ def _quantized(inputs, kv_dtype):
     return inputs["fp8"]
 
 
-def _max_err(o, q, k, v, k_descale=None, v_descale=None):
+def _max_err(o, q, k, v, k_descale=None, v_descale=None, attn_mask=None):
     """max |o - attention_ref| of the first sequence, the reference in float64 (over a float8
-    cache's entries times its scales)."""
+    cache's entries times its scales; with attn_mask, (batch, nheads, 1, seqlen_k), its
+    first sequence's)."""
     k, v = (x[:1].double() * (1 if s is None else s[:1, None, :, None].double())
             for x, s in ((k, k_descale), (v, v_descale)))
-    ref, _ = longflash.attention_ref(q[:1].double(), k, v)
+    ref, _ = longflash.attention_ref(q[:1].double(), k, v,
+                                     attn_mask=None if attn_mask is None else attn_mask[:1])
     return (o[:1].double() - ref).abs().max().item()
 
 

@@ -45,8 +45,8 @@ import time
 import torch
 
 import longflash
-from experiments.block_sparse import BLOCK, flex_block_mask
-from experiments.decode import _time, measured_rows, prepare_step, step_rows
+from experiments.block_sparse import BLOCK, elementwise, flex_block_mask
+from experiments.decode import _max_err, _time, measured_rows, prepare_step, step_rows
 from experiments.results import load_average
 from experiments.speedup import SDPA_BACKENDS, Unsupported, compiled_flex, sdpa
 
@@ -54,6 +54,24 @@ GPU_PROVIDERS = ("longflash", "flex", "sdpa_efficient", "sdpa_cudnn", "sdpa_math
 CPU_PROVIDERS = ("longflash", "sdpa_cpu")
 KEY_COLUMNS = ("density", "mask_heads", "route")  # beside experiments.results.KEY_COLUMNS
 MASK_HEADS = ("kv", "shared")
+
+
+def masks(densities):
+    """The (density, mask_heads) pairs a shape is measured at: each density below 1 with both
+    kinds of mask, density 1 (no mask) once, as "shared"."""
+    return [(x, m) for x in densities for m in (MASK_HEADS if x < 1 else ("shared",))]
+
+
+def routes(provider):
+    """A provider's routes: LongFlash takes the blocks both ways, FlexAttention as blocks,
+    SDPA as an elementwise mask."""
+    return {"longflash": ("block_mask", "attn_mask"), "flex": ("block_mask",)}.get(
+        provider, ("attn_mask",))
+
+
+def blocks_kept(mask, group):
+    """The fraction of (sequence, KV head, block) entries mask keeps (1 without a mask)."""
+    return 1.0 if mask is None else mask[:, ::group].float().mean().item()
 
 
 def block_mask(batch, nheads, nheads_kv, seqlen_k, density, mask_heads, seed, device):
@@ -83,14 +101,9 @@ def _inputs(cfg, batch, seqlen_k, dtype, device, seed):
             "bhnd": (q.transpose(1, 2).contiguous(), *rows[1:])}
 
 
-def elementwise(mask, seqlen_k):
-    """The (batch, nheads, 1, seqlen_k) boolean attn_mask the blocks stand for."""
-    return longflash._common.block_mask_elements(mask, BLOCK, BLOCK, 1, seqlen_k)
-
-
-def make_step(provider, route, device, mask, seqlen_k, nheads_kv):
-    """(step, layout): step(*inputs[layout]) -> o. Raises Unsupported."""
-    dense = None if mask is None else elementwise(mask, seqlen_k)
+def make_step(provider, route, device, mask, dense, seqlen_k, nheads_kv):
+    """(step, layout): step(*inputs[layout]) -> o, over the blocks (mask) or their elementwise
+    (batch, nheads, 1, seqlen_k) mask (dense). Raises Unsupported."""
     if provider == "longflash":
         backend = "triton" if device == "cuda" else "torch"
         kw = dict(block_mask=mask) if route == "block_mask" else dict(attn_mask=dense)
@@ -105,13 +118,6 @@ def make_step(provider, route, device, mask, seqlen_k, nheads_kv):
             dense = dense.view(dense.shape[0], nheads_kv, -1, seqlen_k)
         return sdpa(provider, attn_mask=dense), "rows"
     raise ValueError(f"unknown sparse_decode provider {provider!r}")
-
-
-def _max_err(o, q, k, v, dense):
-    """max |o - attention_ref| of the first sequence, in float64, with the elementwise mask."""
-    ref, _ = longflash.attention_ref(q[:1].double(), k[:1].double(), v[:1].double(),
-                                     attn_mask=None if dense is None else dense[:1])
-    return (o[:1].double() - ref).abs().max().item()
 
 
 def existing_keys(path, after=None):
@@ -133,22 +139,18 @@ def run(cfg, device, log, machine, started, done=frozenset()):
     dtype = getattr(torch, cfg.dtype)
     providers = [p for p in cfg.providers if p in (GPU_PROVIDERS if device == "cuda"
                                                     else CPU_PROVIDERS)]
-    routes = [(p, r) for p in providers
-              for r in (("block_mask", "attn_mask") if p == "longflash" else
-                        ("block_mask",) if p == "flex" else ("attn_mask",))]
+    calls = [(p, r) for p in providers for r in routes(p)]
     h, hkv, d = cfg.decode_nheads, cfg.decode_nheads_kv, cfg.decode_headdim
     rows = []
     for batch in cfg.sparse_decode_batches:
         for seqlen_k in cfg.sparse_decode_seqlens:
             inputs = None
-            # density 1 (no mask) once, as "shared"
-            for density, heads in [(x, m) for x in cfg.sparse_decode_densities
-                                   for m in (MASK_HEADS if x < 1 else ("shared",))]:
+            for density, heads in masks(cfg.sparse_decode_densities):
                 if cfg.budget_s and time.perf_counter() - started > cfg.budget_s:
                     log(f"budget of {cfg.budget_s:.0f} s spent: sparse_decode B={batch} "
                         f"N={seqlen_k} density={density} {heads} not run")
                     continue
-                todo = [(p, r) for p, r in routes
+                todo = [(p, r) for p, r in calls
                         if _key(p, r, cfg.dtype, batch, seqlen_k, density, heads) not in done]
                 if not todo:
                     continue
@@ -156,13 +158,15 @@ def run(cfg, device, log, machine, started, done=frozenset()):
                     inputs = _inputs(cfg, batch, seqlen_k, dtype, device, seed=seqlen_k + batch)
                 mask = block_mask(batch, h, hkv, seqlen_k, density, heads,
                                   seed=seqlen_k + batch, device=device)
-                kept = 1.0 if mask is None else mask[:, ::h // hkv].float().mean().item()
+                kept = blocks_kept(mask, h // hkv)
+                dense = None if mask is None else elementwise(mask, 1, seqlen_k)
                 base = dict(experiment="speedup", part="sparse_decode", mode="fwd",
                             dtype=cfg.dtype, causal=False, batch=batch, seqlen_q=1,
                             seqlen_k=seqlen_k, nheads=h, nheads_kv=hkv, headdim=d,
                             density=density, mask_heads=heads, blocks_kept=kept,
                             load_avg_1m=load_average()[0], **machine)
-                ready = [_prepare(p, r, inputs, device, mask, seqlen_k, hkv) for p, r in todo]
+                ready = [_prepare(p, r, inputs, device, mask, dense, seqlen_k, hkv)
+                         for p, r in todo]
                 _time(ready, device, cfg)
                 kept_bytes = 2 * batch * seqlen_k * hkv * d * dtype.itemsize * kept
                 for (provider, route), r in zip(todo, ready):
@@ -175,16 +179,14 @@ def run(cfg, device, log, machine, started, done=frozenset()):
     return rows
 
 
-def _prepare(provider, route, inputs, device, mask, seqlen_k, nheads_kv):
+def _prepare(provider, route, inputs, device, mask, dense, seqlen_k, nheads_kv):
     """One route's step at one shape and mask (experiments.decode.prepare_step), with its
     error (longflash) against float64 over the first sequence."""
     def build():
-        step, layout = make_step(provider, route, device, mask, seqlen_k, nheads_kv)
+        step, layout = make_step(provider, route, device, mask, dense, seqlen_k, nheads_kv)
         args = inputs[layout]
         o = step(*args)  # warm-up: compilation, autotuning
-        err = math.nan
-        if provider == "longflash":
-            err = _max_err(o, *inputs["bnhd"], None if mask is None else
-                           elementwise(mask, seqlen_k))
+        err = (_max_err(o, *inputs["bnhd"], attn_mask=dense) if provider == "longflash"
+               else math.nan)
         return (lambda: step(*args)), err, math.nan
     return prepare_step(provider, build, device)

@@ -315,7 +315,7 @@ def test_sparse_decode_masks():
     o = flex.flex_attention(q, k, v, block_mask=block_sparse.flex_block_mask(kv, 1, 1000),
                             enable_gqa=True)
     ref = attention_ref(*(x.transpose(1, 2) for x in (q, k, v)),
-                        attn_mask=sparse_decode.elementwise(kv, 1000))[0].transpose(1, 2)
+                        attn_mask=block_sparse.elementwise(kv, 1, 1000))[0].transpose(1, 2)
     torch.testing.assert_close(o, ref)
 
 

@@ -351,19 +351,17 @@ def sparse_decode_rows(cfg, rng, error_parts=()):
     for batch in cfg.sparse_decode_batches:
         for seqlen_k in cfg.sparse_decode_seqlens:
             cache_bytes = 2 * batch * seqlen_k * hkv * d * 2  # bf16 keys and values
-            for density, heads in [(x, m) for x in cfg.sparse_decode_densities
-                                   for m in (sparse_decode.MASK_HEADS if x < 1 else ("shared",))]:
+            for density, heads in sparse_decode.masks(cfg.sparse_decode_densities):
                 mask = sparse_decode.block_mask(batch, h, hkv, seqlen_k, density, heads,
                                                 seed=seqlen_k + batch, device="cpu")
-                kept = 1.0 if mask is None else mask[:, ::h // hkv].float().mean().item()
+                kept = sparse_decode.blocks_kept(mask, h // hkv)
                 base = dict(experiment="speedup", part="sparse_decode", mode="fwd",
                             dtype=cfg.dtype, causal=False, batch=batch, seqlen_q=1,
                             seqlen_k=seqlen_k, nheads=h, nheads_kv=hkv, headdim=d,
                             density=density, mask_heads=heads, blocks_kept=kept,
                             load_avg_1m=0.6, **MACHINE)
                 for provider in providers:
-                    for route in (("block_mask", "attn_mask") if provider == "longflash" else
-                                  ("block_mask",) if provider == "flex" else ("attn_mask",)):
+                    for route in sparse_decode.routes(provider):
                         status = ("error" if "sparse_decode" in error_parts else "unsupported"
                                   if provider == "sdpa_cudnn" else "ok")
                         share = kept if route == "block_mask" else 1.0
