@@ -9,10 +9,26 @@ import torch
 import longflash
 from longflash import _common, attention_ref, attention_varlen_ref
 from conftest import INTERPRET, check_close
-from test_correctness import make_inputs
+from test_correctness import KERNEL_FUNCTIONS, force_configs, make_inputs
 from test_variants import check_variant, use_tiles
 
 UNIT = _common.BLOCK_SPARSE_UNIT
+# The interpreter's own tile (flash_triton._INTERPRET_CONFIG, 32 x 16) puts 4 x 8 tiles in a
+# block of 128, and its time goes per tile: here the Triton kernels run tiles of 64 x 64 (2 x 2
+# in a block, still edges inside and across blocks; a fifth of the time) unless a case asks for
+# the interpreter's own ("small").
+BIG_TILES = (64, 64, 4, 1)
+
+
+def _force_tiles(monkeypatch, tiles):
+    from longflash.flash_triton import _config
+    force_configs(monkeypatch, {kernel: _config(tiles) for kernel in KERNEL_FUNCTIONS})
+
+
+@pytest.fixture(autouse=True)
+def interpreter_tiles(monkeypatch):
+    if INTERPRET:
+        _force_tiles(monkeypatch, BIG_TILES)
 
 
 def _blocks(shape, dims, block_size=UNIT, density=0.6, seed=11):
@@ -32,8 +48,10 @@ CASES = [
     ("wide-blocks-all", (2, 290, 310, 2, 1, 24), "B1", (256, 128),
      dict(causal=True, alibi=(2, 2), softcap=1.0, dropout_p=0.2, seed=7)),
 ]
+SMALL = ("shared-causal", "heads-window")  # the Triton kernels' cases with the interpreter's tile
 RUNS = [("torch", (64, 32)), ("torch", None)] + ([("triton", None)] if INTERPRET else [])
-PARAMS = [pytest.param(b, t, d, *c[1:], id=f"{c[0]}-{b}{'-%dx%d' % t if t else ''}-{n}")
+PARAMS = [pytest.param(b, "small" if b == "triton" and c[0] in SMALL else t, d, *c[1:],
+                       id=f"{c[0]}-{b}{'-%dx%d' % t if t else ''}-{n}")
           for c in CASES for d, n in ((torch.float32, "fp32"), (torch.float16, "fp16"))
           for b, t in RUNS if not (b == "triton" and n == "fp32" and c[0] != "per-head")]
 
@@ -48,7 +66,11 @@ def _kwargs(shape, dims, block_size, kw):
 @pytest.mark.parametrize("backend, tiles, dtype, shape, dims, block_size, kw", PARAMS)
 def test_block_mask_against_reference(backend, tiles, dtype, shape, dims, block_size, kw,
                                       monkeypatch):
-    use_tiles(monkeypatch, tiles)
+    if tiles == "small":
+        from longflash.flash_triton import _INTERPRET_CONFIG
+        _force_tiles(monkeypatch, _INTERPRET_CONFIG)
+    else:
+        use_tiles(monkeypatch, tiles)
     check_variant(shape, dtype, _kwargs(shape, dims, block_size, kw), backend)
 
 
