@@ -168,9 +168,10 @@ $(TRITON36)/.installed:
 
 # The float8 KV cache's kernels under triton==3.6.0's interpreter (the GPU machines' Triton):
 # its unary minus is 0 - x, which lost -0 in the append's rounding (3.9's is a negation), a
-# fault the fourth window's H100 found and this would have (about 30 s); and MLA's absorbed
-# decoding (qv) on the Triton backend, float8 included (10 s), and block-sparse attention's
-# kernels (block_mask: the loops over each row's list of visible tiles; about 140 s).
+# fault the fourth window's H100 found and this would have (about 80 s on a 2-core machine);
+# and MLA's absorbed decoding (qv) on the Triton backend, float8 included, and block-sparse
+# attention's kernels (block_mask: the loops over each row's list of visible tiles; the two
+# about 70 s).
 test-triton36: $(TRITON36)/.installed
 	@# an environment built before this target had no pytest
 	$(TRITON36)/bin/python -c "import pytest, hypothesis" 2>/dev/null || \
