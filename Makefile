@@ -170,8 +170,8 @@ $(TRITON36)/.installed:
 # its unary minus is 0 - x, which lost -0 in the append's rounding (3.9's is a negation), a
 # fault the fourth window's H100 found and this would have (about 80 s on a 2-core machine);
 # and MLA's absorbed decoding (qv) on the Triton backend, float8 included, and block-sparse
-# attention's kernels (block_mask: the loops over each row's list of visible tiles; the two
-# about 70 s).
+# attention's and decoding's kernels (block_mask: the loops over each row's or program's list
+# of visible tiles; the three about 90 s).
 test-triton36: $(TRITON36)/.installed
 	@# an environment built before this target had no pytest
 	$(TRITON36)/bin/python -c "import pytest, hypothesis" 2>/dev/null || \
@@ -179,7 +179,8 @@ test-triton36: $(TRITON36)/.installed
 	PYTHONPATH=kernels:. TRITON_INTERPRET=1 $(TRITON36)/bin/python -m pytest -q \
 		-p no:cacheprovider tests/test_kvcache.py tests/test_paged_varlen.py -k "(fp8 or float8) and triton"
 	PYTHONPATH=kernels:. TRITON_INTERPRET=1 $(TRITON36)/bin/python -m pytest -q \
-		-p no:cacheprovider tests/test_mla_decoding.py tests/test_block_sparse.py -k triton
+		-p no:cacheprovider tests/test_mla_decoding.py tests/test_block_sparse.py \
+		tests/test_kvcache_block_sparse.py -k triton
 
 # The oldest stack the library supports: torch==2.4.1 and the triton==3.0.0 it pins (with
 # NumPy < 2, which Triton 3.0's interpreter needs). The Triton kernels need triton >= 3.4

@@ -28,7 +28,8 @@ block table, "fp8" (forward) the same over float8 pages with their scales; "full
 candidates compile without masks there (flash_triton._full_tiles; at 4000 tokens they mask
 every block). The decoding kernels' signatures are built by hand (compile_one): "plain", and
 paged, leftpad (cache_leftpad), mask (a boolean attn_mask over the keys, contiguous along
-them) and sparse (a block_mask, each tile's row of bits, its key blocks contiguous) for the
+them) and sparse (a block_mask, each tile's row of bits, its key blocks contiguous, the loop
+over its program's list of blocks) for the
 split-KV kernel, paged and rotary (half-split, queries in order) for the append,
 and fp8 for both (a float8 cache with (batch, nheads_kv) scales, FP8_CACHE). With triton==3.6.0
 compile the architectures' fp8 rows in separate processes (`--arch`): after an sm_90a compile,
@@ -230,7 +231,7 @@ def kernel_spec(kernel, dtype, flags, headdim, arch="sm90a"):
         headdim_v = MLA_HEADDIM_V if flags == "mla" else headdim
         tensors = dict(Q=p, K_CACHE=cache, V_CACHE=cache, O=p, BLOCK_TABLE="*i32",
                        SEQLENS_K="*i32", LEFTPAD_K="*i32", ALIBI="*fp32", LSE="*fp32",
-                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", SPARSE="*u8",
+                       O_PARTIAL="*fp32", LSE_PARTIAL="*fp32", BIAS="*u8", SPARSE="*u8", LISTS="*i32",
                        **fp8,
                        **(dict(QV=p) if flags == "mla" else {}))
         if kernel == "decode_merge":

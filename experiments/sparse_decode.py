@@ -12,9 +12,10 @@ window) always; at density 1 no mask at all. Chosen (key column mask_heads) per 
 "kv", shared by its group of query heads as NSA selects them (a kernel that packs the group
 into one tile reads the union of its heads' blocks: per-query-head choices would read more),
 or once per sequence for every head, "shared" (a retrieval over the context, or
-StreamingLLM's sink and window). The Triton kernel skips a block per KV head; the PyTorch
-path, which batches the KV heads, skips a block only where every head hides it, so on a CPU
-it gains from "shared" masks only. Routes (key columns density, mask_heads and route, beside
+StreamingLLM's sink and window). Both paths loop over each KV head's list of the blocks its
+group sees, the splits sharing them evenly; the PyTorch path reads a "shared" mask's runs of
+blocks through views, a "kv" mask's blocks through a gathered copy per head (on a CPU the
+copy costs about as much as the reads it saves at density 0.5). Routes (key columns density, mask_heads and route, beside
 experiments.results.KEY_COLUMNS):
   longflash  route "block_mask": longflash.attention_with_kvcache(..., block_mask=): the
              split-KV kernel loads nothing of a hidden block (Triton on a GPU, the PyTorch

@@ -580,7 +580,8 @@ def test_block_sparse_kvcache_skips_hidden_blocks_gpu():
     kernel never loads them (test_kvcache_block_sparse's check, on the GPU)."""
     from test_kvcache_block_sparse import test_hidden_blocks_are_not_read
     for num_splits in (1, 2):
-        test_hidden_blocks_are_not_read("triton", num_splits, device="cuda")
+        for heads in (1, 4):
+            test_hidden_blocks_are_not_read("triton", num_splits, heads, device="cuda")
 
 
 @pytest.mark.parametrize("case, fp8", [(DECODE_LONG[0], (torch.float8_e4m3fn, "tensors")),

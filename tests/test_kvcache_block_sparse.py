@@ -1,7 +1,8 @@
 """Block-sparse decoding (attention_with_kvcache's block_mask, block_size) against the float64
 reference over the elementwise mask it stands for: contiguous and paged caches, GQA packing
 with per-head masks, splits, with the other options and an attn_mask; that a key block no row
-sees is not read; bad masks."""
+sees is not read, that each KV head reads its group's blocks only, split evenly (the programs'
+lists); bad masks."""
 
 import pytest
 import torch
@@ -40,6 +41,9 @@ CASES = [
           block_mask=_blocks(2, 4, 3, 12 * 48, "1H", (128, 256)), block_size=(128, 256))),
     ("noappend-H2/2-D24-batch-alibi-softcap", 2, 2, 2, 2, 24, None, 400, [400, 130], 0,
      dict(alibi=(2,), softcap=0.9, block_mask=_blocks(2, 2, 2, 400, "B1"))),
+    # 5 queries x 16 heads of one KV head: 80 packed rows, two Triton programs (64 rows each)
+    ("spec5-H16/1-D16-heads-two-programs", 1, 5, 16, 1, 16, None, 1000, [860], 5,
+     dict(causal=True, block_mask=_blocks(1, 16, 5, 1000, "BH", seed=9))),
 ]
 
 
@@ -74,16 +78,18 @@ def test_with_attn_mask(backend, mask_kind):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [1, 4], ids=["shared", "per-head"])
 @pytest.mark.parametrize("num_splits", [1, 2], ids=["splits1", "splits2"])
-def test_hidden_blocks_are_not_read(backend, num_splits, device="cpu"):
+def test_hidden_blocks_are_not_read(backend, num_splits, heads, device="cpu"):
     """The keys and values of block 1, which no row sees, are NaN: a tile loaded and then
     masked would give NaN (0 * NaN in p v), one not read nothing. Against the reference over
-    the other keys. With two splits, the PyTorch path reads the hidden block beside a seen
-    one (one step of both splits) and must not let it count."""
+    the other keys. The PyTorch path reads a mask shared by the heads through views of runs
+    of visible tiles (one split), else gathers each head's, beside positions outside its
+    split (two): neither may let a hidden key count."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 1, 4, 16, generator=gen).to(device)
     k_cache, v_cache = (torch.randn(2, 512, 2, 16, generator=gen).to(device) for _ in range(2))
-    block_mask = torch.ones(1, 4, 1, 4, dtype=torch.bool, device=device)
+    block_mask = torch.ones(1, heads, 1, 4, dtype=torch.bool, device=device)
     block_mask[..., 1] = False
     k_nan, v_nan = k_cache.clone(), v_cache.clone()
     k_nan[:, UNIT:2 * UNIT], v_nan[:, UNIT:2 * UNIT] = float("nan"), float("nan")
@@ -135,6 +141,81 @@ def test_compile_fullgraph(backend):
         check_case(case, torch.float32, backend, 0, int_seqlens=lengths[0] == lengths[1],
                    fn=step)
     assert graphs and all("longflash.kvcache_forward" in _ops(g) for g in graphs)
+
+
+@pytest.mark.parametrize("heads", [1, 12], ids=["shared", "per-head"])
+@pytest.mark.parametrize("seqlen_q, block_m, block_size_q", [(1, 16, 128), (5, 16, 128),
+                                                            (300, 64, 128), (300, 32, 256)])
+def test_group_block_lists(heads, seqlen_q, block_m, block_size_q):
+    """A program's lists hold the blocks some of its rows see (of its group's heads and its
+    rows' query blocks), against the union taken row by row; with block_m < group the union
+    of the whole group's heads."""
+    nheads_kv, group = 3, 4
+    n_qblocks = -(-seqlen_q // block_size_q)
+    mask = torch.rand(2, heads, n_qblocks, 7, generator=torch.Generator().manual_seed(2)) < 0.3
+    lists = _common.group_block_lists(mask, group, seqlen_q, block_m, block_size_q)
+    rows = seqlen_q * group
+    programs = -(-rows // block_m)
+    assert lists.shape == (2, nheads_kv if heads > 1 else 1, programs, 15)
+    for hk in range(lists.shape[1]):
+        for p in range(programs):
+            want = torch.zeros(2, 7, dtype=torch.bool)
+            for r in range(p * block_m, min(rows, (p + 1) * block_m)):
+                for h in (range(hk * group, hk * group + group) if heads > 1 else [0]):
+                    want |= mask[:, h, r // group // block_size_q]
+            assert torch.equal(lists[:, hk, p], _common.block_lists(want))
+
+
+def test_torch_path_reads_each_heads_visible_tiles(monkeypatch):
+    """The PyTorch path reads, for each KV head, the tiles of the blocks its group sees and no
+    other, the splits an equal share of them (as the kernel's programs): KV head 0's group
+    sees blocks 4-7 (two each for two splits, not none and four), head 1's blocks 1 and 6."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 1, 4, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(1, 1024, 2, 16, generator=gen) for _ in range(2))
+    mask = torch.zeros(1, 4, 1, 8, dtype=torch.bool)
+    mask[0, 0, 0, 4:], mask[0, 1, 0, 5:], mask[0, 3, 0, [1, 6]] = True, True, True
+    read = []
+    gather = kvcache._gather
+
+    def recording(cache, block_table, b, pos):
+        read.append(pos)
+        return gather(cache, block_table, b, pos)
+
+    monkeypatch.setattr(kvcache, "_gather", recording)
+    o = longflash.attention_with_kvcache(q, k_cache, v_cache, backend="torch", block_mask=mask,
+                                         num_splits=2)
+    blocks = {(hk, s): set() for hk in range(2) for s in range(2)}
+    for pos in read[::2]:  # keys, then values at the same positions
+        assert pos.shape[:3] == (1, 2, 2)
+        for hk in range(2):
+            for s in range(2):
+                blocks[hk, s] |= set((pos[0, hk, s] // UNIT).tolist()) - {0}
+    assert blocks == {(0, 0): {4, 5}, (0, 1): {6, 7}, (1, 0): {1}, (1, 1): {6}}
+    o_ref = attention_ref(q, k_cache, v_cache, attn_mask=_common.block_mask_elements(
+        mask, UNIT, UNIT, 1, 1024))[0]
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton launcher's kept lists, interpreted")
+def test_triton_lists_made_once_per_mask(monkeypatch):
+    """The decoding launcher makes a mask's program lists once: a second step with the same
+    unchanged mask reuses them; a write into the mask makes them again."""
+    from longflash import decode_triton
+    made = []
+    group_lists = decode_triton.group_block_lists
+    monkeypatch.setattr(decode_triton, "group_block_lists",
+                        lambda *a: made.append(1) or group_lists(*a))
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 1, 4, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(1, 300, 2, 16, generator=gen) for _ in range(2))
+    mask = torch.ones(1, 4, 1, 3, dtype=torch.bool)
+    outs = [longflash.attention_with_kvcache(q, k_cache, v_cache, backend="triton",
+                                             block_mask=mask) for _ in range(2)]
+    assert len(made) == 1 and torch.equal(outs[0], outs[1])
+    mask[0, 0, 0, 1] = False
+    longflash.attention_with_kvcache(q, k_cache, v_cache, backend="triton", block_mask=mask)
+    assert len(made) == 2
 
 
 def _call(**kw):

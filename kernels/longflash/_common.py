@@ -253,6 +253,28 @@ def block_lists(bits):
     return torch.cat([prefix, order], -1)
 
 
+def group_block_lists(block_mask, group, seqlen_q, block_m, block_size_q):
+    """A split-KV decoding program's block_lists: block_mask (batch or 1, nheads or 1, query
+    blocks, key blocks), its key blocks that some row of the program may see. A program holds
+    block_m of the seqlen_q * group packed rows of one KV head (row r: query r // group, query
+    head r % group of the KV head's group): its bits are the union of its group's heads' and of
+    its rows' query blocks' (all the group's heads even where block_m < group: a superset, each
+    row's own bit still masks its scores). Returns (batch or 1, nheads_kv or 1, programs,
+    2 key blocks + 1) int32, programs = ceil(seqlen_q * group / block_m)."""
+    batch, heads, n_qblocks, n_kblocks = block_mask.shape
+    bits = block_mask  # one mask for every head, or the union of each group's
+    if heads > 1:
+        bits = block_mask.reshape(batch, heads // group, group, n_qblocks, n_kblocks).any(2)
+    programs = -(-seqlen_q * group // block_m)
+    if n_qblocks == 1:  # every row in the one query block (decoding): one list for every program
+        return block_lists(bits).expand(-1, -1, programs, -1)
+    rows = torch.arange(seqlen_q * group, device=block_mask.device)
+    covers = torch.zeros(programs, n_qblocks, device=block_mask.device)  # program x query block
+    covers[rows // block_m, rows // group // block_size_q] = 1
+    union = torch.einsum("pq,bhqk->bhpk", covers, bits.to(covers.dtype)) > 0
+    return block_lists(union)
+
+
 def check_qv(qv, q, headdim_v, is_array, kind):
     """MLA's absorbed queries for both bindings' attention_with_kvcache: is_array(qv) (a
     tensor / array, kind names it), of shape (batch, seqlen_q, nheads, headdim_v) = q's first
@@ -452,12 +474,13 @@ def take(x, *index):
     return as_bytes(x)[index].view(x.dtype) if x.dtype in FP8_DTYPES else x[index]
 
 
-def paged_rows(pages, block_table, b, pos):
+def paged_rows(pages, block_table, b, pos, *rest):
     """Rows at key positions pos of sequences b (broadcasting index tensors, or ints) of a
     paged tensor (num_pages, page_size, ...): key n of sequence b lives in page
-    block_table[b, n // page_size], slot n % page_size. A copy."""
+    block_table[b, n // page_size], slot n % page_size; rest: indices into the dimensions
+    after those two. A copy."""
     page_size = pages.shape[1]
-    return take(pages, block_table[b, pos // page_size].long(), pos % page_size)
+    return take(pages, block_table[b, pos // page_size].long(), pos % page_size, *rest)
 
 
 def _floor(x, block):

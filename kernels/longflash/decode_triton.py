@@ -56,8 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FP8_DTYPES, LOG2E, empty_outputs, fix_triton_interpreter
-from .flash_triton import _bias, _descale_args, check_fp8, page_rows
+from ._common import (FP8_DTYPES, LOG2E, empty_outputs, fix_triton_interpreter,
+                      group_block_lists)
+from .flash_triton import (_bias, _cached_lists, _descale_args, _loop_span, _loop_tile,
+                           check_fp8, page_rows)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -225,7 +227,8 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
                  HAS_QV: tl.constexpr = False, QV=None, stride_qvb=0, stride_qvn=0,
                  stride_qvh=0, BLOCK_SPARSE: tl.constexpr = False, SPARSE=None, stride_sb=0,
                  stride_sh=0, stride_sm=0, stride_sn=0, sparse_cols=0, sparse_bq=1,
-                 sparse_bk=1):
+                 sparse_bk=1, LISTS=None, stride_listb=0, stride_listh=0,
+                 stride_listm=0):
     """BIAS_KIND, BIAS: attn_mask (flash_triton._bias), (batch, nheads, seqlen_q, mask_len)
     through its strides, indexed by key position. A float8 cache's tiles are converted to
     q's dtype as they are loaded (exact); HAS_DESCALE: its scales K_DESCALE, V_DESCALE
@@ -234,8 +237,11 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     score adds qv v^T (times the value scale), the value tile loaded before the scores.
     BLOCK_SPARSE: SPARSE (batch, nheads, query blocks, sparse_cols) uint8 through its
     strides, block_mask of sparse_bq queries by sparse_bk keys (a multiple of BLOCK_N: each
-    key tile lies in one block): each row's bit of the tile's block masks its scores, and a
-    tile no row sees loads nothing (its loads predicated off)."""
+    key tile lies in one block), and LISTS (batch, nheads_kv, programs along BLOCK_M, 2
+    sparse_cols + 1) int32, the program's lists of the blocks some of its rows see
+    (_common.group_block_lists): the loop runs over those tiles only, the splits share them
+    out evenly, each row's bit of a tile's block masks its scores, and a listed tile that no
+    row sees (a superset's) loads nothing (its loads predicated off)."""
     split = tl.program_id(0)
     off_bhk = tl.program_id(1).to(tl.int64)
     start_m = tl.program_id(2) * BLOCK_M
@@ -277,9 +283,12 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     if BIAS_KIND != 0:
         bias = BIAS + off_b * stride_bb + off_h[:, None].to(tl.int64) * stride_bh
     sparse = Q  # block_mask's row of each (query, head) pair (BLOCK_SPARSE); likewise
+    row = SEQLENS_K  # the program's lists of blocks (BLOCK_SPARSE); likewise
     if BLOCK_SPARSE:
         sparse = SPARSE + off_b * stride_sb + off_h.to(tl.int64) * stride_sh \
             + (i // sparse_bq).to(tl.int64) * stride_sm
+        row = LISTS + off_b * stride_listb + off_hk * stride_listh \
+            + tl.program_id(2) * stride_listm
 
     # -- this split's keys: [split_lo, split_hi) of the keys the block's rows can see --
     first = start_m // group_size + (seqlen_k - seqlen_q)
@@ -290,19 +299,24 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
         hi = tl.minimum(hi, sparse_cols * sparse_bk)
     lo = tl.where(window_left >= 0, tl.maximum(first - window_left, 0), 0)
     lo = tl.minimum(tl.maximum(lo, leftpad), hi) // BLOCK_N * BLOCK_N
-    blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
-    split_lo = lo + split * blocks_per_split * BLOCK_N
-    split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, hi)
+    # the loop's tiles: [lo, hi) in steps of BLOCK_N, or with BLOCK_SPARSE the positions of
+    # its visible tiles in the program's list; each split an equal share of them
+    first, last = _loop_span(lo, hi, row, BLOCK_N, sparse_bk, BLOCK_SPARSE)
+    step = 1 if BLOCK_SPARSE else BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(last - first, step), num_splits) * step
+    split_lo = first + split * per_split
+    split_hi = tl.minimum(split_lo + per_split, last)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for start_n in range(split_lo, split_hi, BLOCK_N):
+    for t in range(split_lo, split_hi, step):
+        start_n = _loop_tile(t, row, sparse_cols, BLOCK_N, sparse_bk, BLOCK_SPARSE)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        tile_hi = split_hi
+        tile_hi = hi
         if BLOCK_SPARSE:  # each row's bit of the tile's key block; no row's: nothing loaded
             seen = tl.load(sparse + start_n // sparse_bk * stride_sn, mask=m_mask, other=0) != 0
-            tile_hi = tl.where(tl.max(seen.to(tl.int32), 0) > 0, split_hi, start_n)
+            tile_hi = tl.where(tl.max(seen.to(tl.int32), 0) > 0, hi, start_n)
         n_mask = offs_n < tile_hi
         # -- compute scores --
         if BIAS_KIND != 0:  # loaded first: then Triton keeps the softmax in the MMA layout
@@ -495,15 +509,23 @@ def _bias_args(mask):
                 mask_len=length if length > 1 else 2**31 - 1)
 
 
-def _sparse_args(opts, block_n):
-    """block_mask, a (batch, nheads, query blocks, key blocks) view (broadcast dimensions at
-    stride 0), as _fwd_splitkv reads it: as uint8, through its strides."""
+def _sparse_args(opts, batch, nheads, nheads_kv, seqlen_q, block_m, block_n):
+    """block_mask (batch or 1, nheads or 1, query blocks, key blocks) as _fwd_splitkv reads
+    it: as uint8, through the strides of a (batch, nheads, ...) view (broadcast dimensions at
+    stride 0), and its programs' lists of blocks (_common.group_block_lists, made once per
+    mask and tiling: flash_triton._cached_lists), a (batch, nheads_kv, programs, ...) view."""
     assert opts.block_size_k % block_n == 0, (opts.block_size_k, block_n)  # tile in one block
-    bits = opts.block_mask.view(torch.uint8)
+    mask, group = opts.block_mask, nheads // nheads_kv
+    bits = mask.view(torch.uint8).expand(batch, nheads, *mask.shape[2:])
+    lists = _cached_lists(mask, ("decode", group, seqlen_q, block_m, opts.block_size_q),
+                          lambda: group_block_lists(mask, group, seqlen_q, block_m,
+                                                    opts.block_size_q))
+    lists = lists.expand(batch, nheads_kv, *lists.shape[2:])
     return dict(BLOCK_SPARSE=True, SPARSE=bits, stride_sb=bits.stride(0),
                 stride_sh=bits.stride(1), stride_sm=bits.stride(2), stride_sn=bits.stride(3),
                 sparse_cols=bits.shape[3], sparse_bq=opts.block_size_q,
-                sparse_bk=opts.block_size_k)
+                sparse_bk=opts.block_size_k, LISTS=lists, stride_listb=lists.stride(0),
+                stride_listh=lists.stride(1), stride_listm=lists.stride(2))
 
 
 def check_cache(k_cache, v_cache):
@@ -617,7 +639,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         optional.update(HAS_QV=True, QV=qv, stride_qvb=qv.stride(0), stride_qvn=qv.stride(1),
                         stride_qvh=qv.stride(2))
     if opts.block_mask is not None:
-        optional.update(_sparse_args(opts, block_n))
+        optional.update(_sparse_args(opts, batch, nheads, nheads_kv, seqlen_q, block_m,
+                                     block_n))
     _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
         q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
         seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,

@@ -1570,7 +1570,7 @@ def _atomic_dq(q, headdim, deterministic, tma_ok=1):
                                      for c in CONFIGS[_table_key("dkdv", major, headdim)])
 
 
-_LISTS = {}  # (id(block_mask), transposed) -> (weakref to it, its version, its lists)
+_LISTS = {}  # (id(block_mask), tag) -> (weakref to it, its version, its lists)
 
 
 def _capturing(x):
@@ -1578,19 +1578,17 @@ def _capturing(x):
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _cached_block_lists(block_mask, transposed):
-    """block_lists of block_mask (transposed: of its last two dimensions swapped), made once
-    per mask: the same tensor, unchanged since (its version counter, which in-place writes
-    through any view advance), gets back the lists made for it, so a model that hands one mask
-    to every layer makes them once, not once per layer and pass (each a few kernel launches).
-    An entry goes when its mask does. Made afresh, and not kept, for inference tensors (no
-    version counter) and while a CUDA graph is captured (each replay must remake them from
-    what the mask then holds)."""
-    def make():
-        return block_lists(block_mask.transpose(-1, -2) if transposed else block_mask)
+def _cached_lists(block_mask, tag, make):
+    """make(), lists of block_mask's, made once per mask and tag (which lists: a hashable): the
+    same tensor, unchanged since (its version counter, which in-place writes through any view
+    advance), gets back the lists made for it, so a model that hands one mask to every layer
+    makes them once, not once per layer and pass (each a few kernel launches). An entry goes
+    when its mask does. Made afresh, and not kept, for inference tensors (no version counter)
+    and while a CUDA graph is captured (each replay must remake them from what the mask then
+    holds)."""
     if block_mask.is_inference() or _capturing(block_mask):
         return make()
-    key = (id(block_mask), transposed)
+    key = (id(block_mask), tag)
     entry = _LISTS.get(key)
     if entry is not None and entry[0]() is block_mask and entry[1] == block_mask._version:
         return entry[2]
@@ -1598,6 +1596,13 @@ def _cached_block_lists(block_mask, transposed):
     _LISTS[key] = (weakref.ref(block_mask, lambda _, key=key: _LISTS.pop(key, None)),
                    block_mask._version, lists)
     return lists
+
+
+def _cached_block_lists(block_mask, transposed):
+    """block_lists of block_mask (transposed: of its last two dimensions swapped), made once
+    per mask (_cached_lists)."""
+    return _cached_lists(block_mask, transposed, lambda: block_lists(
+        block_mask.transpose(-1, -2) if transposed else block_mask))
 
 
 def _sparse_args(opts, batch, nheads, transposed=False):

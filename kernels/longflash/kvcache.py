@@ -30,7 +30,8 @@ import torch
 
 from ._common import (BLOCK_SPARSE_UNIT, FP8_DTYPES, LN2, LOG2E, MAX_HEADDIM_V_KVCACHE,
                       Options, accumulator_dtype, as_bytes, check_bools, check_descale_kind,
-                      check_qv, check_rotary, define_op, empty_outputs, paged_rows, take)
+                      check_qv, check_rotary, define_op, empty_outputs, group_block_lists,
+                      paged_rows, take)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
@@ -66,22 +67,67 @@ def key_limits(first, last, seqlen_k, window_left, window_right):
 
 
 def _gather(cache, block_table, b, pos):
-    """cache rows at key positions pos (B, S, BN) of sequences b (B, 1, 1):
-    (B, S, BN, nheads_kv, headdim), a copy. A contiguous cache is (batch, capacity, Hkv, D); a
-    paged one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages)."""
+    """cache rows at key positions pos (B, Hs, S, BN) of sequences b (B, 1, 1, 1), the same
+    keys for every KV head (Hs = 1) or each head's own (Hs = nheads_kv, a block_mask's lists):
+    (B, nheads_kv, S, BN, headdim), a copy. A contiguous cache is (batch, capacity, Hkv, D); a
+    paged one (num_pages, page_size, Hkv, D) read through block_table (batch, max_pages). A
+    cache contiguous in memory is read as one (rows, D) matrix by index_select, which copies
+    whole rows (on a CPU about 10x as fast as indexing its four dimensions)."""
+    slots, nheads_kv, headdim = cache.shape[1:]
+    h = torch.arange(nheads_kv, device=pos.device).view(1, -1, 1, 1)
     if block_table is None:
-        return take(cache, b, pos)
-    return paged_rows(cache, block_table, b, pos)
+        seq, at = b, pos
+    else:
+        seq, at = block_table[b, pos // slots].long(), pos % slots
+    if not cache.is_contiguous():
+        return take(cache, seq, at, h)
+    rows = ((seq * slots + at) * nheads_kv + h).flatten()
+    out = as_bytes(cache).view(-1, headdim).index_select(0, rows)
+    return out.view(cache.dtype).view(*pos.shape[:1], nheads_kv, *pos.shape[2:], headdim)
 
 
 def _block_view(cache, start_n, split_stride, block_n):
     """The same rows as _gather for a contiguous cache whose splits start at the same key in
-    every sequence (start_n[b, s] = start_n[0, 0] + s * split_stride), as a view: no copy."""
-    n_splits = start_n.shape[1]
+    every sequence and head (start_n[b, 0, s] = start_n[0, 0, 0] + s * split_stride), as a
+    view: no copy."""
+    n_splits = start_n.shape[-1]
     sb, sn, sh, sd = cache.stride()
-    return cache.as_strided((cache.shape[0], n_splits, block_n, cache.shape[2], cache.shape[3]),
-                            (sb, split_stride * sn, sn, sh, sd),
-                            cache.storage_offset() + int(start_n[0, 0]) * sn)
+    return cache.as_strided((cache.shape[0], cache.shape[2], n_splits, block_n, cache.shape[3]),
+                            (sb, sh, split_stride * sn, sn, sd),
+                            cache.storage_offset() + int(start_n[0, 0, 0]) * sn)
+
+
+def _runs(row, first, last, cols, per_block, tile, width, end):
+    """The visible tiles at positions [first, last) of one list (a row of block_lists, as
+    ints), merged where they touch into runs [start, keys] of at most `width` keys, none past
+    key `end`."""
+    runs = []
+    for at in range(first, last):
+        start = (row[cols + 1 + at // per_block] * per_block + at % per_block) * tile
+        keys = min(start + tile, end) - start
+        if runs and sum(runs[-1]) == start and runs[-1][1] + keys <= width:
+            runs[-1][1] += keys
+        else:
+            runs.append([start, keys])
+    return runs
+
+
+def _tiles_before(lists, t, per_block):
+    """How many of a row's visible tiles (per_block to a block) come before its tile t: lists
+    (..., 2 cols + 1) of _common.block_lists, t (...) int64 (flash_triton._tiles_before)."""
+    blk, rem = t // per_block, t % per_block
+    before = lists.gather(-1, blk[..., None]).squeeze(-1)
+    after = lists.gather(-1, (blk + 1).clamp(max=lists.shape[-1] - 1)[..., None]).squeeze(-1)
+    return before * per_block + torch.where(rem > 0, (after - before) * rem, 0)
+
+
+def _tile_start(lists, cols, at, per_block, block_n):
+    """The first key of a row's visible tile at position `at` (...) of its list, clamped to
+    the list (flash_triton._sparse_tile)."""
+    at = at.clamp(0, cols * per_block - 1)
+    index = cols + 1 + at // per_block
+    blk = lists.gather(-1, index.reshape(*lists.shape[:-1], -1)).view(index.shape)
+    return (blk * per_block + at % per_block) * block_n
 
 
 @torch.no_grad()
@@ -166,28 +212,50 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     if block_n is None:  # no wider than the keys a sequence's rows see: a short cache reads no more
         span = int((hi - lo).max()) if batch else 0
         block_n = min(block_keys(nheads_kv, headdim), max(BLOCK_N, 1 << (span - 1).bit_length()))
-    if sparse is not None:  # each key block in one of block_mask's, as in the kernel
-        block_n = min(block_n, opts.block_size_k & -opts.block_size_k)
-    lo = lo // block_n * block_n
-    n_blocks = (hi - lo + block_n - 1) // block_n
-    blocks_per_split = (n_blocks + num_splits - 1) // num_splits  # (B,)
     split = torch.arange(num_splits, device=device)
-    split_lo = lo[:, None] + split * blocks_per_split[:, None] * block_n  # (B, S)
-    split_hi = torch.minimum(split_lo + blocks_per_split[:, None] * block_n, hi[:, None])
-    b = torch.arange(batch, device=device)[:, None, None]
+    if sparse is None:  # each split's keys [split_lo, split_hi) of [lo, hi): (B, 1, S)
+        lo = lo // block_n * block_n
+        per_split = ((hi - lo + block_n - 1) // block_n + num_splits - 1) // num_splits
+        split_lo = (lo[:, None] + split * per_split[:, None] * block_n)[:, None]
+        split_hi = torch.minimum(split_lo + (per_split * block_n)[:, None, None],
+                                 hi[:, None, None])
+        steps = int(per_split.max()) if batch else 0
+    else:  # the kernel's loop: tiles of `tile` keys, each in one of block_mask's blocks, the
+        # visible tiles of [lo, hi) in the list of blocks some row of the KV head sees (Hs =
+        # nheads_kv lists, or 1 for a mask shared by every head); each split's positions
+        # [split_lo, split_hi) in it, (B, Hs, S); a step takes `per_step` of them (block_n keys)
+        tile = min(block_n, opts.block_size_k & -opts.block_size_k)
+        per_step = block_n // tile
+        lo = lo // tile * tile
+        lists = group_block_lists(sparse[:, :1] if sparse.stride(1) == 0 else sparse, group,
+                                  seqlen_q, M, opts.block_size_q)[:, :, 0]
+        cols, per_block = sparse.shape[-1], opts.block_size_k // tile
+        first, last = (_tiles_before(lists, t[:, None].expand(batch, lists.shape[1]), per_block)
+                       for t in (lo // tile, (hi + tile - 1) // tile))
+        per_split = (last - first + num_splits - 1) // num_splits  # (B, Hs)
+        split_lo = first[..., None] + split * per_split[..., None]
+        split_hi = torch.minimum(split_lo + per_split[..., None], last[..., None])
+        steps = -(-int(per_split.max()) // per_step) if batch else 0
+        in_tile = torch.arange(tile, device=device)
+        runs = None  # one list, one split, a contiguous cache (batch 1 here): read through views
+        if block_table is None and num_splits == 1 and lists.shape[1] == 1 and batch:
+            runs = _runs(lists[0, 0].tolist(), int(first), int(last), cols, per_block, tile,
+                         block_n, int(hi))
+            steps = len(runs)
+    b = torch.arange(batch, device=device)[:, None, None, None]
     diag = (i + offset.view(batch, 1, 1, 1, 1))  # (B, 1, 1, M, 1)
 
     m_i = q_packed.new_full((batch, nheads_kv, num_splits, M), float("-inf"))
     l_i = torch.zeros_like(m_i)
     acc = q_packed.new_zeros((batch, nheads_kv, num_splits, M, headdim_v))
-    steps = int(blocks_per_split.max()) if batch else 0
     # A contiguous cache (batch 1 here, see above) is read through views, not copies: every
     # block inside every split, and with one split also the last, shorter block. Only the
-    # blocks of a paged cache and the last blocks of several splits are gathered and masked;
-    # only blocks on a window's edge get the window's mask.
+    # blocks of a paged cache, the last blocks of several splits and a block_mask's tiles are
+    # gathered and masked; only blocks on a window's edge get the window's mask.
     contiguous = block_table is None
-    split_stride = int(split_lo[0, 1] - split_lo[0, 0]) if contiguous and num_splits > 1 else 0
-    split_room = int((split_hi - split_lo).min()) if batch else 0
+    split_stride = int(split_lo[0, 0, 1] - split_lo[0, 0, 0]) if (
+        contiguous and num_splits > 1 and sparse is None) else 0
+    split_room = int((split_hi - split_lo).min()) if batch and sparse is None else 0
     diag_lo, diag_hi = (int(offset.min()), int(offset.max()) + seqlen_q - 1) if batch else (0, 0)
     pad_hi = 0 if leftpad_k is None else int(leftpad_k.max())
     # A gathered key outside its split reads row 0 of its sequence, which a sequence without
@@ -195,56 +263,69 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
     # then, as p = 0 there would not hide a NaN from p @ v.
     any_empty = bool((hi == 0).any()) if batch else False
     for step in range(steps):
-        start_n = split_lo + step * block_n  # (B, S)
         width = block_n
-        if contiguous and num_splits == 1:
-            width = min(block_n, split_room - step * block_n)
-        offs_n = start_n[..., None] + torch.arange(width, device=device)  # (B, S, BN)
-        if sparse is not None:  # each row's bit of the block (B, Hkv, S, M, 1); none: not read
-            col = (start_n // opts.block_size_k).clamp(max=sparse.shape[-1] - 1)
-            seen = sparse[b[..., None, None], bias_h, bias_i // opts.block_size_q,
-                          col[:, None, :, None, None]]
-            if not seen.any():
+        if sparse is not None and runs is not None:  # a run of visible tiles, a view
+            start, width = runs[step]
+            start_n = torch.full((1, 1, 1), start, device=device)
+            offs_n = start + torch.arange(width, device=device).view(1, 1, 1, -1)
+            k, v = (_block_view(c, start_n, 0, width) for c in (k_cache, v_cache))
+            mask = sparse[b[..., None], bias_h, bias_i // opts.block_size_q,
+                          (offs_n // opts.block_size_k)[..., None, :]]
+            outside, first, last = None, start, start + width - 1
+        elif sparse is not None:  # this step's tiles (B, Hs, S, per_step), their keys (.., BN)
+            at = (split_lo + step * per_step)[..., None] + torch.arange(per_step, device=device)
+            start_n = _tile_start(lists, cols, at, per_block, tile)[..., None] + in_tile
+            in_split = (at < split_hi[..., None])[..., None] & (start_n < hi.view(-1, 1, 1, 1, 1))
+            offs_n, in_split = start_n.flatten(-2), in_split.flatten(-2)
+            # each row's bit of each key's block (B, Hkv, S, M, BN); no row's: not read
+            bits = sparse[b[..., None], bias_h, bias_i // opts.block_size_q,
+                          (offs_n // opts.block_size_k)[..., None, :]]
+            mask = in_split[..., None, :] & bits
+            read = mask.any(-2)  # (B, Hkv, S, BN) the keys some row sees
+            if not read.any():
                 continue
-        if contiguous and step * block_n + width <= split_room:
-            k, v = (_block_view(c, start_n, split_stride, width) for c in (k_cache, v_cache))
-            mask = outside = None
+            k, v = (_gather(c, block_table, b, torch.where(in_split, offs_n, 0))
+                    for c in (k_cache, v_cache))
+            # unseen keys read beside seen ones: as if not read (NaN too)
+            outside = None if bool(read.all()) else ~read
+            first, last = int(offs_n.min()), int(offs_n.max())
         else:
-            in_split = offs_n < split_hi[..., None]
-            pos = torch.where(in_split, offs_n, 0)
-            k, v = (_gather(c, block_table, b, pos) for c in (k_cache, v_cache))
-            outside = ~in_split if any_empty else None
-            mask = in_split[:, None, :, None, :]
-        first, last = int(start_n.min()), int(start_n.max()) + width - 1
+            start_n = split_lo + step * block_n  # (B, 1, S)
+            if contiguous and num_splits == 1:
+                width = min(block_n, split_room - step * block_n)
+            offs_n = start_n[..., None] + torch.arange(width, device=device)  # (B, 1, S, BN)
+            if contiguous and step * block_n + width <= split_room:
+                k, v = (_block_view(c, start_n, split_stride, width) for c in (k_cache, v_cache))
+                mask = outside = None
+            else:
+                in_split = offs_n < split_hi[..., None]
+                pos = torch.where(in_split, offs_n, 0)
+                k, v = (_gather(c, block_table, b, pos) for c in (k_cache, v_cache))
+                outside = ~in_split if any_empty else None
+                mask = in_split[..., None, :]
+            first, last = int(start_n.min()), int(start_n.max()) + width - 1
         window_edge = ((opts.window_right >= 0 and last > diag_lo + opts.window_right)
                        or (opts.window_left >= 0 and first < diag_hi - opts.window_left))
-        # (B, S, BN, Hkv, D) -> (B, Hkv, S, BN, D); a float8 cache's entries as they are
-        k = k.permute(0, 3, 1, 2, 4).to(dtype)
-        v = v.permute(0, 3, 1, 2, 4).to(dtype)
-        if outside is not None:
-            v = v.masked_fill(outside[:, None, :, :, None], 0)
-        if sparse is not None:  # a split's block that no row sees, read beside a seen one
-            hidden = ~seen.any(-2, keepdim=True)  # (B, Hkv, S, 1, 1): as if not read (NaN too)
-            if hidden.any():
-                v = v.masked_fill(hidden, 0)
+        # (B, Hkv, S, BN, D); a float8 cache's entries as they are
+        k, v = k.to(dtype), v.to(dtype)
+        if outside is not None:  # v is a gathered copy here
+            v = v.masked_fill_(outside[..., None], 0)
         # -- compute scores (B, Hkv, S, M, BN), in FlashAttention-2's order --
         qk = q_packed @ k.transpose(-1, -2) * qk_scale
         if qv_packed is not None:  # MLA absorbed: the value block read once, for both products
             qk = qk + qv_packed @ v.transpose(-1, -2) * qv_scale
         if opts.softcap > 0:
             qk = opts.softcap * torch.tanh(qk / opts.softcap)
-        j = offs_n[:, None, :, None, :]  # (B, 1, S, 1, BN)
+        j = offs_n[..., None, :]  # (B, Hs, S, 1, BN)
         if slope is not None:
             qk = qk - slope * (diag - j).abs()
         if bias is not None:  # (B, Hkv, S, M, BN); keys past a sequence's end are masked below
-            pos5 = offs_n.clamp(max=bias.shape[-1] - 1)[:, None, :, None, :]
-            bias_ij = bias[b[..., None, None], bias_h, bias_i, pos5]
+            pos5 = offs_n.clamp(max=bias.shape[-1] - 1)[..., None, :]
+            bias_ij = bias[b[..., None], bias_h, bias_i, pos5]
             if bias_ij.dtype == torch.bool:
                 mask = bias_ij if mask is None else mask & bias_ij
             else:
                 qk = qk + bias_ij.to(dtype)
-        if sparse is not None:
-            mask = seen if mask is None else mask & seen
         if window_edge:
             mask = True if mask is None else mask
             if opts.window_right >= 0:
@@ -707,11 +788,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             unchecked). Per head: each query
             head may select key blocks of its own (Quest, MoBA), the group's heads packed
             into one tile as ever. Combines with causal, windows, attn_mask and
-            cache_leftpad. The Triton kernel reads each tile's bits (one per packed row) and
-            loads nothing of a key tile that no row of it sees (its loads predicated off: no
-            memory traffic; its few arithmetic instructions still run); the PyTorch path
-            skips a step no row of any split sees (and zeroes such a block read beside a
-            seen one). Splits stay even ranges of the cache's tiles, not of the visible ones.
+            cache_leftpad. Both paths loop over a list, per KV head, of the key blocks some
+            row of its group sees (made once per mask on the Triton path), the splits an
+            even share of those tiles: a hidden block costs no step, and a split no more
+            work than another. Each row's own bit masks its scores; the Triton kernel loads
+            nothing of a listed tile that no row of its program sees. The PyTorch path reads
+            a mask shared by all heads through views of runs of visible tiles (one split, a
+            contiguous cache), else gathers each head's tiles (a copy).
         block_size: an int or (block_size_q, block_size_k), each a multiple of 128, as in
             `longflash.attention`.
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
@@ -826,7 +909,7 @@ def _run(seqlens_k, max_seqlen_k, q, k_cache, v_cache, block_table, leftpad_k, c
     if attn_mask is not None:  # a view: broadcast dimensions at stride 0
         attn_mask = attn_mask.expand(batch, nheads, seqlen_q,
                                      attn_mask.shape[-1] if attn_mask.dim() else 1)
-    if block_mask is not None:
+    if block_mask is not None and backend != "triton":  # the launcher keeps lists per mask
         block_mask = block_mask.expand(batch, nheads, *block_mask.shape[2:])
     opts = Options(softmax_scale, window_left, 0 if causal else window_right, alibi_slopes,
                    softcap, attn_mask=attn_mask, k_descale=k_descale, v_descale=v_descale,
