@@ -83,23 +83,24 @@ def test_with_attn_mask(backend, mask_kind):
 def test_hidden_blocks_are_not_read(backend, num_splits, heads, device="cpu"):
     """The keys and values of block 1, which no row sees, are NaN: a tile loaded and then
     masked would give NaN (0 * NaN in p v), one not read nothing. Against the reference over
-    the other keys. The PyTorch path reads a mask shared by the heads through views of runs
-    of visible tiles (one split), else gathers each head's, beside positions outside its
-    split (two): neither may let a hidden key count."""
+    the keys the mask keeps. The PyTorch path reads a mask shared by the heads through views
+    of runs of visible tiles (one split), else gathers each KV head's (per head: KV head 1's
+    group hides block 2 too), beside positions outside its split (two splits): neither may
+    let a hidden key count."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 1, 4, 16, generator=gen).to(device)
     k_cache, v_cache = (torch.randn(2, 512, 2, 16, generator=gen).to(device) for _ in range(2))
     block_mask = torch.ones(1, heads, 1, 4, dtype=torch.bool, device=device)
     block_mask[..., 1] = False
+    block_mask[:, 2:, :, 2] = False
     k_nan, v_nan = k_cache.clone(), v_cache.clone()
     k_nan[:, UNIT:2 * UNIT], v_nan[:, UNIT:2 * UNIT] = float("nan"), float("nan")
     o = longflash.attention_with_kvcache(q, k_nan, v_nan, backend=backend, block_mask=block_mask,
                                          num_splits=num_splits)
-    keep = torch.ones(512, dtype=torch.bool, device=device)
-    keep[UNIT:2 * UNIT] = False
-    o_ref = attention_ref(q, k_cache[:, keep], v_cache[:, keep])[0]
+    elements = _common.block_mask_elements(block_mask, UNIT, UNIT, 1, 512)
+    o_ref = attention_ref(q.cpu(), k_cache.cpu(), v_cache.cpu(), attn_mask=elements.cpu())[0]
     assert torch.isfinite(o).all()
-    torch.testing.assert_close(o, o_ref, atol=2e-3 if device == "cuda" else 1e-5,
+    torch.testing.assert_close(o.cpu(), o_ref, atol=2e-3 if device == "cuda" else 1e-5,
                                rtol=1e-5)  # (on a GPU, float32 dot products in TF32)
 
 

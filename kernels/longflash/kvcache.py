@@ -229,6 +229,8 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, blo
         lo = lo // tile * tile
         lists = group_block_lists(sparse[:, :1] if sparse.stride(1) == 0 else sparse, group,
                                   seqlen_q, M, opts.block_size_q)[:, :, 0]
+        if lists.shape[1] > 1 and bool((lists == lists[:, :1]).all()):  # the same for all
+            lists = lists[:, :1]
         cols, per_block = sparse.shape[-1], opts.block_size_k // tile
         first, last = (_tiles_before(lists, t[:, None].expand(batch, lists.shape[1]), per_block)
                        for t in (lo // tile, (hi + tile - 1) // tile))
