@@ -301,11 +301,11 @@ def _fwd_splitkv(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS_K, LEFTPAD_K, ALIBI, 
     lo = tl.minimum(tl.maximum(lo, leftpad), hi) // BLOCK_N * BLOCK_N
     # the loop's tiles: [lo, hi) in steps of BLOCK_N, or with BLOCK_SPARSE the positions of
     # its visible tiles in the program's list; each split an equal share of them
-    first, last = _loop_span(lo, hi, row, BLOCK_N, sparse_bk, BLOCK_SPARSE)
+    span_lo, span_hi = _loop_span(lo, hi, row, BLOCK_N, sparse_bk, BLOCK_SPARSE)
     step = 1 if BLOCK_SPARSE else BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(last - first, step), num_splits) * step
-    split_lo = first + split * per_split
-    split_hi = tl.minimum(split_lo + per_split, last)
+    per_split = tl.cdiv(tl.cdiv(span_hi - span_lo, step), num_splits) * step
+    split_lo = span_lo + split * per_split
+    split_hi = tl.minimum(split_lo + per_split, span_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
