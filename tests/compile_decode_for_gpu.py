@@ -32,7 +32,7 @@ def compile_all(capability, dtype, features, headdim):
     on = features == "all"
     pointers = dict(Q=p, K_CACHE=p, V_CACHE=p, BLOCK_TABLE="*i32", SEQLENS_K="*i32",
                     LEFTPAD_K="*i32", ALIBI="*fp32", O=p, LSE="*fp32", O_PARTIAL="*fp32",
-                    LSE_PARTIAL="*fp32", BIAS="*fp32", SPARSE="*u8",
+                    LSE_PARTIAL="*fp32", BIAS="*fp32", SPARSE="*u8", LISTS="*i32",
                     **(dict(QV=p) if mla else {}))
     meta = dict(UNIFORM_SEQLEN=features not in ("paged", "all"),
                 PAGED=features in ("paged", "all"), SPLIT=on, HAS_LEFTPAD=on, HAS_SOFTCAP=on, HAS_ALIBI=on,
