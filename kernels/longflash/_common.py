@@ -474,13 +474,12 @@ def take(x, *index):
     return as_bytes(x)[index].view(x.dtype) if x.dtype in FP8_DTYPES else x[index]
 
 
-def paged_rows(pages, block_table, b, pos, *rest):
+def paged_rows(pages, block_table, b, pos):
     """Rows at key positions pos of sequences b (broadcasting index tensors, or ints) of a
     paged tensor (num_pages, page_size, ...): key n of sequence b lives in page
-    block_table[b, n // page_size], slot n % page_size; rest: indices into the dimensions
-    after those two. A copy."""
+    block_table[b, n // page_size], slot n % page_size. A copy."""
     page_size = pages.shape[1]
-    return take(pages, block_table[b, pos // page_size].long(), pos % page_size, *rest)
+    return take(pages, block_table[b, pos // page_size].long(), pos % page_size)
 
 
 def _floor(x, block):

@@ -31,7 +31,7 @@ import torch
 from ._common import (BLOCK_SPARSE_UNIT, FP8_DTYPES, LN2, LOG2E, MAX_HEADDIM_V_KVCACHE,
                       Options, accumulator_dtype, as_bytes, check_bools, check_descale_kind,
                       check_qv, check_rotary, define_op, empty_outputs, group_block_lists,
-                      paged_rows, take)
+                      take)
 
 # The PyTorch path runs one split per sequence unless told otherwise (splits are a tensor
 # dimension there, and matmul copies a key block whose (KV head, split) strides do not merge)
