@@ -8,7 +8,7 @@ import torch
 
 import longflash
 from longflash import _common, attention_ref, attention_varlen_ref
-from conftest import INTERPRET, check_close
+from conftest import INTERPRET, check_close, needs_triton, run_uninterpreted
 from test_correctness import KERNEL_FUNCTIONS, force_configs, make_inputs
 from test_variants import check_variant, use_tiles
 
@@ -47,6 +47,8 @@ CASES = [
     ("heads-window", (1, 330, 390, 2, 2, 16), "1H", UNIT, dict(window_size=(150, 40))),
     ("wide-blocks-all", (2, 290, 310, 2, 1, 24), "B1", (256, 128),
      dict(causal=True, alibi=(2, 2), softcap=1.0, dropout_p=0.2, seed=7)),
+    # blocks smaller than the kernels' largest tiles, and keys' not a power of two: 64 x 192
+    ("blocks-64x192-heads-causal", (1, 200, 450, 2, 1, 16), "1H", (64, 192), dict(causal=True)),
 ]
 SMALL = ("shared-causal", "heads-window")  # the Triton kernels' cases with the interpreter's tile
 RUNS = [("torch", (64, 32)), ("torch", None)] + ([("triton", None)] if INTERPRET else [])
@@ -204,6 +206,60 @@ def test_block_lists():
         assert out[8:8 + len(true)].tolist() == true.tolist()
 
 
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("blocks", [(128, 128), (64, 64), (64, 192), (256, 384)])
+def test_autotuner_candidates_divide_the_blocks(kernel, headdim, blocks):
+    """The autotuner's candidates on an H100 (sm_90: every table's largest tiles are 128)
+    with a block_mask: the table's, each tile shrunk to divide the blocks; blocks of
+    multiples of 128 keep the table's whole. Without a mask the block sizes change nothing."""
+    from longflash import flash_triton
+    configs = [flash_triton._config(c) for c in flash_triton.all_configs(kernel)]
+    prune = flash_triton._prune(kernel)
+    call = dict(HEAD_DIM=headdim, HEAD_DIM_V=headdim, atomic_dq=0, tma_ok=1, ws_ok=0,
+                sparse_bq=blocks[0], sparse_bk=blocks[1])
+    table = prune(configs, dict(Q=torch.empty(0)), **call, BLOCK_SPARSE=False)
+    kept = prune(configs, dict(Q=torch.empty(0)), **call, BLOCK_SPARSE=True)
+    assert table and kept
+    tiles = lambda cs: [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in cs]  # noqa: E731
+    assert all(blocks[0] % m == 0 and blocks[1] % n == 0 for m, n in tiles(kept))
+    if blocks[0] % 128 == 0 and blocks[1] % 128 == 0:
+        assert kept == table
+    import math
+    assert sorted(set(tiles(kept))) == sorted({(math.gcd(m, blocks[0]), math.gcd(n, blocks[1]))
+                                               for m, n in tiles(table)})
+    assert len(kept) <= len(table)
+    one = prune(configs[:1], dict(Q=torch.empty(0)), **call, BLOCK_SPARSE=True)  # forced
+    assert len(one) == 1 and all(blocks[0] % m == 0 and blocks[1] % n == 0 for m, n in tiles(one))
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a stand-in GPU")
+def test_blocks_of_64_get_tiles_of_64_on_a_stand_in_hopper():
+    """Compiled for sm_90a (experiments.host_time.launches_elided): a forward over blocks of
+    128 keeps the table's 128-row tile, one over blocks of 64 (same shape, dtype, head dim)
+    gets its own autotuning (the block sizes are in the key) and a 64 x 64 tile."""
+    code = """
+import torch
+from experiments.host_time import launches_elided
+from longflash import flash_triton as ft, interface
+
+q = torch.randn(1, 256, 1, 16, dtype=torch.float16)
+with launches_elided():
+    for block in (128, 64):
+        mask = torch.ones(1, 1, 256 // block, 256 // block, dtype=torch.bool)
+        opts = interface._options(q, False, 0.25, -1, -1, None, 0.0, 0.0, None, None, None,
+                                  0, 0, block_mask=mask, block_size_q=block,
+                                  block_size_k=block)
+        ft.forward(q, q, q, opts)
+        c = ft._attn_fwd.best_config.kwargs
+        print(block, c["BLOCK_M"], c["BLOCK_N"], len(ft._attn_fwd.cache))
+"""
+    lines = run_uninterpreted("-c", code).stdout.split("\n")[:2]
+    assert lines == ["128 128 64 1", "64 64 64 2"], lines
+
+
 def test_block_lists_made_once_per_mask(monkeypatch):
     """The launchers' lists are kept per mask tensor: the same unchanged tensor gets the same
     lists back; an in-place write (through a view too) makes them again; an inference tensor
@@ -279,8 +335,8 @@ def test_block_mask_compiles_fullgraph():
     (dict(block_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool)), ValueError,
      r"block_mask must have shape .* \(2 or 1, 4 or 1, 3, 3\)"),
     (dict(block_mask=torch.ones(3, 1, 3, 3, dtype=torch.bool)), ValueError, "block_mask"),
-    (dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool), block_size=64), ValueError,
-     "block_size must be a positive multiple of 128"),
+    (dict(block_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool), block_size=96), ValueError,
+     "block_size must be a positive multiple of 64"),
     (dict(block_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool), block_size=(128, 100)),
      ValueError, "block_size"),
     (dict(block_size=True), ValueError, "block_size"),

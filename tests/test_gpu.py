@@ -478,12 +478,14 @@ def test_attn_mask_gradient_gpu():
 
 
 @pytest.mark.parametrize("dims, block_size, kw", [("BH", 128, dict(causal=True)),
-                                                  ("11", (256, 128), dict(window_size=(600, 0)))],
-                         ids=["per-head-causal", "shared-256x128-window"])
+                                                  ("11", (256, 128), dict(window_size=(600, 0))),
+                                                  ("1H", (64, 192), dict(causal=True))],
+                         ids=["per-head-causal", "shared-256x128-window", "heads-64x192-causal"])
 def test_block_sparse_gpu(dims, block_size, kw):
     """block_mask in bf16 through the Triton kernels (the loops over each row's list of
     visible tiles, TMA candidates included), forward and backward, against the float64
-    reference (tolerance rule), with a query block that sees no key."""
+    reference (tolerance rule), with a query block that sees no key; blocks of 64 x 192 get
+    the table's tiles shrunk to divide them (flash_triton._fit_blocks)."""
     from test_block_sparse import _kwargs
     from test_variants import check_variant
     shape = (2, 1100, 1300, 8, 2, 128)
@@ -564,9 +566,10 @@ def _sparse_decoding(case, dims, block_size=128):
     (_sparse_decoding(DECODE_LONG[1], "1H", (128, 256)), None),
     (_sparse_decoding(DECODE_LONG[3], "BH"), None),
     (_sparse_decoding(SPEC16, "B1"), None),
-    (_sparse_decoding(DECODE_LONG[2], "1H"), "bool-keys")],
+    (_sparse_decoding(DECODE_LONG[2], "1H"), "bool-keys"),
+    (_sparse_decoding(DECODE_LONG[0], "BH", 64), None)],
     ids=["4K-per-head", "paged-ragged-shared-128x256", "leftpad-per-head", "spec16-64rows",
-         "spec4-window-tree"])
+         "spec4-window-tree", "4K-per-head-blocks64"])
 def test_block_sparse_kvcache_gpu(case, mask_kind):
     """block_mask in decoding (the split-KV kernel's BLOCK_SPARSE: each packed row's bit of a
     tile's key block, a tile no row sees not loaded) in bf16 against float64, splits chosen

@@ -44,6 +44,10 @@ CASES = [
     # 5 queries x 16 heads of one KV head: 80 packed rows, two Triton programs (64 rows each)
     ("spec5-H16/1-D16-heads-two-programs", 1, 5, 16, 1, 16, None, 1000, [860], 5,
      dict(causal=True, block_mask=_blocks(1, 16, 5, 1000, "BH", seed=9))),
+    # blocks of 64 keys (below the kernel's key tile of 128 at head dims up to 64) and of 64
+    # queries: two query blocks in one program's rows
+    ("spec2-paged32-H8/1-D16-heads-blocks64", 2, 2, 8, 1, 16, 32, 10, [300, 90], 1,
+     dict(causal=True, block_mask=_blocks(2, 8, 2, 10 * 32, "BH", 64, seed=3), block_size=64)),
 ]
 
 
@@ -235,12 +239,25 @@ def _call(**kw):
      r"block_mask must have shape \(batch or 1, nheads or 1"),
     (dict(block_mask=torch.ones(2, 4, 2, 3, dtype=torch.bool)), ValueError,
      r"ceil\(seqlen_q / 128\)"),
-    (dict(block_mask=torch.ones(2, 4, 1, 3, dtype=torch.bool), block_size=64), ValueError,
-     "block_size must be a positive multiple of 128"),
+    (dict(block_mask=torch.ones(2, 4, 1, 3, dtype=torch.bool), block_size=100), ValueError,
+     "block_size must be a positive multiple of 64"),
 ], ids=["dtype", "too-few-key-blocks", "heads", "query-blocks", "block-size"])
 def test_bad_block_mask(kw, error, match):
     with pytest.raises(error, match=match):
         _call(**kw)
+
+
+@pytest.mark.parametrize("headdim, block_size_k, block_n", [
+    (64, None, 128), (64, 64, 64), (64, 192, 64), (128, 64, 64), (128, 256, 64),
+    (64, 384, 128)])
+def test_split_kernels_key_tile_divides_the_blocks(headdim, block_size_k, block_n,
+                                                   monkeypatch):
+    """The split-KV kernel's key tile on a GPU (128 keys at head dims up to 64, else 64)
+    divides a block_mask's key blocks: each tile inside one block."""
+    from longflash import decode_triton
+    monkeypatch.setattr(decode_triton, "_INTERPRET", False)
+    cfg = decode_triton.launch_config(1, 4, headdim, block_size_k=block_size_k)
+    assert cfg.kwargs["BLOCK_N"] == block_n
 
 
 def test_more_key_blocks_than_the_keys_need():

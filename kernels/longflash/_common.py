@@ -21,10 +21,12 @@ MAX_HEADDIM = 256
 # as the keys.
 MAX_HEADDIM_V_KVCACHE = 512
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # a KV cache's, in decoding
-# Block-sparse attention (block_mask): its blocks are multiples of this many queries and keys,
-# so that each tile of every kernel (at most 128 x 128, powers of two) lies inside one block
-# and a tile is computed or skipped whole, its bit read once (FlexAttention's default block).
+# Block-sparse attention (block_mask): blocks of this many queries and keys by default
+# (FlexAttention's default block), of any multiple of BLOCK_SPARSE_MULTIPLE: each tile of every
+# kernel (powers of two, at most 128 x 128; shrunk to divide smaller blocks) lies inside one
+# block, so a tile is computed or skipped whole, its bit read once.
 BLOCK_SPARSE_UNIT = 128
+BLOCK_SPARSE_MULTIPLE = 64
 
 
 # -- the operators torch.ops.longflash.* --
@@ -193,17 +195,17 @@ def check_descale_kind(name, descale, shape, cache_is_fp8, cache_dtype, is_float
 
 
 def check_block_size(block_size):
-    """block_size: an int or (queries, keys), each a positive multiple of BLOCK_SPARSE_UNIT.
-    Returns (block_size_q, block_size_k)."""
+    """block_size: an int or (queries, keys), each a positive multiple of
+    BLOCK_SPARSE_MULTIPLE. Returns (block_size_q, block_size_k)."""
     sizes = (block_size, block_size) if isinstance(block_size, numbers.Integral) else block_size
     try:
         sizes = tuple(sizes)
     except TypeError:
         sizes = ()
     if len(sizes) != 2 or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
-                                  and n > 0 and n % BLOCK_SPARSE_UNIT == 0 for n in sizes):
-        raise ValueError(f"block_size must be a positive multiple of {BLOCK_SPARSE_UNIT}, or a "
-                         f"pair of them (queries, keys), got {block_size!r}")
+                                  and n > 0 and n % BLOCK_SPARSE_MULTIPLE == 0 for n in sizes):
+        raise ValueError(f"block_size must be a positive multiple of {BLOCK_SPARSE_MULTIPLE}, or "
+                         f"a pair of them (queries, keys), got {block_size!r}")
     return int(sizes[0]), int(sizes[1])
 
 

@@ -451,11 +451,13 @@ def _block_d(headdim):
 
 
 @functools.lru_cache(maxsize=None)  # read-only Configs, looked up on every decoding step
-def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False, qv=False):
+def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False, qv=False,
+                  block_size_k=None):
     """The split kernel's tile sizes and launch options: BLOCK_M (packed rows: at least 16,
     the smallest tl.dot), BLOCK_N, BLOCK_D, BLOCK_DV (values' head dim, default headdim's);
     masked: with an attn_mask (its tile of scores' bias); qv: with MLA's absorbed queries (a
-    (BLOCK_M, BLOCK_DV) tile of them held through the loop). One place for forward() and
+    (BLOCK_M, BLOCK_DV) tile of them held through the loop); block_size_k: a block_mask's key
+    blocks, which BLOCK_N divides (a tile inside one block). One place for forward() and
     experiments.codegen."""
     block_m = min(64, max(16, triton.next_power_of_2(seqlen_q * group)))
     block_d, block_dv = _block_d(headdim), _block_d(headdim_v or headdim)
@@ -475,6 +477,8 @@ def launch_config(seqlen_q, group, headdim, headdim_v=None, masked=False, qv=Fal
     if block_dv > 256:
         block_m, warps = min(block_m, 32), 8
         block_n = 16 if _INTERPRET else 32
+    if block_size_k:
+        block_n = math.gcd(block_n, block_size_k)
     return triton.Config(dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                               BLOCK_DV=block_dv), num_warps=warps,
                          num_stages=1 if _INTERPRET else 3)
@@ -605,7 +609,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         return o, lse.fill_(float("-inf"))
     check_cache(k_cache, v_cache)
     cfg = launch_config(seqlen_q, group, headdim, headdim_v, opts.attn_mask is not None,
-                        qv is not None)
+                        qv is not None, opts.block_mask is not None and opts.block_size_k)
     block_m, block_n = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     m_blocks = _cdiv(seqlen_q * group, block_m)
     uniform = not isinstance(seqlens_k, torch.Tensor)  # an int

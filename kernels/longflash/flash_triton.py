@@ -82,6 +82,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import math
 import os
 import types
 import warnings
@@ -246,21 +247,41 @@ def _prune(kernel):
         them, as the launcher chose (atomic_dq). A single config (forced_configs) as it is, as
         the autotuner runs it. Then compile the kept ones at once (_compile_candidates): the
         autotuner prunes only on a miss, just before it compiles and times each."""
+        arg = lambda name: kwargs.get(name, named_args.get(name, 0))  # noqa: E731
         if len(configs) == 1:
-            return configs
+            return _fit_blocks(configs, arg)
         q = named_args["Q"]
         capability = torch.cuda.get_device_capability(q.device)[0] if q.is_cuda else 9
-        arg = lambda name: kwargs.get(name, named_args.get(name, 0))  # noqa: E731
         wanted = CONFIGS[_table_key(kernel, capability, max(arg("HEAD_DIM"), arg("HEAD_DIM_V")))]
         configs = [c for c in configs
                    if bool(c.kwargs.get("ATOMIC_DQ")) == bool(arg("atomic_dq"))]
         pointers = [c for c in configs if not c.kwargs["USE_TMA"]]
         usable = [c for c in configs if (not c.kwargs["USE_TMA"] or arg("tma_ok"))
                   and (not c.kwargs.get("WARP_SPECIALIZE") or arg("ws_ok"))]
-        kept = [c for c in usable if _entry(c) in wanted] or pointers[:1]
+        kept = _fit_blocks([c for c in usable if _entry(c) in wanted] or pointers[:1], arg)
         _compile_candidates(kernel, kept, named_args, kwargs)
         return kept
     return prune
+
+
+def _fit_blocks(configs, arg):
+    """With a block_mask, the candidates with each tile shrunk to divide its blocks (a tile
+    inside one block: BLOCK_M to its greatest common divisor with sparse_bq queries, BLOCK_N
+    with sparse_bk keys; warps and stages as they were), without repeats: blocks of
+    multiples of 128 keep the table's tiles, blocks of 64 take 64-row tiles where the table's
+    have 128 (spill-free on sm_90a in the forward, PERFLOG "Blocks of 64"). Without one, as
+    they are."""
+    if not arg("BLOCK_SPARSE"):
+        return configs
+    bq, bk = arg("sparse_bq"), arg("sparse_bk")
+    shrunk = {}
+    for c in configs:
+        m, n = math.gcd(c.kwargs["BLOCK_M"], bq), math.gcd(c.kwargs["BLOCK_N"], bk)
+        if (m, n) != (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]):
+            c = triton.Config(dict(c.kwargs, BLOCK_M=m, BLOCK_N=n), num_warps=c.num_warps,
+                              num_stages=c.num_stages)
+        shrunk.setdefault(_entry(c), c)
+    return list(shrunk.values())
 
 
 def _entry(config):
@@ -299,7 +320,8 @@ def _autotune(kernel):
                            key=["HEAD_DIM", "HEAD_DIM_V", "seqlen_bucket", "window_left",
                                 "window_right",
                                 "HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT", "IS_VARLEN",
-                                "BIAS_KIND", "BLOCK_SPARSE", "tma_ok", "ws_ok"] + extra,
+                                "BIAS_KIND", "BLOCK_SPARSE", "sparse_bq", "sparse_bk", "tma_ok",
+                                "ws_ok"] + extra,
                            prune_configs_by={"early_config_prune": _prune(kernel)}, **cache,
                            **reset)
 
@@ -777,9 +799,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_vn, TABLE, stride_
     (FlashAttention-3's intra-warpgroup overlap), at the cost of a second score tile in
     registers. BLOCK_SPARSE (neither of those): the loop runs over the visible key tiles of
     [lo, hi) only, from this query block's row of block_mask's lists (sparse:
-    _common.block_lists; sparse_block: the mask's key block size), each tile's keys by its index in the list: the
-    hidden blocks cost neither loads nor matmuls, and the loop stays one that Triton can
-    software-pipeline (a branch around each step would not be)."""
+    _common.block_lists; sparse_block: the mask's key block size), each tile's keys by its
+    index in the list: the hidden blocks cost neither loads nor matmuls, and the loop stays
+    one that Triton can software-pipeline (a branch around each step would not be)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     qk_args = (q, K, stride_kn, TABLE, stride_kp, page_size)  # no constexpr in a tuple
     up_args = (V, stride_vn, TABLE, stride_vp, page_size, offs_m)
@@ -1609,15 +1631,15 @@ def _sparse_args(opts, batch, nheads, transposed=False):
     """block_mask as a kernel reads it: {} without one, else SPARSE, its lists of visible key
     blocks per query block (block_lists; transposed: of visible query blocks per key block,
     for dK/dV), a (batch, nheads, rows, 2 cols + 1) view (broadcast dimensions at stride 0:
-    made once for the mask's own batch and heads), its strides, cols and the block sizes.
-    (N / block)^2 x 8 bytes beside the mask's own (N / block)^2 bools."""
+    made once for the mask's own batch and heads), its strides and cols.
+    (N / block)^2 x 8 bytes beside the mask's own (N / block)^2 bools. The block sizes go
+    with every call (_launch_args: the autotuner's key, _fit_blocks)."""
     if opts.block_mask is None:
         return {}
     lists = _cached_block_lists(opts.block_mask, transposed)
     lists = lists.expand(batch, nheads, *lists.shape[2:])
     cols = opts.block_mask.shape[-2 if transposed else -1]
-    return dict(SPARSE=lists, sparse_cols=cols, sparse_bq=opts.block_size_q,
-                sparse_bk=opts.block_size_k,
+    return dict(SPARSE=lists, sparse_cols=cols,
                 **dict(zip(("stride_sb", "stride_sh", "stride_sr"), lists.stride()[:3])))
 
 
@@ -1688,6 +1710,7 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
         ws_ok=int(mask is None and not sparse and not opts.varlen
                   and _ws_ok(ws_kernel, *ws_tiled)),
         window_left=opts.window_left, window_right=opts.window_right,
+        sparse_bq=opts.block_size_q, sparse_bk=opts.block_size_k,
         qk_scale=opts.softmax_scale * LOG2E, softmax_scale=opts.softmax_scale,
         softcap=opts.softcap, dropout_p=opts.dropout_p,
         seed_lo=opts.seed & 0xFFFFFFFF, seed_hi=(opts.seed >> 32) & 0xFFFFFFFF,

@@ -529,8 +529,10 @@ def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False, backe
             blocks (`block_mask` itself is (N / block_size)^2 bits' worth of bools, read once
             per tile). A row that sees no key gives o = 0 and lse -inf. No gradient.
             No warp-specialized candidates run with it; not on the split-KV decoding route.
-        block_size: an int or (block_size_q, block_size_k), each a multiple of 128 (every
-            kernel tile then lies inside one block), default 128 (FlexAttention's).
+        block_size: an int or (block_size_q, block_size_k), each a multiple of 64 (every
+            kernel tile then lies inside one block: blocks that are not multiples of 128 get
+            tiles shrunk to divide them, 64 x 64 for blocks of 64), default 128
+            (FlexAttention's).
     Returns:
         o: (batch, seqlen_q, nheads, headdim of v), dtype of q
         lse (if return_lse): (batch, nheads, seqlen_q), float32 (float64 for float64 inputs),

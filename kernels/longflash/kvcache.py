@@ -797,7 +797,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
             nothing of a listed tile that no row of its program sees. The PyTorch path reads
             a mask shared by all heads through views of runs of visible tiles (one split, a
             contiguous cache), else gathers each head's tiles (a copy).
-        block_size: an int or (block_size_q, block_size_k), each a multiple of 128, as in
+        block_size: an int or (block_size_q, block_size_k), each a multiple of 64, as in
             `longflash.attention`.
     Returns o: (batch, seqlen_q, nheads, headdim of v_cache), and lse if return_lse. A
     sequence with no key (length 0, nothing appended) gives o = 0, lse = -inf. Inference only
