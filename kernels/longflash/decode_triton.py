@@ -532,6 +532,45 @@ def _sparse_args(opts, batch, nheads, nheads_kv, seqlen_q, block_m, block_n):
                 stride_listh=lists.stride(1), stride_listm=lists.stride(2))
 
 
+_FITTED = {}  # (device, launch_config's tiles, warps, stages) -> a smaller config that fits
+
+
+def _fitted_key(cfg):
+    k = cfg.kwargs
+    return (torch.cuda.current_device() if torch.cuda.is_available() else 0, k["BLOCK_M"],
+            k["BLOCK_N"], k["BLOCK_D"], k["BLOCK_DV"], cfg.num_warps, cfg.num_stages)
+
+
+def _launch_fitted(kernel, grid, cfg, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) with cfg's tiles and launch options, or, where the
+    compiled kernel needs more shared memory than the GPU has (Triton's OutOfResources at its
+    first launch, before anything runs: on GPUs of 99 KB a block, sm_86/89/120, at head dim
+    256, 141 KB with 3 stages, and MLA's 512-dim latents, 110 KB), with cfg a pipeline stage
+    fewer, then half the keys a tile (not below 16; BLOCK_M, the grid's, kept), until it
+    fits; the config that fits is kept per device and config (looked up only once one was
+    needed: no host time where every config fits)."""
+    from triton.runtime.errors import OutOfResources
+    key = None
+    if _FITTED:
+        key = _fitted_key(cfg)
+        cfg = _FITTED.get(key, cfg)
+    while True:
+        try:
+            return kernel[grid](*args, **kwargs, **cfg.kwargs, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)
+        except OutOfResources:
+            key = key or _fitted_key(cfg)
+            if cfg.num_stages > 1:
+                cfg = triton.Config(dict(cfg.kwargs), num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages - 1)
+            elif cfg.kwargs["BLOCK_N"] > 16:
+                cfg = triton.Config(dict(cfg.kwargs, BLOCK_N=cfg.kwargs["BLOCK_N"] // 2),
+                                    num_warps=cfg.num_warps, num_stages=1)
+            else:
+                raise
+            _FITTED[key] = cfg
+
+
 def check_cache(k_cache, v_cache):
     """What the Triton backend needs of a cache beyond kvcache's checks."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -645,8 +684,9 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
     if opts.block_mask is not None:
         optional.update(_sparse_args(opts, batch, nheads, nheads_kv, seqlen_q, block_m,
                                      block_n))
-    _fwd_splitkv[(num_splits, batch * nheads_kv, m_blocks)](
-        q, k_cache, v_cache, block_table if paged else seqlens_k, seqlens_k,
+    _launch_fitted(
+        _fwd_splitkv, (num_splits, batch * nheads_kv, m_blocks), cfg, q, k_cache, v_cache,
+        block_table if paged else seqlens_k, seqlens_k,
         seqlens_k if leftpad_k is None else leftpad_k, lse if alibi is None else alibi, o, lse,
         o_partial, lse_partial,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -659,8 +699,7 @@ def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max
         UNIFORM_SEQLEN=uniform, PAGED=paged, SPLIT=split, HAS_LEFTPAD=leftpad_k is not None,
         HAS_SOFTCAP=opts.softcap > 0,
         HAS_ALIBI=alibi is not None, HEAD_DIM=headdim, HEAD_DIM_V=headdim_v,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **optional,
-        **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **optional)
     if split:
         merge = merge_config(num_splits, headdim_v)
         _merge_splits[(batch * nheads, seqlen_q, _cdiv(headdim_v, merge.kwargs["BLOCK_D"]))](

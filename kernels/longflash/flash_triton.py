@@ -260,7 +260,7 @@ def _prune(kernel):
                   and (not c.kwargs.get("WARP_SPECIALIZE") or arg("ws_ok"))]
         kept = _fit_blocks([c for c in usable if _entry(c) in wanted] or pointers[:1], arg)
         _compile_candidates(kernel, kept, named_args, kwargs)
-        return kept
+        return _fit_shared_memory(kernel, kept, named_args, kwargs)
     return prune
 
 
@@ -282,6 +282,60 @@ def _fit_blocks(configs, arg):
                               num_stages=c.num_stages)
         shrunk.setdefault(_entry(c), c)
     return list(shrunk.values())
+
+
+def max_shared_memory():
+    """The current GPU's shared memory per block in bytes, as Triton checks a kernel's at its
+    first launch (OutOfResources past it), or None where Triton's driver does not say."""
+    try:
+        from triton.runtime.driver import driver
+        return int(driver.active.utils.get_device_properties(
+            driver.active.get_current_device())["max_shared_mem"])
+    except Exception:  # noqa: BLE001 (a stand-in driver, the interpreter)
+        return None
+
+
+def smaller_config(config):
+    """A config one step smaller in shared memory: a pipeline stage fewer, else the longer
+    tile edge halved (BLOCK_N on a tie; not below 16, so a tile still divides what the
+    larger one divided); None past that."""
+    kw, warps = config.kwargs, config.num_warps
+    if config.num_stages > 1:
+        return triton.Config(dict(kw), num_warps=warps, num_stages=config.num_stages - 1)
+    m, n = kw["BLOCK_M"], kw["BLOCK_N"]
+    if max(m, n) <= 16:
+        return None
+    m, n = (m, n // 2) if n >= m else (m // 2, n)
+    return triton.Config(dict(kw, BLOCK_M=m, BLOCK_N=n), num_warps=warps, num_stages=1)
+
+
+def _fit_shared_memory(kernel, configs, named_args, kwargs):
+    """The candidates that fit the GPU's shared memory per block (each compiled, its
+    metadata.shared against max_shared_memory()), one over it replaced by its smaller_config
+    steps until one fits (a warp-specialized one dropped): on GPUs of 99 KB a block (sm_86,
+    sm_89, sm_120) some of the tables' tiles do not fit (sm_120's d256 forward: 106-147 KB
+    with the sm_90 table; PERFLOG "Tiles that fit the GPU's shared memory"), and where none
+    does the autotuner would time every one as failed and launch one that cannot run. As
+    they are where every one fits, the limit is unknown, or within compiling()."""
+    limit = None if _compile_only.get() or _INTERPRET else max_shared_memory()
+    if limit is None:
+        return configs
+    fn = _tuned(kernel).fn
+    call = {k: v for k, v in {**named_args, **kwargs}.items() if k not in ("grid", "warmup")}
+    fit = {}
+    for config in configs:
+        while config is not None:
+            try:
+                compiled = fn.warmup(grid=(1,), **call, **config.all_kwargs())
+                compiled = compiled.result() if hasattr(compiled, "result") else compiled
+                shared = compiled.metadata.shared
+            except Exception:  # noqa: BLE001 (a candidate that does not compile: left out)
+                break
+            if shared <= limit:
+                fit.setdefault(_entry(config), config)
+                break
+            config = None if config.kwargs.get("WARP_SPECIALIZE") else smaller_config(config)
+    return list(fit.values()) or configs
 
 
 def _entry(config):
