@@ -98,6 +98,36 @@ def test_triton_too_old(version, problem, monkeypatch):
         assert interface._resolve_backend("auto", cuda_q) == "torch"
 
 
+@pytest.mark.parametrize("capability, hip, expected", [
+    ((7, 5), None, "torch"), ((7, 0), None, "torch"), ((8, 0), None, "triton"),
+    ((8, 9), None, "triton"), ((12, 0), None, "triton"), ((9, 4), "6.2", "triton")],
+    ids=["T4", "V100", "A100", "L4", "RTX-50", "MI300-ROCm"])
+def test_gpus_older_than_ampere_take_the_pytorch_path(capability, hip, expected, monkeypatch):
+    """Triton supports NVIDIA GPUs of compute capability 8.0 and newer: on an older one (T4,
+    V100) 'auto' runs the PyTorch path with a warning saying why, backend='triton' raises;
+    ROCm's GPUs report capabilities of their own and are not held to it."""
+    monkeypatch.setattr(interface, "_TRITON_INTERPRET", False)
+    monkeypatch.setattr(interface, "_TRITON_PROBLEM", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    interface.gpu_problem.cache_clear()
+    cuda_q = types.SimpleNamespace(is_cuda=True, dtype=torch.float16,
+                                   device=torch.device("cuda", 0))  # what it reads of q
+    try:
+        if expected == "triton":
+            assert interface._resolve_backend("auto", cuda_q) == "triton"
+            assert interface._resolve_backend("triton", cuda_q) == "triton"
+            return
+        with pytest.warns(UserWarning, match=r"compute capability 8.0 or newer \(this one is "
+                                             rf"{capability[0]}\.{capability[1]}\).*PyTorch path"):
+            assert interface._resolve_backend("auto", cuda_q) == "torch"
+        with pytest.raises(ValueError, match=r"backend='triton' needs a GPU of compute "
+                                             r"capability 8.0 or newer"):
+            interface._resolve_backend("triton", cuda_q)
+    finally:
+        interface.gpu_problem.cache_clear()
+
+
 @needs_triton
 def test_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(interface, "_TRITON_INTERPRET", False)

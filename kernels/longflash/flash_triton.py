@@ -1563,10 +1563,11 @@ def _tma_ok(*tiled):
     that are multiples of 16 bytes (the head dim is any: the copy zero-fills past it); a tensor
     descriptor made on the device needs scratch memory from Triton's allocator, torch's unless
     the caller set one (triton.set_allocator). 16-bit inputs only (fp32 is not compiled with
-    TMA in the codegen report). LONGFLASH_TMA=0 in the environment turns TMA off."""
+    TMA in the codegen report). LONGFLASH_TMA=0 in the environment turns TMA off; so does
+    ROCm (its GPUs report capabilities of their own: an MI300's is 9.4; no TMA there)."""
     x = tiled[0]
     if (_INTERPRET or os.environ.get("LONGFLASH_TMA", "1") == "0" or not x.is_cuda
-            or torch.cuda.get_device_capability(x.device)[0] < 9
+            or torch.version.hip or torch.cuda.get_device_capability(x.device)[0] < 9
             or x.dtype not in (torch.float16, torch.bfloat16)
             or not hasattr(tl, "make_tensor_descriptor")):
         return 0

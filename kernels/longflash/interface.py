@@ -11,6 +11,7 @@ not custom_op, whose Python layers took about half of a training call's host tim
 in the H100's profiles (PERFLOG "The ops without custom_op's layers").
 """
 
+import functools
 import os
 import warnings
 from typing import Optional
@@ -32,6 +33,19 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16, torch.float32)
 _TRITON_PROBLEM = triton_problem()
 # Read once at import: Triton itself decides at import time whether to interpret.
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_problem(device):
+    """None if the Triton kernels can run on this CUDA device, else what stops them: an
+    NVIDIA GPU older than compute capability 8.0 (Triton supports 8.0 and newer; compiled for
+    sm_75 the forward kernel gets 64 registers a thread and 16-74 KB of spills)."""
+    if torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"a GPU of compute capability 8.0 or newer (this one is {major}.{minor})"
+    return None
 
 
 def _triton_impl():
@@ -235,16 +249,21 @@ def _resolve_backend(backend, q):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     interpretable = _TRITON_INTERPRET and q.dtype != torch.bfloat16  # no bf16 tl.dot there
+    problem = _TRITON_PROBLEM
+    if (not problem and q.is_cuda and not _TRITON_INTERPRET
+            and not torch.compiler.is_compiling()):
+        problem = gpu_problem(q.device.index if q.device.index is not None
+                              else torch.cuda.current_device())
     if backend == "auto":
-        if _TRITON_PROBLEM and q.is_cuda and not torch.compiler.is_compiling():
+        if problem and q.is_cuda and not torch.compiler.is_compiling():
             # not silently: the PyTorch path is much slower there
-            warnings.warn(f"longflash's Triton kernels need {_TRITON_PROBLEM}: CUDA tensors run "
+            warnings.warn(f"longflash's Triton kernels need {problem}: CUDA tensors run "
                           f"on its PyTorch path (exact, linear memory, slower)", stacklevel=4)
-        usable = not _TRITON_PROBLEM and ((q.is_cuda and not _TRITON_INTERPRET) or interpretable)
+        usable = not problem and ((q.is_cuda and not _TRITON_INTERPRET) or interpretable)
         return "triton" if usable and q.dtype != torch.float64 else "torch"
     if backend == "triton":
-        if _TRITON_PROBLEM:
-            raise ValueError(f"backend='triton' needs {_TRITON_PROBLEM}; use backend='torch'")
+        if problem:
+            raise ValueError(f"backend='triton' needs {problem}; use backend='torch'")
         if q.dtype == torch.float64:
             raise TypeError("backend='triton' does not support torch.float64; use "
                             "backend='torch' or float32")
