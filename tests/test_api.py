@@ -129,6 +129,40 @@ def test_gpus_older_than_ampere_take_the_pytorch_path(capability, hip, expected,
 
 
 @needs_triton
+def test_triton_launchers_run_on_their_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: each launcher makes its first tensor's
+    device current for the call where another is (tensors on cuda:1 while cuda:0 is current),
+    and leaves it alone otherwise (the same device, CPU tensors under the interpreter)."""
+    from longflash import decode_triton, flash_triton
+    entered = []
+
+    class Device:  # torch.cuda.device, recorded
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = flash_triton.on_tensor_device(lambda x, y, z=0: (x, y, z))
+    def on(index):
+        return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))
+    x1 = on(1)
+    assert launcher(x1, 2, z=3) == (x1, 2, 3) and entered == [torch.device("cuda", 1), "exit"]
+    entered.clear()
+    launcher(on(0), 2)
+    launcher(torch.empty(1), 2)
+    assert entered == []
+    for fn in (flash_triton.forward, flash_triton.backward, decode_triton.forward,
+               decode_triton.append):
+        assert fn.__wrapped__.__module__ == fn.__module__, fn  # each launcher is wrapped
+
+
+@needs_triton
 def test_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr(interface, "_TRITON_INTERPRET", False)
     with pytest.raises(ValueError, match="CUDA"):

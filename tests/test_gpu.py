@@ -112,6 +112,21 @@ def test_triton_gpu(dtype, shape, causal):
     check_against_reference(shape, dtype, causal, backend="triton", device="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")
+def test_tensors_on_a_gpu_that_is_not_current_gpu():
+    """Inputs on cuda:1 while cuda:0 is current (a model spread over GPUs in one process):
+    the launchers make the tensors' device current (flash_triton.on_tensor_device), forward,
+    backward and a decoding step against float64. Needs two GPUs: not run in the campaign."""
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(0)
+    try:
+        check_against_reference((2, 333, 333, 4, 2, 64), torch.bfloat16, True, backend="triton",
+                                device="cuda:1")
+        check_case(CASES[0], torch.bfloat16, "triton", 0, device="cuda:1")
+    finally:
+        torch.cuda.set_device(previous)
+
+
 def test_compiling_then_running_gpu(monkeypatch):
     """flash_triton.compiling(): a forward and backward there compile every kernel they would
     launch and run nothing; the checked call that follows (its autotuning included) compiles

@@ -59,7 +59,7 @@ import triton.language as tl
 from ._common import (FP8_DTYPES, LOG2E, empty_outputs, fix_triton_interpreter,
                       group_block_lists)
 from .flash_triton import (_bias, _cached_lists, _descale_args, _loop_span, _loop_tile,
-                           check_fp8, page_rows)
+                           check_fp8, on_tensor_device, page_rows)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -588,6 +588,7 @@ def _fp8_format(dtype):
                 FP8_EMIN=round(math.log2(info.tiny)), FP8_MAX=float(info.max))
 
 
+@on_tensor_device
 def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rotary_sin=None,
            rotary_interleaved=True, q_in_order=False, k_descale=None, v_descale=None):
     """kvcache's _rotate, quantize and _append in one launch: k and v (batch, seqlen_new,
@@ -627,6 +628,7 @@ def append(q, k, v, k_cache, v_cache, seqlens, block_table, rotary_cos=None, rot
     return q_rot
 
 
+@on_tensor_device
 def forward(q, k_cache, v_cache, seqlens_k, block_table, opts, num_splits=0, max_seqlen_k=None,
             leftpad_k=None, qv=None):
     """o like q (v_cache's head dim) and lse (batch, nheads, seqlen_q), float32; seqlens_k

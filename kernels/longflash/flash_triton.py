@@ -1778,6 +1778,22 @@ def _launch_args(q, k, v, lse, opts, tiled, ws_tiled, ws_kernel):
     return batch, nheads, nheads_kv, seqlen_q, seqlen_k, pointers, scalars
 
 
+def on_tensor_device(fn):
+    """fn run with its first argument's CUDA device current: Triton launches on the current
+    device and its current stream, so a call on tensors of cuda:1 while cuda:0 is current (a
+    model spread over GPUs in one process, as accelerate's device_map places it) would launch
+    on cuda:0 with cuda:1's pointers. FlashAttention's CUDA extension takes a device guard
+    likewise."""
+    @functools.wraps(fn)
+    def on_device(x, *args, **kwargs):
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return fn(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+    return on_device
+
+
+@on_tensor_device
 def forward(q, k, v, opts):
     """o like q (v's head dim); lse (batch, nheads, seqlen_q), or (nheads, total_q) for packed
     sequences."""
@@ -1803,6 +1819,7 @@ def forward(q, k, v, opts):
     return o, lse
 
 
+@on_tensor_device
 def backward(do, q, k, v, o, lse, dlse, opts):
     """Gradients (dq, dk, dv) of sum(o * do) + sum(lse * dlse); dlse may be None."""
     do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
