@@ -85,3 +85,23 @@ def test_without_the_fit_the_forward_cannot_launch():
     check above is not vacuous; run_uninterpreted asserts success, with stderr's tail)."""
     with pytest.raises(AssertionError, match="OutOfResources"):
         run_uninterpreted("-c", "FIT_OFF = True\n" + SMALL_GPU)
+
+
+@needs_triton
+def test_smaller_config_steps():
+    """A stage fewer first, then the longer tile edge halved (BLOCK_N on a tie), to 16; with
+    rows_fixed only BLOCK_N (the decoding kernel's grid is along BLOCK_M)."""
+    import triton
+    from longflash.flash_triton import smaller_config
+
+    def steps(config, **kw):
+        out = []
+        while config is not None:
+            out.append((config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages))
+            config = smaller_config(config, **kw)
+        return out
+    start = triton.Config(dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=256), num_warps=8, num_stages=3)
+    assert steps(start) == [(64, 32, 3), (64, 32, 2), (64, 32, 1), (32, 32, 1), (32, 16, 1),
+                            (16, 16, 1)]
+    assert steps(start, rows_fixed=True) == [(64, 32, 3), (64, 32, 2), (64, 32, 1), (64, 16, 1)]
+    assert smaller_config(start).kwargs["BLOCK_D"] == 256 and smaller_config(start).num_warps == 8

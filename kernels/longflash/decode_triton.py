@@ -59,7 +59,7 @@ import triton.language as tl
 from ._common import (FP8_DTYPES, LOG2E, empty_outputs, fix_triton_interpreter,
                       group_block_lists)
 from .flash_triton import (_bias, _cached_lists, _descale_args, _loop_span, _loop_tile,
-                           check_fp8, on_tensor_device, page_rows)
+                           check_fp8, on_tensor_device, page_rows, smaller_config)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if _INTERPRET:
@@ -546,9 +546,9 @@ def _launch_fitted(kernel, grid, cfg, *args, **kwargs):
     compiled kernel needs more shared memory than the GPU has (Triton's OutOfResources at its
     first launch, before anything runs: on GPUs of 99 KB a block, sm_86/89/120, at head dim
     256, 141 KB with 3 stages, and MLA's 512-dim latents, 110 KB), with cfg a pipeline stage
-    fewer, then half the keys a tile (not below 16; BLOCK_M, the grid's, kept), until it
-    fits; the config that fits is kept per device and config (looked up only once one was
-    needed: no host time where every config fits)."""
+    fewer, then half the keys a tile (flash_triton.smaller_config; BLOCK_M, the grid's,
+    kept), until it fits; the config that fits is kept per device and config (looked up
+    only once one was needed: no host time where every config fits)."""
     from triton.runtime.errors import OutOfResources
     key = None
     if _FITTED:
@@ -560,13 +560,8 @@ def _launch_fitted(kernel, grid, cfg, *args, **kwargs):
                                 num_stages=cfg.num_stages)
         except OutOfResources:
             key = key or _fitted_key(cfg)
-            if cfg.num_stages > 1:
-                cfg = triton.Config(dict(cfg.kwargs), num_warps=cfg.num_warps,
-                                    num_stages=cfg.num_stages - 1)
-            elif cfg.kwargs["BLOCK_N"] > 16:
-                cfg = triton.Config(dict(cfg.kwargs, BLOCK_N=cfg.kwargs["BLOCK_N"] // 2),
-                                    num_warps=cfg.num_warps, num_stages=1)
-            else:
+            cfg = smaller_config(cfg, rows_fixed=True)
+            if cfg is None:
                 raise
             _FITTED[key] = cfg
 

@@ -295,17 +295,17 @@ def max_shared_memory():
         return None
 
 
-def smaller_config(config):
+def smaller_config(config, rows_fixed=False):
     """A config one step smaller in shared memory: a pipeline stage fewer, else the longer
-    tile edge halved (BLOCK_N on a tie; not below 16, so a tile still divides what the
-    larger one divided); None past that."""
+    tile edge halved (BLOCK_N on a tie, or always with rows_fixed: the grid's BLOCK_M kept;
+    not below 16, so a tile still divides what the larger one divided); None past that."""
     kw, warps = config.kwargs, config.num_warps
     if config.num_stages > 1:
         return triton.Config(dict(kw), num_warps=warps, num_stages=config.num_stages - 1)
     m, n = kw["BLOCK_M"], kw["BLOCK_N"]
-    if max(m, n) <= 16:
+    if (n if rows_fixed else max(m, n)) <= 16:
         return None
-    m, n = (m, n // 2) if n >= m else (m // 2, n)
+    m, n = (m, n // 2) if rows_fixed or n >= m else (m // 2, n)
     return triton.Config(dict(kw, BLOCK_M=m, BLOCK_N=n), num_warps=warps, num_stages=1)
 
 
